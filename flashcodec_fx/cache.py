@@ -71,7 +71,7 @@ class CodecStream:
         old, old_memo, n = self.state, self.memo, self.capacity_blocks
         b, h, _, _, d = old.data.shape
         self.state = self.codec.empty_state((b, h), blocks, d, self.tail.dtype, self.tail.device)
-        for new, prev in zip(self.state, old):
+        for new, prev in zip(self.state, old, strict=True):
             new[:, :, :n].copy_(prev)
         if old_memo is not None:
             self.memo = old_memo.new_zeros(b, h, blocks * self.codec.block_size, d)

@@ -50,7 +50,7 @@ def append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: t
     end = length + t
     complete = (first + j + 1) * r <= end
     slots = torch.where(complete, first + j, first)
-    for store, fresh in zip((data, scale, index), enc):
+    for store, fresh in zip((data, scale, index), enc, strict=True):
         keep = torch.where(complete[0], fresh[:, :, 0], store.index_select(2, first[None])[:, :, 0])
         pick = complete.view(1, 1, nblk, *[1] * (fresh.dim() - 3))
         store.index_copy_(2, slots, torch.where(pick, fresh, keep.unsqueeze(2)))
