@@ -24,7 +24,8 @@ class JPEGCodec(Codec):
         keep = block_size if keep_freqs is None else keep_freqs
         if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= block_size:
             raise ValueError(f"keep_freqs must be an int in 1..{block_size} (block_size), got {keep_freqs!r}")
-        if quant_bits is not None and quant_bits not in SUPPORTED_QUANT_BITS:
+        if quant_bits is not None and (isinstance(quant_bits, bool) or not isinstance(quant_bits, int)
+                                       or quant_bits not in SUPPORTED_QUANT_BITS):
             raise ValueError(f"quant_bits must be None or one of {SUPPORTED_QUANT_BITS}, got {quant_bits!r}")
         self.block_size = block_size
         self.keep_freqs = keep
