@@ -1,0 +1,125 @@
+"""`flashcodec_fx.pretrained` on a tiny random-init Llama saved to a temporary folder (no real model here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from flashcodec_fx.pretrained import capture_kv, load_pretrained  # noqa: E402
+
+WORDS = ["<unk>", "<s>", "</s>", "the", "cache", "keeps", "blocks", "of", "tokens", "small"]
+
+
+def _tiny_config():
+    return transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+
+
+def _tiny_tokenizer():
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>", pad_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny_config()).eval()
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(folder)
+    _tiny_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+def test_load_local_folder_matches_saved_model(tiny_dir):
+    folder, ref = tiny_dir
+    model, tokenizer = load_pretrained(folder)
+    assert not model.training
+    assert model.dtype == torch.float32
+    for (name, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+    ids = tokenizer("the cache keeps blocks of tokens", return_tensors="pt").input_ids
+    assert ids.tolist()[0][-6:] == [3, 4, 5, 6, 7, 8]
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+
+
+def test_load_casts_dtype(tiny_dir):
+    folder, ref = tiny_dir
+    model, _ = load_pretrained(str(folder), dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    w = model.model.layers[0].self_attn.k_proj.weight
+    assert torch.equal(w, ref.model.layers[0].self_attn.k_proj.weight.to(torch.bfloat16))
+
+
+def test_not_found_names_the_parameter(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="name_or_path=.*no such model folder"):
+        load_pretrained(tmp_path / "missing")
+    with pytest.raises(ValueError, match="name_or_path=.*folder holds no config.json"):
+        load_pretrained(tmp_path)  # exists, but holds no model
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(transformers.utils.hub, "HF_HUB_CACHE", str(tmp_path / "hub"), raising=False)
+    monkeypatch.setattr(transformers.utils.hub, "TRANSFORMERS_CACHE", str(tmp_path / "hub"), raising=False)
+    with pytest.raises(ValueError, match="name_or_path='nobody/no-such-model'.*local Hugging Face cache"):
+        load_pretrained("nobody/no-such-model")
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="dtype"):
+        load_pretrained(None, dtype=torch.int8)
+    with pytest.raises(TypeError, match="name_or_path"):
+        load_pretrained(3)
+    with pytest.raises(TypeError, match="device"):
+        load_pretrained(None, device=0)
+
+
+def _rope_keys_values(model, ids, layer):
+    """Layer ``layer``'s keys (after RoPE) and values, recomputed from the modules by hand."""
+    attn, cfg = model.model.layers[layer].self_attn, model.config
+    hidden = model.model.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1])[None]
+    cos, sin = model.model.rotary_emb(hidden, pos)
+    for block in model.model.layers[:layer]:
+        hidden = block(hidden, position_embeddings=(cos, sin), position_ids=pos)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    x = model.model.layers[layer].input_layernorm(hidden)
+    b, s, _ = x.shape
+    k = attn.k_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    _, k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(k, k, cos, sin)
+    return k, v
+
+
+def test_capture_kv_shapes_and_values(tiny_dir):
+    _, model = tiny_dir
+    ids = torch.tensor([[1, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5], [1, 9, 8, 7, 6, 5, 4, 3, 9, 8, 7]])
+    kv = capture_kv(model, ids)
+    assert len(kv) == model.config.num_hidden_layers
+    for k, v in kv:
+        assert k.shape == v.shape == (2, 2, ids.shape[1], 8)
+        assert k.dtype == v.dtype == torch.float32
+    with torch.no_grad():
+        k0, v0 = _rope_keys_values(model, ids, 0)
+        assert not torch.allclose(k0[:, :, 1:], model.model.layers[0].self_attn.k_proj(
+            model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))).view(2, -1, 2, 8).transpose(1, 2)[:, :, 1:])
+        torch.testing.assert_close(kv[0][0], k0)
+        torch.testing.assert_close(kv[0][1], v0)
+        k1, v1 = _rope_keys_values(model, ids, 1)
+        torch.testing.assert_close(kv[1][0], k1)
+        torch.testing.assert_close(kv[1][1], v1)
+
+
+def test_capture_kv_bad_input(tiny_dir):
+    _, model = tiny_dir
+    with pytest.raises(ValueError, match="input_ids"):
+        capture_kv(model, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="input_ids"):
+        capture_kv(model, torch.ones(1, 3))
+    with pytest.raises(TypeError, match="input_ids"):
+        capture_kv(model, [[1, 2, 3]])
