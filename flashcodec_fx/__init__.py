@@ -8,7 +8,24 @@ from .codecs import Codec, JPEGCodec, PNGCodec, make_codec
 
 __version__ = "0.1.0"
 
+_HF_NAMES = ("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
+             "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec")
+
 __all__ = [
     "Codec", "CodecKVCache", "CodecStream", "JPEGCodec", "PNGCodec", "codec_decode_attention", "make_codec", "ops",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """Lazy ``flashcodec_fx.backend`` / ``flashcodec_fx.compile_model``: importing the compile pass loads Dynamo.
+    Lazy transformers integration (``flashcodec_fx.hf``, the ``_HF_NAMES``): transformers stays optional."""
+    if name in ("backend", "compile_model"):
+        from . import passes
+
+        return getattr(passes, name)
+    if name in _HF_NAMES:
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'flashcodec_fx' has no attribute {name!r}")

@@ -1,0 +1,14 @@
+"""transformers integration (optional dependency): FlashCodecCache, hot patch, class decorator, codec attention.
+
+See docs/hf.md. Importing this package imports transformers and registers the ``"flashcodec"`` attention
+implementation with transformers' AttentionInterface.
+"""
+
+from __future__ import annotations
+
+from .attention import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
+from .cache import FlashCodecCache, FlashCodecLayer
+from .patch import apply_flash_codec, compress_kv, remove_flash_codec
+
+__all__ = ["FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
+           "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec"]

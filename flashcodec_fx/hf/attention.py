@@ -1,0 +1,169 @@
+"""Materialization-free eager decoding through transformers' ``AttentionInterface`` (registered name ``"flashcodec"``).
+
+A :class:`~flashcodec_fx.hf.cache.FlashCodecLayer` with ``materialization_free=True`` leaves a note (itself and the
+key tensor it returned) in ``update()``; the attention function called next with that very key tensor picks it up:
+
+- prefill (the layer was empty): attention on the exact prompt states, through the model's previous implementation
+  (``"sdpa"`` or ``"eager"``), and the layer is marked as served (``attention_bound``);
+- decode: :func:`flashcodec_fx.codec_decode_attention` on the layer's stored coefficients with the mask transformers
+  passes (bool, additive or None), ``scaling`` and GQA; no ``(S, D)`` view is built.
+
+Every other call (layers without a codec, sliding / linear layers, models not using a FlashCodecCache) runs the
+previous implementation unchanged. Decode steps the coefficient path cannot serve (``output_attentions``, dropout,
+sliding window, logit soft-capping, attention sinks, position bias, a multi-token step without a mask, K/V head dims
+differing from the query's) fall back to the previous implementation on one decode of the stored view, with a
+``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from ..cache import codec_decode_attention
+
+NAME = "flashcodec"
+DELEGATES = ("sdpa", "eager")
+
+
+
+class MaterializationFreeFallback(UserWarning):
+    """A materialization-free step ran on the materialized view instead (see docs/hf.md, "Fallbacks")."""
+
+
+_pending = threading.local()
+_delegate_of: dict[int, str] = {}  # id(config) -> implementation the model used before apply_codec_attention
+
+
+def set_pending(layer: Any, key: torch.Tensor, decode: bool) -> None:
+    """Called by ``FlashCodecLayer.update``: the next attention call receiving ``key`` serves ``layer``."""
+    _pending.step = (layer, key, decode)
+
+
+def _take_pending(key: torch.Tensor) -> tuple[Any, bool] | None:
+    step = getattr(_pending, "step", None)
+    if step is None or step[1] is not key:
+        return None
+    _pending.step = None
+    return step[0], step[2]
+
+
+def _delegate(module: torch.nn.Module) -> Callable:
+    name = _delegate_of.get(id(getattr(module, "config", None)), "sdpa")
+    if name == "sdpa":
+        return sdpa_attention_forward
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"no eager_attention_forward in {type(module).__module__} to delegate to")
+    return eager
+
+
+def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float, layer: Any, kwargs: dict) -> str | None:
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True"
+    if dropout:
+        return "attention dropout"
+    for name, what in (("sliding_window", "a sliding window"), ("softcap", "logit soft-capping"),
+                       ("s_aux", "attention sinks"), ("position_bias", "a position bias")):
+        if kwargs.get(name) is not None:
+            return what
+    if query.shape[2] > 1 and mask is None:
+        return "a multi-token step without an explicit mask"
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+        return f"a {type(mask).__name__} mask (needs a 4D bool or additive tensor)"
+    dims = {query.shape[-1], layer.keys_stream.tail.shape[-1], layer.values_stream.tail.shape[-1]}
+    if len(dims) > 1:
+        return "key / value head dims differing from the query's"
+    return None
+
+
+def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``"flashcodec"`` attention implementation. ``query (B, Hq, T, D)``; returns ``(B, T, Hq, D)`` and None
+    (like transformers' sdpa implementation)."""
+    delegate = _delegate(module)
+    step = None if torch.compiler.is_compiling() else _take_pending(key)
+    if step is None:
+        return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer, decode = step
+    if not decode:
+        layer.attention_bound = True
+        return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    reason = _unsupported(query, attention_mask, dropout, layer, kwargs)
+    if reason is not None:
+        if layer.strict:
+            raise NotImplementedError(f"materialization-free decode does not support {reason} (strict=True)")
+        warnings.warn(f"materialization-free decode does not support {reason}: this step attends on the materialized "
+                      f"view", MaterializationFreeFallback, stacklevel=2)
+        key_view, value_view = layer.read_view()
+        return delegate(module, query, key_view, value_view, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = codec_decode_attention(query, layer.keys_stream, layer.values_stream, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def flashcodec_mask(*args: Any, **kwargs: Any):
+    """Mask interface for ``"flashcodec"``: the mask of the implementation the model used before (sdpa or eager)."""
+    name = _delegate_of.get(id(kwargs.get("config")), "sdpa")
+    return ALL_MASK_ATTENTION_FUNCTIONS[name](*args, **kwargs)
+
+
+AttentionInterface.register(NAME, flashcodec_attention_forward)
+AttentionMaskInterface.register(NAME, flashcodec_mask)
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    seen, out = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
+            seen.add(id(config))
+            out.append(config)
+            for name in getattr(config, "sub_configs", {}):
+                sub = getattr(config, name, None)
+                if sub is not None and hasattr(sub, "_attn_implementation") and id(sub) not in seen:
+                    seen.add(id(sub))
+                    out.append(sub)
+    return out
+
+
+def apply_codec_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` to the ``"flashcodec"`` attention implementation (see the module docstring).
+
+    The model must currently use ``"sdpa"`` or ``"eager"`` (ValueError otherwise); calling it again is a no-op.
+    Layers whose cache is not a materialization-free FlashCodecLayer keep computing exactly as before.
+    """
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    current = model.config._attn_implementation
+    if current == NAME:
+        return
+    if current not in DELEGATES:
+        raise ValueError(f"apply_codec_attention needs a model using attn_implementation in {DELEGATES}, got {current!r}")
+    configs = _configs(model)
+    for config in configs:
+        _delegate_of[id(config)] = config._attn_implementation if config._attn_implementation in DELEGATES else current
+    model.set_attn_implementation(NAME)
+    model._flashcodec_previous_attn = current
+    if model.config._attn_implementation != NAME:
+        remove_codec_attention(model)
+        raise ValueError(f"{type(model).__name__} does not support switching its attention implementation")
+
+
+def remove_codec_attention(model: torch.nn.Module) -> None:
+    """Undo :func:`apply_codec_attention`: the model's previous implementation is set back (no-op if not applied)."""
+    previous = getattr(model, "_flashcodec_previous_attn", None)
+    if previous is None:
+        return
+    model.set_attn_implementation(previous)
+    for config in _configs(model):
+        _delegate_of.pop(id(config), None)
+    del model._flashcodec_previous_attn

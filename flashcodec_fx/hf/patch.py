@@ -1,0 +1,169 @@
+"""Make ``generate()`` default to a FlashCodecCache: per instance (``apply_flash_codec``) or per class (``compress_kv``).
+
+Both wrap the model's ``_prepare_cache_for_generation`` (same signature in transformers 5.17 .. 5.24): transformers
+first prepares its own cache as usual; a fresh ``DynamicCache`` is then replaced by
+``FlashCodecCache.from_config(model.config, **options)`` and a fresh ``StaticCache`` (``cache_implementation="static"``)
+by the static layout with the same ``max_cache_len``. A cache passed by the caller is kept as is (a FlashCodecCache
+passed this way still receives the prompt's padding mask). ``remove_flash_codec`` restores exactly what was there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
+
+from .attention import apply_codec_attention, remove_codec_attention
+from .cache import FlashCodecCache
+from .options import CACHE_OPTIONS, check_option_names, check_per_layer
+
+METHOD = "_prepare_cache_for_generation"
+T = TypeVar("T", bound=type)
+
+
+def _validate(options: dict[str, Any], config: Any = None) -> dict[str, Any]:
+    """Check every option now (a static layout may omit max_cache_len: generate's max length is used)."""
+    check_option_names(options, CACHE_OPTIONS)
+    probe = dict(options)
+    if probe.get("layout") == "static" and probe.get("max_cache_len") is None:
+        probe["max_cache_len"] = 1
+    if config is not None:
+        FlashCodecCache.from_config(config, **probe)
+    else:
+        check_per_layer(probe.pop("per_layer", None))
+        FlashCodecCache(**probe)
+    return dict(options)
+
+
+def _codec_cache_for(model: Any, options: dict[str, Any], native: Cache, max_cache_length: int) -> FlashCodecCache:
+    opts = dict(options)
+    if type(native) is StaticCache and not native.offloading:
+        opts["layout"] = "static"
+        opts["max_cache_len"] = opts.get("max_cache_len") or native.get_max_length()
+    elif type(native) is DynamicCache and not native.offloading:
+        if opts.get("layout") == "static":
+            opts["max_cache_len"] = opts.get("max_cache_len") or max_cache_length
+    else:
+        raise ValueError(f"flashcodec_fx replaces transformers' default dynamic and static caches; this generate() call "
+                         f"asked for a {type(native).__name__}{' with offloading' if native.offloading else ''} "
+                         f"(cache_implementation); pass a FlashCodecCache or remove the codec")
+    return FlashCodecCache.from_config(model.config, **opts)
+
+
+def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], args: tuple, kwargs: dict) -> None:
+    bound = inspect.signature(native).bind(*args, **kwargs)
+    model_kwargs, max_cache_length = bound.arguments["model_kwargs"], bound.arguments["max_cache_length"]
+    generation_config = bound.arguments["generation_config"]
+    if options.get("materialization_free"):
+        apply_codec_attention(model)
+    native(*args, **kwargs)
+    name = next((k for k in ("cache", "past_key_values") if isinstance(model_kwargs.get(k), Cache)), None)
+    if name is None:  # use_cache=False, or a model that brings its own cache
+        return
+    cache = model_kwargs[name]
+    if not getattr(cache, "_is_user_defined", False):
+        cache = _codec_cache_for(model, options, cache, max_cache_length)
+        if getattr(generation_config, "is_assistant", False):
+            cache.activate_past_recording()
+        model_kwargs[name] = cache
+    if isinstance(cache, FlashCodecCache):
+        cache.set_padding_mask(model_kwargs.get("attention_mask"))
+
+
+def _check_model(model: Any) -> None:
+    if not hasattr(model, METHOD) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers generative model (GenerationMixin), got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("flashcodec_fx supports decoder-only (CausalLM) models; this model is an encoder-decoder")
+
+
+def apply_flash_codec(model: Any, **options: Any) -> Any:
+    """Every later ``model.generate()`` defaults to a FlashCodecCache built with ``options`` (see FlashCodecCache).
+
+    ``materialization_free=True`` also switches the model to the ``"flashcodec"`` attention implementation.
+    Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
+    """
+    _check_model(model)
+    options = _validate(options, model.config)
+    state = getattr(model, "_flashcodec_patch", None)
+    if state is None:
+        own = vars(model).get(METHOD)
+        native = own if own is not None else types.MethodType(_class_native(type(model)), model)
+        state = {"own": own, "native": native}
+    if options.get("materialization_free"):
+        apply_codec_attention(model)
+    elif state.get("options", {}).get("materialization_free"):
+        remove_codec_attention(model)
+    state["options"] = options
+
+    def prepare(self, *args, **kwargs):
+        return _prepare_with_codec(self, state["native"], state["options"], args, kwargs)
+
+    setattr(model, METHOD, types.MethodType(prepare, model))
+    model._flashcodec_patch = state
+    return model
+
+
+def _class_native(cls: type) -> Callable:
+    fn = getattr(cls, METHOD)
+    while getattr(fn, "__flashcodec_native__", None) is not None:
+        fn = fn.__flashcodec_native__
+    return fn
+
+
+def compress_kv(**options: Any) -> Callable[[T], T]:
+    """Class decorator: every instance's ``generate()`` defaults to a FlashCodecCache with ``options``.
+
+    ``@flashcodec_fx.compress_kv(mode="png")`` on a ``...ForCausalLM`` class (or a subclass of one; the class is
+    modified in place and returned). With ``materialization_free=True`` each instance switches to the ``"flashcodec"``
+    attention implementation on its first ``generate()``. Undo with ``remove_flash_codec(cls)``.
+    """
+    options = _validate(options)
+
+    def decorate(cls: T) -> T:
+        if not isinstance(cls, type) or not hasattr(cls, METHOD):
+            raise TypeError(f"compress_kv decorates a transformers model class (GenerationMixin), got {cls!r}")
+        previous = vars(cls).get(METHOD)
+        native = _class_native(cls)
+
+        def prepare(self, *args, **kwargs):
+            return _prepare_with_codec(self, types.MethodType(native, self), options, args, kwargs)
+
+        prepare.__flashcodec_native__ = native
+        prepare.__flashcodec_previous__ = (previous,) if getattr(previous, "__flashcodec_native__", None) is None \
+            else previous.__flashcodec_previous__
+        prepare.__flashcodec_options__ = options
+        setattr(cls, METHOD, prepare)
+        return cls
+
+    return decorate
+
+
+def remove_flash_codec(target: Any) -> Any:
+    """Undo :func:`apply_flash_codec` on a model, or :func:`compress_kv` on a class: the exact previous behaviour
+    comes back (including the attention implementation). ValueError when the target was not patched."""
+    if isinstance(target, type):
+        current = vars(target).get(METHOD)
+        if getattr(current, "__flashcodec_native__", None) is None:
+            raise ValueError(f"{target.__name__} is not decorated with compress_kv")
+        (previous,) = current.__flashcodec_previous__
+        if previous is None:
+            delattr(target, METHOD)
+        else:
+            setattr(target, METHOD, previous)
+        return target
+    state = getattr(target, "_flashcodec_patch", None)
+    if state is None:
+        raise ValueError(f"{type(target).__name__} instance is not patched with apply_flash_codec"
+                         + (" (its class is decorated with compress_kv: use remove_flash_codec(cls))"
+                            if getattr(getattr(type(target), METHOD, None), "__flashcodec_native__", None) else ""))
+    if state["own"] is None:
+        delattr(target, METHOD)
+    else:
+        setattr(target, METHOD, state["own"])
+    remove_codec_attention(target)
+    del target._flashcodec_patch
+    return target

@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny random-init transformers models (offline, seeded, < 1 s per generate on CPU).
+
+``tiny_config(family)`` builds the config, ``tiny_model(family)`` returns a module-cached eval model, and the
+``tiny_llama`` / ``tiny_qwen3`` / ``tiny_mistral`` / ``tiny_hybrid`` / ``tiny_gemma3`` fixtures wrap it.
+Families: ``llama``, ``qwen3``, ``mistral`` (full attention only), ``hybrid`` (Qwen3.5-style: linear attention +
+full attention), ``gemma3`` (sliding + full attention). Every model: hidden 64, 4 layers or fewer, vocab 256, fp32.
+Tests that mutate a model (patching, attention implementation) must undo it; use ``fresh_tiny_model`` to get an
+unshared copy instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+FAMILIES = ("llama", "qwen3", "mistral", "hybrid", "gemma3")
+VOCAB = 256
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+               tie_word_embeddings=False)
+
+
+def tiny_config(family: str):
+    """The config of a tiny model of ``family`` (see module docstring)."""
+    transformers = pytest.importorskip("transformers")
+    if family == "llama":
+        return transformers.LlamaConfig(num_hidden_layers=2, **_COMMON)
+    if family == "qwen3":
+        return transformers.Qwen3Config(num_hidden_layers=2, **_COMMON)
+    if family == "mistral":
+        return transformers.MistralConfig(num_hidden_layers=2, sliding_window=None, **_COMMON)
+    if family == "hybrid":
+        if not hasattr(transformers, "Qwen3_5TextConfig"):
+            pytest.skip("this transformers has no Qwen3.5 (linear + full attention hybrid)")
+        return transformers.Qwen3_5TextConfig(
+            num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            **_COMMON)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=12,
+            query_pre_attn_scalar=16, **_COMMON)
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+def _model_class(family: str):
+    import transformers
+
+    return {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+            "mistral": transformers.MistralForCausalLM, "hybrid": getattr(transformers, "Qwen3_5ForCausalLM", None),
+            "gemma3": transformers.Gemma3ForCausalLM}[family]
+
+
+def fresh_tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A new eval-mode fp32 model of ``family`` with seeded random weights (not shared between tests)."""
+    config = tiny_config(family)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = _model_class(family)(config)
+    return model.eval()
+
+
+@functools.cache
+def tiny_model(family: str):
+    """A shared, module-lifetime tiny model of ``family``. Do not leave it patched."""
+    return fresh_tiny_model(family)
+
+
+def tiny_prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
+    """Random prompt ids ``(batch, length)`` int64 avoiding the pad / bos / eos ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen)
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def tiny_qwen3():
+    return tiny_model("qwen3")
+
+
+@pytest.fixture
+def tiny_mistral():
+    return tiny_model("mistral")
+
+
+@pytest.fixture
+def tiny_hybrid():
+    return tiny_model("hybrid")
+
+
+@pytest.fixture
+def tiny_gemma3():
+    return tiny_model("gemma3")
