@@ -41,7 +41,7 @@ def _git_commit() -> str | None:
 
 
 def metadata() -> dict:
-    """Date (UTC, ISO 8601), machine (platform, processor, cpu count, torch threads, GPU name if any), versions
+    """Date (UTC, ISO 8601), machine (platform, processor, cpu count, torch threads, GPU, load average), versions
     (python, torch, transformers, triton: None when absent; flashcodec_fx and the git commit of this checkout)."""
     machine = {
         "platform": platform.platform(),
@@ -49,6 +49,7 @@ def metadata() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_avg_1_5_15m": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # other work slows timings
     }
     import flashcodec_fx
 
