@@ -1,0 +1,270 @@
+"""Triton `codec_attention`: flash-decoding split-K attention on the stored rows, plus the combine kernel.
+
+Split kernel, one program per (batch, kv head, row chunk, split): the query heads of one kv head (GQA group,
+``G * T`` rows) are processed together, so each stored row is read once per kv head. For a tile of
+``BLOCK_N`` archive blocks it loads the stored rows ``S`` (int8 codes dequantized, pruned png deltas
+scattered, all in registers), computes ``C = q @ S^T``, expands ``C`` through the block-diagonal synthesis
+matrix to per-position scores, applies scale and mask, runs an online softmax, folds the probabilities
+back through the synthesis matrix (``P @ A``) and accumulates ``(P @ A) @ S_v``. The extra last split
+attends the raw tail. Each split writes its normalized partial output and log-sum-exp; the combine kernel
+merges them. Lengths are read on the device: the launch depends on shapes only (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import check_length
+from .attention import check_attention_args
+from .triton_common import codec_matrices, dot_dtype, dot_precision, pow2, require_contiguous, stored_rows
+
+LOG2E = 1.4426950408889634
+_MAX_ROWS = 64  # query rows (G * T) per program; more rows get more programs
+
+
+@triton.jit
+def _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, pos, ok, MASK_KIND: tl.constexpr):
+    """Additive fp32 bias for rows (head, t) x positions pos: 0 / -inf for bool masks, the value for float ones."""
+    ptr = mask_ptr + b * smb + head[:, None] * smh + t[:, None] * smt + pos[None, :] * sml
+    inside = ok & (pos[None, :] < mask_len)
+    if MASK_KIND == 1:
+        allowed = tl.load(ptr, mask=inside, other=1)
+        return tl.where(allowed != 0, 0.0, float("-inf"))
+    return tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, acc):
+    """One online-softmax step on log2-domain scores ``s (M, P)``; returns probabilities and the rescaled state."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, sqb, sqh, sqt,
+    kd_ptr, ks_ptr, ki_ptr, kt_ptr, vd_ptr, vs_ptr, vi_ptr, vt_ptr, ak_ptr, av_ptr, len_ptr,
+    mask_ptr, smb, smh, smt, sml, mask_len,
+    o_part, lse_part, qk_scale, NB, HKV, T, G, N_MCHUNK, BLOCKS_PER_SPLIT, NUM_SPLITS,
+    D: tl.constexpr, DP: tl.constexpr, r: tl.constexpr, RP: tl.constexpr, TP: tl.constexpr,
+    RK: tl.constexpr, RKP: tl.constexpr, QK: tl.constexpr, PK: tl.constexpr, KEPTK: tl.constexpr, DRK: tl.constexpr,
+    RV: tl.constexpr, RVP: tl.constexpr, QV: tl.constexpr, PV: tl.constexpr, KEPTV: tl.constexpr, DRV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    bh = pid // N_MCHUNK
+    b = bh // HKV
+    kvh = bh % HKV
+    m = (pid % N_MCHUNK) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < G * T
+    g = m // T
+    t = m % T
+    head = kvh * G + g
+    dd = tl.arange(0, DP)
+    q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + t[:, None] * sqt + dd[None, :],
+                mask=row_ok[:, None] & (dd[None, :] < D), other=0.0).to(DOT_T)
+    length = tl.load(len_ptr)
+    n_arch = length // r
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DP), tl.float32)
+    if split < NUM_SPLITS:
+        lo = split * BLOCKS_PER_SPLIT
+        hi = tl.minimum(lo + BLOCKS_PER_SPLIT, n_arch)
+        ck = tl.arange(0, BLOCK_N * RKP)
+        nk = ck // RKP
+        jk = ck % RKP
+        cv = tl.arange(0, BLOCK_N * RVP)
+        nv = cv // RVP
+        jv = cv % RVP
+        pp = tl.arange(0, BLOCK_N * RP)
+        npos = pp // RP
+        p_in = pp % RP
+        # block-diagonal synthesis: scores = C @ a_k, folded probabilities = P @ a_v
+        a_k = tl.load(ak_ptr + p_in[None, :] * DRK + jk[:, None],
+                      mask=(nk[:, None] == npos[None, :]) & (jk[:, None] < DRK) & (p_in[None, :] < r), other=0.0)
+        a_v = tl.load(av_ptr + p_in[:, None] * DRV + jv[None, :],
+                      mask=(npos[:, None] == nv[None, :]) & (p_in[:, None] < r) & (jv[None, :] < DRV), other=0.0)
+        for n0 in range(lo, hi, BLOCK_N):
+            sk = stored_rows(kd_ptr, ks_ptr, ki_ptr, (bh * NB + n0 + nk)[:, None], jk[:, None], dd[None, :],
+                             (n0 + nk < hi)[:, None], RK, D, QK, PK, KEPTK)
+            coef = tl.dot(q, tl.trans(sk.to(DOT_T)), input_precision=PREC)
+            s = tl.dot(coef, a_k, input_precision=PREC) * qk_scale
+            pos_ok = (n0 + npos < hi) & (p_in < r)
+            if MASK_KIND != 0:
+                pos = (n0 + npos) * r + p_in
+                s += _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, pos,
+                                row_ok[:, None] & pos_ok[None, :], MASK_KIND) * 1.4426950408889634
+            s = tl.where(pos_ok[None, :], s, float("-inf"))
+            p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc)
+            pc = tl.dot(p, a_v, input_precision=PREC)
+            sv = stored_rows(vd_ptr, vs_ptr, vi_ptr, (bh * NB + n0 + nv)[:, None], jv[:, None], dd[None, :],
+                             (n0 + nv < hi)[:, None], RV, D, QV, PV, KEPTV)
+            acc += tl.dot(pc.to(DOT_T), sv.to(DOT_T), input_precision=PREC)
+    else:
+        i = tl.arange(0, TP)
+        start = n_arch * r
+        ok = (i < r) & (start + i < length)
+        raw = bh * (r * D) + i[:, None] * D + dd[None, :]
+        raw_ok = ok[:, None] & (dd[None, :] < D)
+        kt = tl.load(kt_ptr + raw, mask=raw_ok, other=0.0)
+        s = tl.dot(q, tl.trans(kt.to(DOT_T)), input_precision=PREC) * qk_scale
+        if MASK_KIND != 0:
+            s += _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, start + i,
+                            row_ok[:, None] & ok[None, :], MASK_KIND) * 1.4426950408889634
+        s = tl.where(ok[None, :], s, float("-inf"))
+        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc)
+        vt = tl.load(vt_ptr + raw, mask=raw_ok, other=0.0)
+        acc += tl.dot(p.to(DOT_T), vt.to(DOT_T), input_precision=PREC)
+    has = l_i > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = pid * (NUM_SPLITS + 1) + split
+    rows = tl.arange(0, BLOCK_M)
+    tl.store(o_part + part * (BLOCK_M * DP) + rows[:, None] * DP + dd[None, :], out)
+    tl.store(lse_part + part * BLOCK_M + rows, lse)
+
+
+@triton.jit
+def _combine_kernel(o_part, lse_part, out_ptr, sob, soh, sot, HKV, T, G, N_MCHUNK, PARTS,
+                    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the ``PARTS`` partial (output, log2-sum-exp) pairs of one program's rows into the final output."""
+    pid = tl.program_id(0)
+    bh = pid // N_MCHUNK
+    b = bh // HKV
+    kvh = bh % HKV
+    rows = tl.arange(0, BLOCK_M)
+    m = (pid % N_MCHUNK) * BLOCK_M + rows
+    dd = tl.arange(0, DP)
+    m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DP), tl.float32)
+    for s in range(PARTS):
+        part = pid * PARTS + s
+        lse = tl.load(lse_part + part * BLOCK_M + rows)
+        o = tl.load(o_part + part * (BLOCK_M * DP) + rows[:, None] * DP + dd[None, :])
+        m_new = tl.maximum(m_run, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(lse - m_use)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l_run = l_run * alpha + w
+        m_run = m_new
+    out = tl.where((l_run > 0)[:, None], acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
+    g = m // T
+    t = m % T
+    ptr = out_ptr + b * sob + (kvh * G + g)[:, None] * soh + t[:, None] * sot + dd[None, :]
+    tl.store(ptr, out.to(out_ptr.dtype.element_ty), mask=(m < G * T)[:, None] & (dd[None, :] < D))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def attention_plan(batch: int, kv_heads: int, rows: int, blocks: int, block_size: int, rows_k: int, rows_v: int,
+                   device: torch.device, num_splits: int | None = None) -> dict[str, int]:
+    """Tile sizes and split count from shapes only (never from the device length, so the launch is fixed).
+
+    - ``BLOCK_M``: the ``G * T`` query rows of a kv head, padded to a power of two >= 16 (tl.dot minimum), at
+      most 64 per program; larger groups get more programs.
+    - ``BLOCK_N``: archive blocks per tile, chosen so a tile spans about 64 token positions and at least 16
+      stored rows of K and of V (tl.dot minimum).
+    - splits: enough programs to fill the device twice over (``2 * SMs`` programs on CUDA), never more splits
+      than tiles, so short contexts get few splits (little combine work) and long ones many (full occupancy,
+      each split streams a contiguous block range). The split count comes from the capacity ``NB``: a static
+      cache much larger than its length leaves splits with nothing to read; they exit after one length load.
+    """
+    rp = pow2(block_size)
+    block_m = pow2(rows, 16) if rows <= _MAX_ROWS else _MAX_ROWS
+    n_mchunk = -(-rows // block_m)
+    block_n = max(1, 64 // rp)
+    while block_n * min(pow2(rows_k), pow2(rows_v), rp) < 16:
+        block_n *= 2
+    tiles = -(-blocks // block_n)
+    if num_splits is None:
+        base = batch * kv_heads * n_mchunk
+        num_splits = min(tiles, max(1, -(-2 * _sm_count(device) // base)))
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    num_splits = min(num_splits, tiles)
+    per_split = -(-tiles // num_splits) * block_n if tiles else block_n
+    num_splits = -(-blocks // per_split)
+    return {"BLOCK_M": block_m, "n_mchunk": n_mchunk, "BLOCK_N": block_n, "num_splits": num_splits,
+            "blocks_per_split": per_split}
+
+
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple:
+    if mask is None:
+        return q, 0, 0, 0, 0, 0, 0
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3)]
+    return mask, *strides, mask.stride(3), mask.shape[3], 1 if mask.dtype == torch.uint8 else 2
+
+
+def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, k_index: torch.Tensor,
+                           k_tail: torch.Tensor, v_data: torch.Tensor, v_scale: torch.Tensor, v_index: torch.Tensor,
+                           v_tail: torch.Tensor, length: torch.Tensor, spec_k: list[int], spec_v: list[int],
+                           mask: torch.Tensor | None = None, scale: float | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton ``flashcodec::codec_attention``: ``q (B, Hq, T, D)`` over the stored state; ``(B, Hq, T, D)`` in q's dtype.
+
+    Same contract and validation as the reference (:func:`flashcodec_fx.ops.attention.codec_attention`); every
+    codec is supported (jpeg any K <= r, int8, png, pruned png). fp16/bf16/fp32 I/O, fp32 accumulation:
+    16-bit inputs use 16-bit tensor-core dots for ``q . S`` and ``P . S`` (dequantized rows are rounded to the
+    I/O dtype, like a materialized cache) and tf32 for the fp32 synthesis products; fp32 inputs use exact
+    fp32 dots. Tiles and split count: see :func:`attention_plan` (``num_splits`` overrides the heuristic).
+    Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph.
+    """
+    ck, cv = check_attention_args(q, (k_data, k_scale, k_index, k_tail), (v_data, v_scale, v_index, v_tail),
+                                  spec_k, spec_v, mask)
+    check_length(length)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    require_contiguous(k_data=k_data, k_scale=k_scale, k_index=k_index, k_tail=k_tail, v_data=v_data,
+                       v_scale=v_scale, v_index=v_index, v_tail=v_tail)
+    b, hq, t, d = q.shape
+    hkv, nb, r = k_data.shape[1], k_data.shape[2], ck.block_size
+    g = hq // hkv
+    q = q if q.stride(3) == 1 else q.contiguous()
+    plan = attention_plan(b, hkv, g * t, nb, r, ck.dense_rows, cv.dense_rows, q.device, num_splits)
+    block_m, n_mchunk, splits = plan["BLOCK_M"], plan["n_mchunk"], plan["num_splits"]
+    dp = pow2(d, 16)
+    parts = splits + 1
+    programs = b * hkv * n_mchunk
+    o_part = torch.empty(programs * parts * block_m * dp, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(programs * parts * block_m, dtype=torch.float32, device=q.device)
+    a_k, _ = codec_matrices(ck, q.device)
+    a_v, _ = codec_matrices(cv, q.device)
+    mask_t, smb, smh, smt, sml, mask_len, mask_kind = _mask_args(mask, q)
+    sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dtypes = (q.dtype, ck.storage_dtype(k_tail.dtype), cv.storage_dtype(v_tail.dtype), k_tail.dtype, v_tail.dtype)
+    dot_t = dot_dtype(*(dt for dt in dtypes if dt.is_floating_point))
+    _split_kernel[(programs, parts)](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k_data, k_scale, k_index, k_tail, v_data, v_scale, v_index, v_tail, a_k, a_v, length,
+        mask_t, smb, smh, smt, sml, mask_len,
+        o_part, lse_part, sm_scale * LOG2E, nb, hkv, t, g, n_mchunk, plan["blocks_per_split"], splits,
+        D=d, DP=dp, r=r, RP=pow2(r), TP=pow2(r, 16),
+        RK=ck.rows, RKP=pow2(ck.dense_rows), QK=bool(ck.quant_bits), PK=ck.index_rows > 0, KEPTK=ck.index_rows,
+        DRK=ck.dense_rows,
+        RV=cv.rows, RVP=pow2(cv.dense_rows), QV=bool(cv.quant_bits), PV=cv.index_rows > 0, KEPTV=cv.index_rows,
+        DRV=cv.dense_rows,
+        BLOCK_N=plan["BLOCK_N"], BLOCK_M=block_m, MASK_KIND=mask_kind,
+        DOT_T=dot_t, PREC=dot_precision(q.dtype),
+    )
+    out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
+    _combine_kernel[(programs,)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, g,
+                                 n_mchunk, parts, D=d, DP=dp, BLOCK_M=block_m)
+    return out

@@ -1,0 +1,125 @@
+"""Triton `encode`, `decode` and `read`: one program per block, the whole head_dim in registers.
+
+encode: ``(B, H, NB * r, D)`` -> stored blocks (DCT projection + optional int8, or png anchor + deltas).
+decode: stored blocks -> ``(B, H, NB * r, D)`` (``X = A @ S``; png as a prefix sum of the deltas).
+read:   decode, then the open block's raw tail rows and zeros past the device-held length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import check_length, check_state, spec_codec
+from .triton_common import archive_block, codec_matrices, pow2, require_contiguous, stored_rows
+
+
+@triton.jit
+def _encode_kernel(x_ptr, sxb, sxh, sxs, an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr, H, NB,
+                   r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr,
+                   MODE: tl.constexpr, R: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr):
+    """One block of ``x`` -> its stored rows (MODE: 0 jpeg, 1 png)."""
+    blk = tl.program_id(0)
+    bh = blk // NB
+    n = blk % NB
+    i = tl.arange(0, XR)[:, None]
+    d = tl.arange(0, DP)[None, :]
+    base = x_ptr + (bh // H) * sxb + (bh % H) * sxh + d
+    x = tl.load(base + (n * r + i) * sxs, mask=(i < r) & (d < D), other=0.0).to(tl.float32)
+    x_prev = x
+    if MODE == 1:
+        x_prev = tl.load(base + (n * r + i - 1) * sxs, mask=(i >= 1) & (i < r) & (d < D), other=0.0).to(tl.float32)
+    archive_block(x, x_prev, i, d, blk, tl.full((1, 1), 1, tl.int1), an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr,
+                  r, D, XR, KR, MODE, R, QMAX, KEPT)
+
+
+@triton.jit
+def _decode_kernel(data_ptr, scale_ptr, index_ptr, syn_ptr, tail_ptr, len_ptr, out_ptr, NB,
+                   r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr,
+                   MODE: tl.constexpr, R: tl.constexpr, QUANT: tl.constexpr, KEPT: tl.constexpr, READ: tl.constexpr):
+    blk = tl.program_id(0)
+    bh = blk // NB
+    n = blk % NB
+    i = tl.arange(0, XR)[:, None]
+    d = tl.arange(0, DP)[None, :]
+    if MODE == 0:
+        k = tl.arange(0, KR)
+        rows = stored_rows(data_ptr, scale_ptr, index_ptr, blk, k[:, None], d, (k < R)[:, None], R, D, QUANT,
+                           False, 0)
+        syn = tl.load(syn_ptr + i * R + k[None, :], mask=(i < r) & (k[None, :] < R), other=0.0)
+        x = tl.dot(syn, rows, input_precision="ieee")
+    else:
+        rows = stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, i < r, R, D, False, KEPT > 0, KEPT)
+        x = tl.cumsum(rows, axis=0)
+    pos = n * r + i
+    if READ:
+        length = tl.load(len_ptr)
+        start = length // r * r
+        raw = tl.load(tail_ptr + bh * (r * D) + (pos - start) * D + d, mask=(pos >= start) & (pos < length) & (d < D),
+                      other=0.0)
+        x = tl.where(pos >= start, raw.to(tl.float32), x)
+    tl.store(out_ptr + bh * (NB * r * D) + pos * D + d, x.to(out_ptr.dtype.element_ty), mask=(i < r) & (d < D))
+
+
+def _shape_args(codec) -> dict:
+    return {"r": codec.block_size, "XR": pow2(codec.block_size, 16), "KR": pow2(codec.rows, 16), "MODE": codec.mode,
+            "R": codec.rows}
+
+
+def triton_encode(x: torch.Tensor, spec: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton ``flashcodec::encode``: ``x (B, H, NB * r, D)`` -> ``(data, scale, index)`` as in ``codecs.Encoded``.
+
+    Quantized codes may differ from the reference by one step where a coefficient lands within an fp32 rounding
+    of a half-step boundary (the DCT sums run in another order); pruned png keeps the same deltas as the
+    reference unless magnitudes tie, and stores them in decreasing magnitude order.
+    """
+    codec = spec_codec("spec", spec)
+    if x.dim() != 4 or x.shape[2] % codec.block_size:
+        raise ValueError(f"x must be (B, H, S, D) with S a multiple of block_size={codec.block_size}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    b, h, s, d = x.shape
+    nb = s // codec.block_size
+    data, scale, index = codec.empty_state((b, h), nb, d, x.dtype, x.device)
+    if data.numel():
+        syn, an = codec_matrices(codec, x.device)
+        _encode_kernel[(b * h * nb,)](x, x.stride(0), x.stride(1), x.stride(2), an, syn, data, scale, index, h, nb,
+                                      D=d, DP=pow2(d, 16), QMAX=127 if codec.quant_bits else 0,
+                                      KEPT=codec.index_rows, **_shape_args(codec))
+    return data, scale, index
+
+
+def _launch_decode(codec, data, scale, index, tail, length, out, read: bool) -> torch.Tensor:
+    b, h, nb, _, d = data.shape
+    if out.numel():
+        syn, _ = codec_matrices(codec, data.device)
+        _decode_kernel[(b * h * nb,)](data, scale, index, syn, tail, length, out, nb, D=d, DP=pow2(d, 16),
+                                      QUANT=bool(codec.quant_bits), KEPT=codec.index_rows, READ=read,
+                                      **_shape_args(codec))
+    return out
+
+
+def triton_decode(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, spec: list[int],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Triton ``flashcodec::decode``: stored blocks ``(B, H, NB, R, D)`` -> ``(B, H, NB * r, D)`` in ``dtype``."""
+    codec = spec_codec("spec", spec)
+    check_state("state", codec, data, scale, index)
+    require_contiguous(data=data, scale=scale, index=index)
+    b, h, nb, _, d = data.shape
+    out = torch.empty(b, h, nb * codec.block_size, d, dtype=dtype, device=data.device)
+    return _launch_decode(codec, data, scale, index, data, data, out, False)
+
+
+def triton_read(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: torch.Tensor, length: torch.Tensor,
+                spec: list[int]) -> torch.Tensor:
+    """Triton ``flashcodec::read``: ``(B, H, NB * r, D)`` in the tail's dtype (archive decoded, raw tail, zeros past
+    ``length``); ``length`` is read on the device."""
+    codec = spec_codec("spec", spec)
+    check_state("archive", codec, data, scale, index, tail)
+    check_length(length)
+    require_contiguous(data=data, scale=scale, index=index, tail=tail)
+    b, h, nb, _, d = data.shape
+    out = torch.empty(b, h, nb * codec.block_size, d, dtype=tail.dtype, device=data.device)
+    return _launch_decode(codec, data, scale, index, tail, length, out, True)
+
