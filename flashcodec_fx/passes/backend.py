@@ -1,0 +1,73 @@
+"""The ``flashcodec`` torch.compile backend: Inductor with the SDPA-over-cache pass installed.
+
+``torch.compile(model, backend="flashcodec")`` works after ``pip install`` with no import (entry point
+``torch_dynamo_backends``); ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))`` configures it.
+``mode`` ("reduce-overhead": CUDA graphs, "max-autotune", ...) and ``options`` are honoured as with Inductor;
+``options`` may also carry this backend's own keys ``strict`` and ``debug`` (handy from transformers'
+``CompileConfig(backend="flashcodec", options={"strict": True})``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .sdpa_over_cache import SDPAOverCachePass
+
+OWN_OPTIONS = ("strict", "debug")
+
+
+class FlashCodecBackend:
+    """A configured backend (callable as a torch.compile backend). ``pass_`` is the installed
+    :class:`SDPAOverCachePass`; its ``reports`` say what each compiled graph got."""
+
+    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None,
+                 mode: str | None = None, options: dict | None = None):
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"options must be a dict of Inductor config values, got {type(options).__name__}")
+        if mode is not None and not isinstance(mode, str):
+            raise TypeError(f"mode must be a torch.compile mode string, got {type(mode).__name__}")
+        self.pass_ = SDPAOverCachePass(strict=strict, debug=debug)
+        self.mode, self.options = mode, dict(options or {})
+        self.__name__ = "flashcodec"
+
+    def config_patches(self, mode: str | None = None, options: dict | None = None) -> dict:
+        """Inductor config for one compile: the mode's options, then ``options``, then this pass prepended to
+        any ``post_grad_custom_pre_pass`` already configured."""
+        from torch._inductor import config, list_mode_options
+
+        mode = mode or self.mode
+        patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
+        patches.update(self.options)
+        patches.update(options or {})
+        user = patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
+        user = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
+        patches["post_grad_custom_pre_pass"] = [self.pass_, *(p for p in user if p is not self.pass_)]
+        return patches
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str | None = None,
+                 options: dict | None = None) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        options = dict(options or {})
+        own = {key: options.pop(key) for key in OWN_OPTIONS if key in options}
+        target = self if not own else FlashCodecBackend(**{"strict": self.pass_.strict, "debug": self.pass_.debug,
+                                                           **own}, mode=self.mode, options=self.options)
+        return compile_fx(gm, example_inputs, config_patches=target.config_patches(mode, options))
+
+
+def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None, mode: str | None = None,
+            options: dict | None = None) -> FlashCodecBackend:
+    """A configured ``flashcodec`` backend: ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))``.
+
+    ``strict``: raise if any decoded KV view remains in a compiled graph (materialization-free guarantee).
+    ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``mode``/``options``:
+    Inductor's, as for ``torch.compile(backend="inductor")``.
+    """
+    return FlashCodecBackend(strict=strict, debug=debug, mode=mode, options=options)
+
+
+flashcodec_backend = FlashCodecBackend()
+"""The default backend, registered as ``"flashcodec"`` (entry point and ``register_backend``)."""
