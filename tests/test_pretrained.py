@@ -123,3 +123,68 @@ def test_capture_kv_bad_input(tiny_dir):
         capture_kv(model, torch.ones(1, 3))
     with pytest.raises(TypeError, match="input_ids"):
         capture_kv(model, [[1, 2, 3]])
+
+
+def _write_tiny_gguf(path, model) -> None:
+    """``model`` (a tiny LlamaForCausalLM) as an F32 GGUF, laid out as llama.cpp's converter writes it."""
+    gguf = pytest.importorskip("gguf")
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    tokens = [chr(ord("a") + i) for i in range(cfg.vocab_size - 2)] + ["ab", "<|endoftext|>"]  # printable ASCII: byte-level
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+
+    def permute(w, heads):  # llama.cpp interleaves the rotary halves of q and k
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    sd = {name: t.detach().numpy() for name, t in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf, gg in names.items():
+            writer.add_tensor(f"blk.{i}.{gg}.weight", sd[f"{prefix}{hf}.weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[f"{prefix}self_attn.q_proj.weight"], cfg.num_attention_heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[f"{prefix}self_attn.k_proj.weight"], cfg.num_key_value_heads))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_converted_once_into_cache_folder(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    torch.manual_seed(1)
+    ref = transformers.LlamaForCausalLM(_tiny_config()).eval()
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, ref)
+    monkeypatch.setenv("FLASHCODEC_CACHE", str(tmp_path / "cache"))
+    model, tokenizer = load_pretrained(path)
+    converted = list((tmp_path / "cache").iterdir())
+    assert len(converted) == 1 and converted[0].name.startswith("tiny-")
+    assert (converted[0] / "model.safetensors").is_file() and (converted[0] / "config.json").is_file()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], p, rtol=0, atol=0, msg=name)
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer("abc", add_special_tokens=False).input_ids == [8, 2]
+    path.unlink()  # a second load reads the converted folder, never the GGUF
+    again, _ = load_pretrained(tmp_path / "cache" / converted[0].name, dtype=torch.float16)
+    assert again.dtype == torch.float16
