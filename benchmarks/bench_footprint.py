@@ -3,7 +3,7 @@
 One layer, B=1, H=8, D=128, bf16 streams (the usual KV dtype; the baseline is a raw bf16 cache of the same
 length), dynamic layout. Keys and values are random normal (storage does not depend on the values).
 Tiers: jpeg r=8 with K=8, 4 (stream dtype) and K=8, 4 int8; png keep 1.0 and 0.5 (K=2 tiers store K/r of K=8's
-archive: see bench_reconstruct for their sizes). Times are medians of ``--repeats`` runs up to S=16k, one run above.
+archive: see bench_reconstruct for their sizes). Times are medians of ``--repeats`` runs up to S=8k, one run above.
 
 - storage: ``CodecKVCache.storage_bytes()`` after a fill of S tokens: archive held (allocated) and used, scales,
   kept-delta index, raw tail, memo; totals with and without the memo, and both against a raw bf16 K+V cache.
@@ -29,7 +29,7 @@ from flashcodec_fx.codecs import Codec
 B, H, D = 1, 8, 128
 DTYPE = torch.bfloat16
 LENGTHS = (4096, 8192, 16384, 32768, 65536)
-LONG = 16384  # above this length each figure is one timed run (a fill takes seconds there), recorded as "repeats": 1
+LONG = 8192  # above this length each figure is one timed run (a fill takes seconds there), recorded as "repeats": 1
 TIERS = [
     ("jpeg r8 K8", "jpeg", {"block_size": 8, "keep_freqs": 8}),
     ("jpeg r8 K4", "jpeg", {"block_size": 8, "keep_freqs": 4}),
