@@ -103,3 +103,18 @@ def tiny_hybrid():
 @pytest.fixture
 def tiny_gemma3():
     return tiny_model("gemma3")
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` for ``generate`` / ``forward``: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    import inspect
+
+    import transformers
+
+    name = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def output_cache(output):
+    """The cache of a ``generate(..., return_dict_in_generate=True)`` / ``forward`` output, across 5.x versions."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values

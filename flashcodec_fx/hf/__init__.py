@@ -1,6 +1,6 @@
 """transformers integration (optional dependency): FlashCodecCache, hot patch, class decorator, codec attention.
 
-See docs/hf.md. Importing this package imports transformers and registers the ``"flashcodec"`` attention
+See docs/hf.md. Importing this package imports transformers and registers the ``"kvcodec"`` attention
 implementation with transformers' AttentionInterface.
 """
 

@@ -1,4 +1,4 @@
-"""Materialization-free eager decoding through transformers' ``AttentionInterface`` (registered name ``"flashcodec"``).
+"""Materialization-free eager decoding through transformers' ``AttentionInterface`` (registered name ``"kvcodec"``).
 
 A :class:`~flashcodec_fx.hf.cache.FlashCodecLayer` with ``materialization_free=True`` leaves a note (itself and the
 key tensor it returned) in ``update()``; the attention function called next with that very key tensor picks it up:
@@ -30,7 +30,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..cache import codec_decode_attention
 
-NAME = "flashcodec"
+NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 DELEGATES = ("sdpa", "eager")
 
 
@@ -88,7 +88,7 @@ def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
 def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``"flashcodec"`` attention implementation. ``query (B, Hq, T, D)``; returns ``(B, T, Hq, D)`` and None
+    """The ``"kvcodec"`` attention implementation. ``query (B, Hq, T, D)``; returns ``(B, T, Hq, D)`` and None
     (like transformers' sdpa implementation)."""
     delegate = _delegate(module)
     step = None if torch.compiler.is_compiling() else _take_pending(key)
@@ -111,7 +111,7 @@ def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
 
 
 def flashcodec_mask(*args: Any, **kwargs: Any):
-    """Mask interface for ``"flashcodec"``: the mask of the implementation the model used before (sdpa or eager)."""
+    """Mask interface for ``"kvcodec"``: the mask of the implementation the model used before (sdpa or eager)."""
     name = _delegate_of.get(id(kwargs.get("config")), "sdpa")
     return ALL_MASK_ATTENTION_FUNCTIONS[name](*args, **kwargs)
 
@@ -136,7 +136,7 @@ def _configs(model: torch.nn.Module) -> list[Any]:
 
 
 def apply_codec_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` to the ``"flashcodec"`` attention implementation (see the module docstring).
+    """Switch ``model`` to the ``"kvcodec"`` attention implementation (see the module docstring).
 
     The model must currently use ``"sdpa"`` or ``"eager"`` (ValueError otherwise); calling it again is a no-op.
     Layers whose cache is not a materialization-free FlashCodecLayer keep computing exactly as before.

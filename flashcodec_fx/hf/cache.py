@@ -8,7 +8,7 @@ model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns (a
 - later eager steps: the stored view (dynamic: the memo, ``L`` = stored length; static: the memo, ``L`` = capacity
   ``ceil(max_cache_len / r) * r``, positions past the length are zeros and masked), no re-decode of history;
 - under ``torch.compile``: ``torch.ops.flashcodec.read(...)`` of each stream, the pattern the compile pass rewrites;
-- ``materialization_free=True`` decode steps: the new states only; the ``"flashcodec"`` attention function
+- ``materialization_free=True`` decode steps: the new states only; the ``"kvcodec"`` attention function
   (:mod:`flashcodec_fx.hf.attention`) attends on the stored coefficients instead.
 """
 
@@ -58,7 +58,7 @@ class FlashCodecLayer(CacheLayerMixin):
     (preallocated for ``max_cache_len`` tokens, compileable). ``memoize``: keep a reconstruction receiving each block's
     decoded rows once (eager reads never re-decode); ``False`` decodes the history on every eager read (meant for
     ``torch.compile`` and materialization-free decoding). ``materialization_free``: decode steps attend on the stored
-    coefficients through the ``"flashcodec"`` attention function; ``strict`` turns its fallbacks into errors.
+    coefficients through the ``"kvcodec"`` attention function; ``strict`` turns its fallbacks into errors.
     """
 
     is_sliding = False
@@ -74,7 +74,7 @@ class FlashCodecLayer(CacheLayerMixin):
         self.layout, self.max_cache_len = layout, max_cache_len
         self.is_compileable = layout == "static"
         self.materialization_free, self.strict = materialization_free, strict
-        self.attention_bound = False  # set by the "flashcodec" attention function when it serves this layer
+        self.attention_bound = False  # set by the "kvcodec" attention function when it serves this layer
         self._length = 0  # eager mirror of the stored length (host int; never touched under torch.compile)
         self._marked_static = False
 
@@ -123,7 +123,7 @@ class FlashCodecLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         first_fill = self._length == 0
         if self.materialization_free and not first_fill and not self.attention_bound:
-            reason = ("materialization_free=True but the 'flashcodec' attention function did not serve this layer's "
+            reason = ("materialization_free=True but the 'kvcodec' attention function did not serve this layer's "
                       "prefill: install it with apply_codec_attention(model) (or apply_flash_codec(model, "
                       "materialization_free=True))")
             if self.strict:

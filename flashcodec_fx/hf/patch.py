@@ -83,7 +83,7 @@ def _check_model(model: Any) -> None:
 def apply_flash_codec(model: Any, **options: Any) -> Any:
     """Every later ``model.generate()`` defaults to a FlashCodecCache built with ``options`` (see FlashCodecCache).
 
-    ``materialization_free=True`` also switches the model to the ``"flashcodec"`` attention implementation.
+    ``materialization_free=True`` also switches the model to the ``"kvcodec"`` attention implementation.
     Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
     """
     _check_model(model)
@@ -118,7 +118,7 @@ def compress_kv(**options: Any) -> Callable[[T], T]:
     """Class decorator: every instance's ``generate()`` defaults to a FlashCodecCache with ``options``.
 
     ``@flashcodec_fx.compress_kv(mode="png")`` on a ``...ForCausalLM`` class (or a subclass of one; the class is
-    modified in place and returned). With ``materialization_free=True`` each instance switches to the ``"flashcodec"``
+    modified in place and returned). With ``materialization_free=True`` each instance switches to the ``"kvcodec"``
     attention implementation on its first ``generate()``. Undo with ``remove_flash_codec(cls)``.
     """
     options = _validate(options)

@@ -1,0 +1,157 @@
+"""FlashCodecLayer / FlashCodecCache layer contract on random (B, H, T, D) states, plus crop on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import cache_kwargs, tiny_model, tiny_prompt  # noqa: E402
+
+import flashcodec_fx as fx  # noqa: E402
+from flashcodec_fx.codecs import make_codec  # noqa: E402
+from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
+
+B, H, D = 3, 2, 16
+
+
+def _states(t: int, seed: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, t, D, generator=gen).to(dtype), torch.randn(B, H, t, D, generator=gen).to(dtype))
+
+
+def _layer(mode="jpeg", layout="dynamic", max_cache_len=None, **codec):
+    kc = make_codec(mode, block_size=8, **codec)
+    return FlashCodecLayer(kc, kc, layout=layout, max_cache_len=max_cache_len)
+
+
+def _filled(layer, prompt=13, steps=8, seed=0, dtype=torch.float32):
+    """Prefill ``prompt`` tokens then ``steps`` single-token updates; returns every appended (k, v)."""
+    ks, vs = _states(prompt + steps, seed, dtype)
+    layer.update(ks[:, :, :prompt], vs[:, :, :prompt])
+    for i in range(prompt, prompt + steps):
+        layer.update(ks[:, :, i: i + 1], vs[:, :, i: i + 1])
+    return ks, vs
+
+
+def test_prefill_returns_exact_states_then_the_stored_view():
+    layer = _layer(keep_freqs=4)
+    k, v = _states(13, 0)
+    out_k, out_v = layer.update(k, v)
+    assert out_k is k and out_v is v  # the prompt attends on its exact states
+    nk, nv = _states(1, 1)
+    view_k, view_v = layer.update(nk, nv)
+    assert view_k.shape == (B, H, 14, D) and layer.get_seq_length() == 14 and layer.get_mask_sizes(1) == (15, 0)
+    assert torch.equal(view_k[:, :, 8:13], k[:, :, 8:]) and torch.equal(view_k[:, :, 13:], nk)  # open block: raw
+    assert not torch.allclose(view_k[:, :, :8], k[:, :, :8], atol=1e-3)  # the archive is what later steps read (lossy)
+
+
+def test_png_view_is_bitwise_exact_in_bf16():
+    layer = _layer("png")
+    ks, vs = _filled(layer, dtype=torch.bfloat16)
+    view_k, view_v = layer.read_view()
+    assert torch.equal(view_k, ks) and torch.equal(view_v, vs)
+
+
+def test_static_layout_pads_to_capacity_and_keeps_a_device_length():
+    layer = _layer("png", layout="static", max_cache_len=20)
+    assert layer.is_compileable and layer.get_max_length() == 20 and layer.get_mask_sizes(1) == (24, 0)
+    k, v = _states(13, 0)
+    out_k, _ = layer.update(k, v)
+    assert out_k.shape == (B, H, 24, D) and torch.equal(out_k[:, :, :13], k) and not out_k[:, :, 13:].any()
+    length = layer.get_seq_length()
+    assert isinstance(length, torch.Tensor) and int(length) == 13
+    view_k, _ = layer.update(*_states(1, 1))
+    assert view_k.shape == (B, H, 24, D) and int(layer.get_seq_length()) == 14
+    with pytest.raises(ValueError, match="max_length=20"):
+        layer.update(*_states(7, 2))
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+def test_crop_gives_back_exactly_the_prefix_of_the_view(layout):
+    layer = _layer(keep_freqs=4, quant_bits=8, layout=layout, max_cache_len=32 if layout == "static" else None)
+    _filled(layer)
+    before_k, before_v = (t.clone() for t in layer.read_view())
+    layer.crop(0)
+    assert int(layer.get_seq_length()) == 21
+    layer.crop(-6)  # cuts into an archived block (8..15)
+    after_k, after_v = layer.read_view()
+    assert int(layer.get_seq_length()) == 15
+    assert torch.equal(after_k[:, :, :15], before_k[:, :, :15]) and torch.equal(after_v[:, :, :15], before_v[:, :, :15])
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(3)
+    with pytest.raises(ValueError, match="cannot remove"):
+        layer.crop(-16)
+
+
+def test_beam_reorder_and_batch_ops_move_every_tensor_together():
+    layer = _layer(keep_freqs=6, quant_bits=8)
+    _filled(layer)
+    before_k, before_v = (t.clone() for t in layer.read_view())
+    scale = layer.keys_stream.state.scale.clone()
+    beam_idx = torch.tensor([2, 0, 0])
+    layer.reorder_cache(beam_idx)
+    k, v = layer.read_view()
+    assert torch.equal(k, before_k[beam_idx]) and torch.equal(v, before_v[beam_idx])
+    assert torch.equal(layer.keys_stream.state.scale, scale[beam_idx])
+    nk, nv = _states(2, 5)  # the reordered raw tail keeps receiving each row's tokens
+    layer.update(nk, nv)
+    assert torch.equal(layer.read_view()[0][:, :, 16:], torch.cat([before_k[beam_idx][:, :, 16:], nk], dim=2))
+    layer.batch_select_indices(torch.tensor([1, 2]))
+    layer.batch_repeat_interleave(2)
+    k2, _ = layer.read_view()
+    assert k2.shape[0] == 4 and torch.equal(k2[:, :, :21], before_k[[0, 0, 0, 0]])
+
+
+def test_reset_forgets_tokens_and_prefill_is_exact_again():
+    layer = _layer()
+    _filled(layer)
+    layer.reset()
+    assert layer.get_seq_length() == 0
+    k, v = _states(5, 9)
+    assert layer.update(k, v)[0] is k and layer.get_seq_length() == 5
+
+
+def test_storage_bytes_counts_every_part():
+    cache = fx.FlashCodecCache(num_layers=2, mode="jpeg", quant_bits=8)
+    for idx in range(2):
+        ks, vs = _states(21, idx)
+        cache.update(ks, vs, idx)
+    total = cache.storage_bytes()
+    parts = ("archive", "scales", "index", "tail", "memo", "native")
+    assert total["total"] == sum(total[p] for p in parts) and total["memo"] > 0 and total["native"] == 0
+    assert total["raw_equivalent"] == 2 * 2 * B * H * 21 * D * 4
+    assert 0 < total["archive_used"] < total["raw_equivalent"]
+    per_layer = cache.storage_bytes(per_layer=True)
+    assert sorted(per_layer) == [0, 1] and sum(r["total"] for r in per_layer.values()) == total["total"]
+
+
+def test_padding_positions_are_stored_as_zeros():
+    cache = fx.FlashCodecCache(num_layers=1, mode="png")
+    mask = torch.ones(B, 13, dtype=torch.long)
+    mask[1, :9] = 0
+    cache.set_padding_mask(mask)
+    k, v = _states(13, 0, torch.bfloat16)  # png is bitwise exact on bf16 states
+    out_k, _ = cache.update(k, v, 0)
+    assert torch.equal(out_k, k)  # the prompt's own attention is untouched (padding is masked there)
+    view_k, view_v = cache.layers[0].read_view()
+    assert not view_k[1, :, :9].any() and not view_v[1, :, :9].any()
+    assert torch.equal(view_k[1, :, 9:], k[1, :, 9:]) and torch.equal(view_k[0], k[0])
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        cache.set_padding_mask(torch.ones(13))
+
+
+def test_crop_then_refeed_reproduces_the_logits_on_the_lossless_tier():
+    model = tiny_model("llama")
+    ids = tiny_prompt(1, 12)
+    tokens = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(7))
+    cache = fx.FlashCodecCache.from_config(model.config, mode="png")
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+        logits = [model(tokens[:, i: i + 1], **cache_kwargs(cache)).logits for i in range(10)]
+        cache.crop(-5)
+        assert cache.get_seq_length() == 17
+        again = [model(tokens[:, i: i + 1], **cache_kwargs(cache)).logits for i in range(5, 10)]
+    for first, second in zip(logits[5:], again, strict=True):
+        torch.testing.assert_close(second, first, rtol=0, atol=1e-5)

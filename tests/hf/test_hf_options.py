@@ -1,0 +1,88 @@
+"""Option validation of FlashCodecCache / apply_flash_codec / compress_kv: errors name the option, nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import tiny_config, tiny_model  # noqa: E402
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer  # noqa: E402
+
+import flashcodec_fx as fx  # noqa: E402
+from flashcodec_fx.codecs import JPEGCodec, PNGCodec  # noqa: E402
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode="gif"), "mode must be one of"),
+    (dict(block_size=1), "block_size"),
+    (dict(keep_freqs=9), "keep_freqs"),
+    (dict(quant_bits=4), "quant_bits"),
+    (dict(mode="png", keep_ratio=0.0), "keep_ratio"),
+    (dict(keep_ratio=0.5), "keep_ratio"),  # png option with the default jpeg mode
+    (dict(mode="png", quant_bits=8), "quant_bits"),
+    (dict(layout="paged"), "layout must be one of"),
+    (dict(layout="static"), "max_cache_len"),
+    (dict(max_cache_len=64), "max_cache_len applies to layout='static'"),
+    (dict(strict=True), "strict=True only applies"),
+    (dict(key_options={"bits": 8}), "key_options: unknown option"),
+    (dict(value_options={"mode": "png", "quant_bits": 8}), "value_options: option 'quant_bits'"),
+    (dict(key_options={"block_size": 16}), "share block_size"),
+    (dict(per_layer={-1: {}}), "per_layer keys"),
+])
+def test_bad_options_raise_value_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        fx.FlashCodecCache(num_layers=2, **options)
+
+
+def test_bad_types_raise_type_error():
+    with pytest.raises(TypeError, match="materialization_free"):
+        fx.FlashCodecCache(materialization_free="yes")
+    with pytest.raises(TypeError, match="per_layer"):
+        fx.FlashCodecCache(num_layers=2, per_layer=[{}])
+
+
+def test_per_layer_checks_against_the_model():
+    with pytest.raises(ValueError, match="out of range"):
+        fx.FlashCodecCache.from_config(tiny_config("llama"), per_layer={5: {}})
+    with pytest.raises(ValueError, match="'sliding_attention' layer"):
+        fx.FlashCodecCache.from_config(tiny_config("gemma3"), per_layer={0: {"mode": "png"}})
+    with pytest.raises(ValueError, match=r"per_layer\[1\]: unknown option"):
+        fx.FlashCodecCache.from_config(tiny_config("llama"), per_layer={1: {"keepfreqs": 2}})
+    with pytest.raises(ValueError, match="per_layer needs the layer count"):
+        fx.FlashCodecCache(per_layer={0: {}})
+
+
+def test_per_layer_schedule_is_applied():
+    cache = fx.FlashCodecCache.from_config(
+        tiny_config("llama"), mode="jpeg", quant_bits=8, value_options={"keep_freqs": 6},
+        per_layer={0: {"mode": "png", "keep_ratio": 0.5}, 1: {"keep_freqs": 4, "key_options": {"quant_bits": None}}})
+    first, second = cache.layers
+    assert isinstance(first.keys_stream.codec, PNGCodec) and first.keys_stream.codec.keep_ratio == 0.5
+    assert isinstance(first.values_stream.codec, PNGCodec)  # a per-layer mode starts afresh: no jpeg value option
+    k, v = second.keys_stream.codec, second.values_stream.codec
+    assert isinstance(k, JPEGCodec) and (k.keep_freqs, k.quant_bits) == (4, 0)
+    assert isinstance(v, JPEGCodec) and (v.keep_freqs, v.quant_bits) == (6, 8)  # value_options beat the layer's keep_freqs
+    native = fx.FlashCodecCache.from_config(tiny_config("llama"), per_layer={0: None})
+    assert native.codec_layers == [1] and type(native.layers[0]) is DynamicLayer
+
+
+def test_from_config_keeps_native_layers_on_hybrid_models():
+    gemma = fx.FlashCodecCache.from_config(tiny_config("gemma3"), mode="png")
+    assert gemma.codec_layers == [1, 3]
+    assert all(type(gemma.layers[i]) is DynamicSlidingWindowLayer for i in (0, 2))
+    static = fx.FlashCodecCache.from_config(tiny_config("llama"), layout="static", max_cache_len=20, per_layer={1: None})
+    assert static.codec_layers == [0] and type(static.layers[1]) is StaticLayer and static.is_compileable
+
+
+def test_apply_validates_before_patching():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown option"):
+        fx.apply_flash_codec(model, mode="png", quality=3)
+    with pytest.raises(ValueError, match="out of range"):
+        fx.apply_flash_codec(model, per_layer={7: {}})
+    assert "_prepare_cache_for_generation" not in vars(model)
+    with pytest.raises(ValueError, match="not patched"):
+        fx.remove_flash_codec(model)
+    with pytest.raises(ValueError, match="keep_ratio"):
+        fx.compress_kv(keep_ratio=0.5)
