@@ -1,0 +1,104 @@
+"""GPU-only checks of the Triton kernels: dispatch through torch.ops on CUDA, bf16, opcheck, CUDA-graph replay.
+
+Skipped without CUDA (the CPU interpreter tests in test_triton_{blocks,append,attention}.py cover the math).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from _triton_cases import codec, smooth, stored_state  # noqa: E402
+from test_triton_attention import CASES, TOL, _inputs  # noqa: E402
+
+import flashcodec_fx  # noqa: E402,F401  (registers the ops and their CUDA kernels)
+
+ops = torch.ops.flashcodec
+BF16 = torch.bfloat16
+
+
+def _cuda(args):
+    return [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@pytest.mark.parametrize("op", ["encode", "decode", "read", "append", "codec_attention"])
+def test_cuda_kernels_are_registered(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"flashcodec::{op}", "CUDA")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-g{c[3]}-L{c[4]}-{c[7]}" for c in CASES])
+def test_attention_bf16_through_the_op(case):
+    q, args = _inputs(case[0], case[1], BF16, *case[3:])
+    want = ops.codec_attention(q, *args)  # CPU: the reference
+    got = ops.codec_attention(q.cuda(), *_cuda(args)).cpu()  # CUDA: the Triton kernel
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[BF16], rtol=TOL[BF16])
+
+
+@pytest.mark.parametrize("tier", ["jpeg_k8", "jpeg_k2_int8", "png", "png_pruned"])
+def test_opcheck_cuda(tier):
+    c = codec(tier)
+    r = c.block_size
+    x = smooth(2, 2, 3 * r, 64, BF16, "cuda", seed=0)
+    torch.library.opcheck(ops.encode.default, (x, c.spec))
+    data, scale, index = ops.encode(x, c.spec)
+    torch.library.opcheck(ops.decode.default, (data, scale, index, c.spec, BF16))
+    state = [t.cuda() for t in stored_state(c, x[:, :, : 2 * r + 3].cpu(), 4)]
+    torch.library.opcheck(ops.read.default, (*state, c.spec))
+    memo = torch.zeros(2, 2, 4 * r, 64, dtype=BF16, device="cuda")
+    torch.library.opcheck(ops.append.default, (*state, x[:, :, :5].contiguous(), c.spec, memo))
+    q, args = _inputs(tier, "jpeg_k8_int8", BF16, 4, 21, 1, 64, "bool", 4)
+    torch.library.opcheck(ops.codec_attention.default, (q.cuda(), *_cuda(args)))
+
+
+def test_cuda_graph_replay_matches_eager():
+    """One decode step (append K, append V, codec_attention) captured once and replayed across block boundaries."""
+    ck, cv = codec("jpeg_k8_int8"), codec("png")
+    b, hkv, g, d, blocks, steps = 2, 2, 4, 64, 8, 40
+    prompt = 13
+    k = smooth(b, hkv, prompt + steps, d, BF16, "cpu", 1).cuda()
+    v = smooth(b, hkv, prompt + steps, d, BF16, "cpu", 2).cuda()
+    qs = torch.randn(steps, b, hkv * g, 1, d, device="cuda").to(BF16)
+
+    def fresh():
+        ks = list(ck.empty_state((b, hkv), blocks, d, BF16, "cuda")) + [torch.zeros(b, hkv, 8, d, dtype=BF16, device="cuda")]
+        vs = list(cv.empty_state((b, hkv), blocks, d, BF16, "cuda")) + [torch.zeros(b, hkv, 8, d, dtype=BF16, device="cuda")]
+        lk, lv = (torch.zeros((), dtype=torch.int64, device="cuda") for _ in range(2))
+        ops.append(*ks, lk, k[:, :, :prompt], ck.spec)
+        ops.append(*vs, lv, v[:, :, :prompt], cv.spec)
+        return ks, vs, lk, lv
+
+    def step(state, new_k, new_v, q):
+        ks, vs, lk, lv = state
+        ops.append(*ks, lk, new_k, ck.spec)
+        ops.append(*vs, lv, new_v, cv.spec)
+        return ops.codec_attention(q, *ks, *vs, lk, ck.spec, cv.spec)
+
+    static_k, static_v, static_q = (torch.zeros_like(t) for t in (k[:, :, :1], v[:, :, :1], qs[0]))
+    graphed, eager, warm = fresh(), fresh(), fresh()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(warm, static_k, static_v, static_q)  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(graphed, static_k, static_v, static_q)
+    for i in range(steps):
+        pos = prompt + i
+        static_k.copy_(k[:, :, pos: pos + 1])
+        static_v.copy_(v[:, :, pos: pos + 1])
+        static_q.copy_(qs[i])
+        graph.replay()
+        want = step(eager, k[:, :, pos: pos + 1], v[:, :, pos: pos + 1], qs[i])
+        assert torch.equal(static_out, want), f"step {i}: graph replay differs from eager"
+    assert int(graphed[2]) == int(eager[2]) == prompt + steps
+    for a, e in zip([*graphed[0], *graphed[1]], [*eager[0], *eager[1]], strict=True):
+        assert torch.equal(a, e)
+    # and the final step agrees with the CPU reference on the same stored state
+    cpu = [t.cpu() for t in (*graphed[0], *graphed[1], graphed[2])]
+    want = ops.codec_attention(qs[-1].cpu(), *cpu, ck.spec, cv.spec)
+    torch.testing.assert_close(static_out.cpu().float(), want.float(), atol=TOL[BF16], rtol=TOL[BF16])
