@@ -148,6 +148,7 @@ class CodecStream:
         if start < self.archived_tokens:
             block = Encoded(*(t[:, :, start // r: start // r + 1] for t in self.state))
             self.tail.copy_(self.codec.decode(block, self.tail.dtype))
+        self.tail[:, :, keep - start:].zero_()  # rows past the length: stale tokens would reach the memo on regrowth
         if self.memo is not None:
             self.memo[:, :, keep:].zero_()
         self.length.fill_(keep)
