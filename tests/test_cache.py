@@ -1,0 +1,243 @@
+"""`CodecStream` / `CodecKVCache`: crop, storage accounting, beam reorder, and rejected calls that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashcodec_fx import CodecKVCache, CodecStream, make_codec
+
+ops = torch.ops.flashcodec
+R = 8
+TIERS = {
+    "jpeg": make_codec("jpeg", block_size=R),
+    "jpeg-k3": make_codec("jpeg", block_size=R, keep_freqs=3),
+    "jpeg-int8": make_codec("jpeg", block_size=R, quant_bits=8),
+    "png": make_codec("png", block_size=R),
+    "png-half": make_codec("png", block_size=R, keep_ratio=0.5),
+}
+LOSSY = ["jpeg-k3", "jpeg-int8", "png-half"]
+LAYOUTS = ["dynamic", "static"]
+
+
+def grid_data(shape, dtype=torch.float32, seed=0):
+    """Multiples of 1/16 in [-16, 16]: exact in every dtype, differences exact in fp32 (png exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-256, 257, shape, generator=gen).float() / 16).to(dtype)
+
+
+def stream_of(tier, layout, x, steps=(), memoize=True, max_length=100):
+    """Prefill with ``x[:, :, :steps[0]]`` then append chunk by chunk up to each cumulative end in ``steps``."""
+    stream = CodecStream(TIERS[tier], layout, max_length=max_length, memoize=memoize)
+    at = 0
+    for end in steps:
+        stream.append(x[:, :, at:end])
+        at = end
+    return stream
+
+
+def snapshot(stream):
+    tensors = [] if stream.state is None else [*stream.state, stream.tail, stream.length]
+    if stream.memo is not None:
+        tensors.append(stream.memo)
+    return [t.clone() for t in tensors], stream._host_length, stream.capacity_blocks, stream.is_initialized
+
+
+def assert_same_snapshot(a, b):
+    assert a[1:] == b[1:]
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+
+
+def assert_same_content(a: CodecStream, b: CodecStream):
+    """Bitwise: archived blocks, open-block tail, length and read view."""
+    n = a.get_seq_length()
+    assert n == b.get_seq_length()
+    for x, y in zip(a.state, b.state, strict=True):
+        assert torch.equal(x[:, :, : n // R], y[:, :, : n // R])
+    assert torch.equal(a.tail, b.tail)
+    assert torch.equal(a.read(), b.read())
+    assert torch.equal(ops.read(*a.state, a.tail, a.length, a.spec), ops.read(*b.state, b.tail, b.length, b.spec))
+
+
+# ---------------------------------------------------------------------------------------------------- crop
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("keep", [0, 3, 8, 13, 16, 21, 30])
+def test_crop_and_regrow_equals_fresh_run_lossless_png(keep, layout):
+    x = grid_data((2, 2, 50, 8), torch.bfloat16)
+    stream = stream_of("png", layout, x, (20, 25, 31))
+    stream.crop(keep)
+    assert stream.get_seq_length() == keep
+    stream.append(x[:, :, keep:40])
+    stream.append(x[:, :, 40:41])
+    fresh = stream_of("png", layout, x, (41,))
+    assert_same_content(stream, fresh)
+    assert torch.equal(stream.read()[:, :, :41], x[:, :, :41])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_crop_and_regrow_jpeg_full_keep_to_tolerance(layout):
+    x = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(1))
+    stream = stream_of("jpeg", layout, x, (29,))
+    stream.crop(-10)  # inside the archived block 16..23
+    stream.append(x[:, :, 19:35])
+    fresh = stream_of("jpeg", layout, x, (35,))
+    torch.testing.assert_close(stream.read(), fresh.read(), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tier", LOSSY)
+@pytest.mark.parametrize("keep", [0, 8, 24])
+def test_crop_at_block_boundary_and_regrow_equals_fresh_run_lossy(tier, keep, layout):
+    x = torch.randn(2, 1, 50, 8, generator=torch.Generator().manual_seed(keep))
+    stream = stream_of(tier, layout, x, (19, 37))
+    stream.crop(keep)
+    stream.append(x[:, :, keep:keep + 5])
+    stream.append(x[:, :, keep + 5:45])
+    assert_same_content(stream, stream_of(tier, layout, x, (45,)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tier", LOSSY)
+def test_crop_inside_archived_block_keeps_what_was_read(tier, layout):
+    """The read view of positions < n is unchanged by the crop: the cut block's tokens come back decoded."""
+    x = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(2))
+    stream = stream_of(tier, layout, x, (33,))
+    before = stream.read()[:, :, :21].clone()
+    attn_q = torch.randn(1, 2, 1, 8)
+    stream.crop(21)
+    assert torch.equal(stream.read()[:, :, :21], before)
+    assert torch.equal(ops.read(*stream.state, stream.tail, stream.length, stream.spec)[:, :, :21], before)
+    assert stream.archived_tokens == 16
+    # attention after the crop reads exactly those values too
+    k, v = CodecKVCache(TIERS[tier], layout=layout, max_length=100), None
+    k.keys, k.values = stream, stream
+    ref = torch.softmax(attn_q @ before.transpose(-1, -2) / 8**0.5, dim=-1) @ before
+    torch.testing.assert_close(k.attention(attn_q), ref, atol=1e-6, rtol=0)
+    assert v is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("tier", "keep"), [("png", 19), ("jpeg-int8", 16), ("png-half", 24)])
+def test_crop_is_repeatable(tier, keep, layout):
+    """Cropping twice is cropping once; crop, regrow, crop again gives the same state (lossy tiers: at a block
+    boundary, since regrowing re-encodes the cut block from its decoded tokens)."""
+    x = torch.randn(1, 2, 60, 8, generator=torch.Generator().manual_seed(3))
+    stream = stream_of(tier, layout, x, (30, 37))
+    stream.crop(keep)
+    once = snapshot(stream)
+    stream.crop(keep)
+    assert_same_snapshot(once, snapshot(stream))
+    view = stream.read().clone()
+    stream.append(x[:, :, 40:57])
+    stream.crop(keep)
+    assert torch.equal(stream.read(), view)
+    assert torch.equal(stream.tail, once[0][3])
+    stream.crop(-4)
+    assert stream.get_seq_length() == keep - 4
+    stream.crop(100)  # longer than the stream: nothing to drop
+    assert stream.get_seq_length() == keep - 4
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_static_memo_equals_read_op_after_crop_and_regrow(tier):
+    """The static layout's read() is the whole memo: past the length it must hold zeros, like flashcodec::read."""
+    x = torch.randn(1, 2, 60, 8, generator=torch.Generator().manual_seed(4))
+    stream = stream_of(tier, "static", x, (30, 37))
+    for keep in (21, 27, 16, 3):
+        stream.crop(keep)
+        stream.append(x[:, :, 50:51])
+        assert torch.equal(stream.read(), ops.read(*stream.state, stream.tail, stream.length, stream.spec))
+
+
+# ---------------------------------------------------------------------------------------------------- storage
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memoize", [True, False])
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_storage_bytes_count_every_tensor_held(tier, memoize, layout):
+    cache = CodecKVCache(TIERS[tier], TIERS["png"], layout=layout, max_length=300, memoize=memoize)
+    assert cache.storage_bytes()["total"] == 0
+    x = torch.randn(2, 3, 203, 16).to(torch.float16)
+    cache.append(x, x)
+    nbytes = cache.storage_bytes()
+    held = [*cache.keys.state, cache.keys.tail, cache.keys.length, *cache.values.state, cache.values.tail,
+            cache.values.length]
+    memos = [m for m in (cache.keys.memo, cache.values.memo) if m is not None]
+    assert len(memos) == (2 if memoize else 0)
+    assert nbytes["total"] == sum(t.nbytes for t in held + memos)
+    assert nbytes["memo"] == sum(m.nbytes for m in memos)
+    states = [*cache.keys.state, *cache.values.state]
+    assert nbytes["archive"] + nbytes["scales"] + nbytes["index"] == sum(t.nbytes for t in states)
+    per_block = TIERS[tier].bytes_per_block(16, torch.float16) + TIERS["png"].bytes_per_block(16, torch.float16)
+    assert nbytes["archive_used"] == (203 // R) * 2 * 3 * per_block
+    cache.release_memo()
+    after = cache.storage_bytes()
+    assert after["memo"] == 0 and after["total"] == nbytes["total"] - nbytes["memo"]
+
+
+def test_int8_tier_is_smaller_than_raw_by_the_expected_factor():
+    d = 64
+    stream = CodecStream(TIERS["jpeg-int8"], "static", max_length=128, memoize=False)
+    stream.append(torch.randn(1, 4, 128, d).to(torch.bfloat16))
+    nbytes = stream.storage_bytes()
+    raw = 1 * 4 * 128 * d * 2  # bf16
+    # int8 codes (1 byte per value) + one fp32 scale per (block, frequency): 8 * 64 + 8 * 4 bytes per 8 x 64 block
+    assert nbytes["archive"] + nbytes["scales"] == raw * (R * d + 4 * R) // (R * d * 2)
+    assert nbytes["archive_used"] == nbytes["archive"] + nbytes["scales"]
+    assert (nbytes["archive"] + nbytes["scales"]) / raw == pytest.approx(544 / 1024)
+    png = CodecStream(TIERS["png"], "static", max_length=128, memoize=False)
+    png.append(torch.randn(1, 4, 128, d).to(torch.bfloat16))
+    assert png.storage_bytes()["archive"] == 2 * raw  # fp32 deltas of a bf16 stream: honestly twice the raw size
+
+
+# ---------------------------------------------------------------------------------------------------- beams
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("k_tier", "v_tier"), [("jpeg-int8", "png-half"), ("png", "jpeg-k3")])
+def test_index_select_moves_everything_together(k_tier, v_tier, layout):
+    """Select/reorder beams, keep decoding: equal to running each selected sequence on its own."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(4, 2, 60, 8, generator=gen)
+    v = torch.randn(4, 2, 60, 8, generator=gen)
+    pick = torch.tensor([2, 0, 2, 1])
+    cache = CodecKVCache(TIERS[k_tier], TIERS[v_tier], layout=layout, max_length=64)
+    cache.append(k[:, :, :21], v[:, :, :21])
+    cache.append(k[:, :, 21:27], v[:, :, 27:27 + 6])
+    cache.index_select(pick)
+    later_k, later_v = torch.randn(4, 2, 9, 8, generator=gen), torch.randn(4, 2, 9, 8, generator=gen)
+    cache.append(later_k[:, :, :4], later_v[:, :, :4])
+    for i in range(4, 9):
+        cache.append(later_k[:, :, i: i + 1], later_v[:, :, i: i + 1])
+    q = torch.randn(4, 4, 1, 8, generator=gen)
+    out = cache.attention(q)
+    for row, src in enumerate(pick.tolist()):
+        alone = CodecKVCache(TIERS[k_tier], TIERS[v_tier], layout=layout, max_length=64)
+        alone.append(k[src: src + 1, :, :21], v[src: src + 1, :, :21])
+        alone.append(k[src: src + 1, :, 21:27], v[src: src + 1, :, 27:33])
+        alone.append(later_k[row: row + 1, :, :4], later_v[row: row + 1, :, :4])
+        for i in range(4, 9):
+            alone.append(later_k[row: row + 1, :, i: i + 1], later_v[row: row + 1, :, i: i + 1])
+        for mine, theirs in ((cache.keys, alone.keys), (cache.values, alone.values)):
+            for a, b in zip(mine.state, theirs.state, strict=True):
+                assert torch.equal(a[row: row + 1], b)
+            assert torch.equal(mine.tail[row: row + 1], theirs.tail)
+            assert torch.equal(mine.memo[row: row + 1], theirs.memo)
+        for a, b in zip(cache.read(), alone.read(), strict=True):
+            assert torch.equal(a[row: row + 1], b)
+        torch.testing.assert_close(out[row: row + 1], alone.attention(q[row: row + 1]), atol=1e-6, rtol=0)
+
+
+def test_repeat_interleave_expands_every_tensor():
+    x = torch.randn(2, 1, 19, 4)
+    cache = CodecKVCache(TIERS["jpeg-int8"])
+    cache.append(x, x)
+    cache.repeat_interleave(3)
+    twin = CodecKVCache(TIERS["jpeg-int8"])
+    twin.append(x.repeat_interleave(3, dim=0), x.repeat_interleave(3, dim=0))
+    for a, b in ((cache.keys, twin.keys), (cache.values, twin.values)):
+        assert_same_content(a, b)
+        assert torch.equal(a.memo, b.memo)
