@@ -35,7 +35,7 @@ def _archive_kernel(data_ptr, scale_ptr, index_ptr, tail_ptr, len_ptr, new_ptr, 
                     syn_ptr, H, NB, T, r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr,
                     KR: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr,
                     HAS_MEMO: tl.constexpr):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -64,7 +64,7 @@ def _archive_kernel(data_ptr, scale_ptr, index_ptr, tail_ptr, len_ptr, new_ptr, 
 @triton.jit
 def _tail_kernel(tail_ptr, len_ptr, new_ptr, snb, snh, snt, H, T, r: tl.constexpr, D: tl.constexpr,
                  DP: tl.constexpr, RP: tl.constexpr):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr)
     off = length % r
     last = (length + T) // r - length // r

@@ -61,7 +61,7 @@ def _split_kernel(
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    bh = pid // N_MCHUNK
+    bh = (pid // N_MCHUNK).to(tl.int64)
     b = bh // HKV
     kvh = bh % HKV
     m = (pid % N_MCHUNK) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -20,7 +20,7 @@ def _encode_kernel(x_ptr, sxb, sxh, sxs, an_ptr, syn_ptr, data_ptr, scale_ptr, i
                    r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr,
                    MODE: tl.constexpr, R: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr):
     """One block of ``x`` -> its stored rows (MODE: 0 jpeg, 1 png)."""
-    blk = tl.program_id(0)
+    blk = tl.program_id(0).to(tl.int64)
     bh = blk // NB
     n = blk % NB
     i = tl.arange(0, XR)[:, None]
@@ -38,7 +38,7 @@ def _encode_kernel(x_ptr, sxb, sxh, sxs, an_ptr, syn_ptr, data_ptr, scale_ptr, i
 def _decode_kernel(data_ptr, scale_ptr, index_ptr, syn_ptr, tail_ptr, len_ptr, out_ptr, NB,
                    r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr,
                    MODE: tl.constexpr, R: tl.constexpr, QUANT: tl.constexpr, KEPT: tl.constexpr, READ: tl.constexpr):
-    blk = tl.program_id(0)
+    blk = tl.program_id(0).to(tl.int64)
     bh = blk // NB
     n = blk % NB
     i = tl.arange(0, XR)[:, None]
