@@ -95,11 +95,11 @@ class CodecStream:
             self._check_new(x)
         r, t = self.codec.block_size, x.shape[2]
         if self.layout == "static":
-            if self.state is None:
-                self._allocate(x, _ceil_div(self.max_length, r))
             if not compiling and self._host_length + t > self.max_length:
                 raise ValueError(f"static cache holds max_length={self.max_length} tokens; "
                                  f"{self._host_length} stored + {t} new exceeds it")
+            if self.state is None:
+                self._allocate(x, _ceil_div(self.max_length, r))
         else:
             need = _ceil_div(self._host_length + t, r)
             if self.state is None:
