@@ -103,19 +103,18 @@ def test_crop_at_block_boundary_and_regrow_equals_fresh_run_lossy(tier, keep, la
 def test_crop_inside_archived_block_keeps_what_was_read(tier, layout):
     """The read view of positions < n is unchanged by the crop: the cut block's tokens come back decoded."""
     x = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(2))
-    stream = stream_of(tier, layout, x, (33,))
-    before = stream.read()[:, :, :21].clone()
-    attn_q = torch.randn(1, 2, 1, 8)
-    stream.crop(21)
-    assert torch.equal(stream.read()[:, :, :21], before)
-    assert torch.equal(ops.read(*stream.state, stream.tail, stream.length, stream.spec)[:, :, :21], before)
-    assert stream.archived_tokens == 16
-    # attention after the crop reads exactly those values too
-    k, v = CodecKVCache(TIERS[tier], layout=layout, max_length=100), None
-    k.keys, k.values = stream, stream
-    ref = torch.softmax(attn_q @ before.transpose(-1, -2) / 8**0.5, dim=-1) @ before
-    torch.testing.assert_close(k.attention(attn_q), ref, atol=1e-6, rtol=0)
-    assert v is None
+    cache = CodecKVCache(TIERS[tier], layout=layout, max_length=100)
+    cache.append(x[:, :, :33], x[:, :, :33])
+    before = [view[:, :, :21].clone() for view in cache.read()]
+    cache.crop(21)
+    assert cache.get_seq_length() == 21 and cache.keys.archived_tokens == 16
+    for stream, view in zip((cache.keys, cache.values), before, strict=True):
+        assert torch.equal(stream.read()[:, :, :21], view)
+        assert torch.equal(ops.read(*stream.state, stream.tail, stream.length, stream.spec)[:, :, :21], view)
+    q = torch.randn(1, 2, 1, 8)
+    k, v = before
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1) @ v
+    torch.testing.assert_close(cache.attention(q), ref, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -241,3 +240,97 @@ def test_repeat_interleave_expands_every_tensor():
     for a, b in ((cache.keys, twin.keys), (cache.values, twin.values)):
         assert_same_content(a, b)
         assert torch.equal(a.memo, b.memo)
+
+
+# ---------------------------------------------------------------------------------------------------- rejected calls
+
+
+@pytest.mark.parametrize(("kwargs", "error", "name"), [
+    ({"codec": "jpeg"}, TypeError, "codec"),
+    ({"layout": "paged"}, ValueError, "layout"),
+    ({"layout": "static"}, ValueError, "max_length"),
+    ({"layout": "static", "max_length": 0}, ValueError, "max_length"),
+    ({"layout": "static", "max_length": 10.0}, ValueError, "max_length"),
+    ({"layout": "static", "max_length": True}, ValueError, "max_length"),
+])
+def test_bad_stream_options(kwargs, error, name):
+    kwargs = {"codec": TIERS["jpeg"], **kwargs}
+    with pytest.raises(error, match=name):
+        CodecStream(**kwargs)
+
+
+def test_key_and_value_codecs_must_share_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        CodecKVCache(make_codec("jpeg", block_size=8), make_codec("png", block_size=4))
+
+
+BAD_NEW = {
+    "wrong heads": (lambda: torch.randn(2, 3, 1, 8), ValueError, r"\(2, 2, T, 8\)"),
+    "wrong head_dim": (lambda: torch.randn(2, 2, 1, 4), ValueError, r"\(2, 2, T, 8\)"),
+    "wrong batch": (lambda: torch.randn(1, 2, 1, 8), ValueError, r"\(2, 2, T, 8\)"),
+    "wrong dtype": (lambda: torch.randn(2, 2, 1, 8, dtype=torch.float64), ValueError, "float32"),
+    "integer": (lambda: torch.ones(2, 2, 1, 8, dtype=torch.int64), TypeError, "floating"),
+    "rank 3": (lambda: torch.randn(2, 1, 8), ValueError, "B, H, T, D"),
+    "empty": (lambda: torch.randn(2, 2, 0, 8), ValueError, "T >= 1"),
+    "not a tensor": (lambda: [[1.0]], ValueError, "tensor"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(BAD_NEW))
+def test_rejected_append_changes_nothing(case, layout):
+    make, error, match = BAD_NEW[case]
+    stream = stream_of("jpeg-int8", layout, torch.randn(2, 2, 20, 8), (11, 13))
+    before = snapshot(stream)
+    with pytest.raises(error, match=match):
+        stream.append(make())
+    assert_same_snapshot(before, snapshot(stream))
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_static_overflow_is_rejected_before_any_state_change(fresh):
+    stream = CodecStream(TIERS["png"], "static", max_length=20)
+    if not fresh:
+        stream.append(torch.randn(1, 1, 15, 4))
+    before = snapshot(stream)
+    with pytest.raises(ValueError, match="max_length=20"):
+        stream.append(torch.randn(1, 1, 21 if fresh else 6, 4))
+    assert_same_snapshot(before, snapshot(stream))
+    # the rejected call allocated nothing: a fresh stream still takes any shape and dtype
+    stream.append(torch.randn(1, 1, 5, 4, dtype=torch.float64 if fresh else torch.float32))
+    assert stream.get_seq_length() == (5 if fresh else 20)
+
+
+def test_cache_append_rejects_mismatched_keys_and_values_before_any_change():
+    cache = CodecKVCache(TIERS["jpeg"], TIERS["png"], layout="static", max_length=12)
+    cache.append(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    before = snapshot(cache.keys), snapshot(cache.values)
+    for k, v, match in [
+        (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 2, 4), "share"),
+        (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), "new tokens"),
+        (torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), "max_length"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cache.append(k, v)
+        assert_same_snapshot(before[0], snapshot(cache.keys))
+        assert_same_snapshot(before[1], snapshot(cache.values))
+
+
+def test_bad_crop_arguments_change_nothing():
+    stream = stream_of("png", "dynamic", torch.randn(1, 1, 20, 4), (13,))
+    before = snapshot(stream)
+    with pytest.raises(TypeError, match="n must be an int"):
+        stream.crop(5.0)
+    with pytest.raises(TypeError, match="n must be an int"):
+        stream.crop(True)
+    with pytest.raises(ValueError, match="cannot crop"):
+        stream.crop(-14)
+    assert_same_snapshot(before, snapshot(stream))
+
+
+def test_reads_before_any_token_fail_clearly():
+    cache = CodecKVCache(TIERS["jpeg"])
+    with pytest.raises(RuntimeError, match="before any token"):
+        cache.read()
+    with pytest.raises(RuntimeError, match="at least one token"):
+        cache.attention(torch.randn(1, 1, 1, 8))
