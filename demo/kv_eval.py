@@ -6,6 +6,8 @@ Everything here drives a model through the public transformers API one forward c
 quantities are what the cache does to the model:
 
 - :func:`greedy`: prefill the prompt (exact), then decode greedily token by token; decode tok/s is timed.
+- :func:`greedy_and_forced`: both of the above for one tier in one pass (they share every step until the first
+  divergence).
 - :func:`teacher_forced`: prefill a prefix (exact), then feed given target tokens one by one through the cache and
   return the log-probabilities each step assigned; every target after the first is predicted by a step that read
   the (possibly compressed) cache.
@@ -15,6 +17,7 @@ quantities are what the cache does to the model:
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import time
@@ -163,6 +166,38 @@ def greedy(model: Any, prompt_ids: torch.Tensor, cache: Any, new_tokens: int) ->
         tokens.append(logprobs[-1].argmax(-1, keepdim=True))
     seconds = time.perf_counter() - start
     return Generation(torch.cat(tokens, 1), torch.stack(logprobs, 1), seconds, new_tokens - 1, cache)
+
+
+@torch.no_grad()
+def greedy_and_forced(model: Any, prompt_ids: torch.Tensor, reference_tokens: torch.Tensor, cache: Any) -> Generation:
+    """Both measurements of one tier in a single pass, for ``prompt_ids (1, P)`` and the reference continuation
+    ``reference_tokens (1, N)``: ``logprobs`` are the teacher-forced log-probs ``(1, N, V)`` (as :func:`teacher_forced`),
+    ``tokens`` the greedy continuation ``(1, N)`` (as :func:`greedy`).
+
+    Greedy decoding and teacher forcing feed the same tokens until the greedy choice first differs from the
+    reference, so the teacher-forced run is also the greedy run up to there; at that step the cache is copied and
+    greedy decoding continues on the copy. Decode time covers every single-token step of both (not the copy)."""
+    if prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must have batch 1, got {tuple(prompt_ids.shape)}")
+    kwarg, n = _cache_kwarg(model), reference_tokens.shape[1]
+    logprobs = [_step(model, prompt_ids, cache, kwarg)]
+    seconds, steps, diverged, fork = 0.0, 0, None, None
+    for t in range(n):
+        if diverged is None and int(logprobs[t].argmax(-1)) != int(reference_tokens[0, t]):
+            diverged, fork = t, copy.deepcopy(cache)
+        if t == n - 1:
+            break
+        start = time.perf_counter()
+        logprobs.append(_step(model, reference_tokens[:, t: t + 1], cache, kwarg))
+        seconds, steps = seconds + time.perf_counter() - start, steps + 1
+    tokens = reference_tokens.clone()
+    if diverged is not None:
+        tokens[0, diverged] = logprobs[diverged].argmax(-1)[0]
+        for t in range(diverged + 1, n):
+            start = time.perf_counter()
+            tokens[0, t] = _step(model, tokens[:, t - 1: t], fork, kwarg).argmax(-1)[0]
+            seconds, steps = seconds + time.perf_counter() - start, steps + 1
+    return Generation(tokens, torch.stack(logprobs, 1), seconds, steps, cache)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,13 @@ from kv_eval import (  # noqa: E402
     Tier,
     cache_bytes,
     greedy,
+    greedy_and_forced,
     main_tiers,
     make_cache,
     markdown_table,
     mean_kl,
     nll,
     prepared,
-    teacher_forced,
     token_match,
 )
 
@@ -70,12 +71,14 @@ def build_table(model: Any, ids: torch.Tensor, new_tokens: int, tiers: list[Tier
     n_values = raw_bytes // torch.empty((), dtype=model.dtype).element_size()
     rows, generated = [], {}
     for tier in tiers:
+        start = time.perf_counter()
         if tier.is_raw:
-            gen, forced = ref, ref.logprobs  # raw teacher forcing on its own continuation is its generation
+            gen = ref  # teacher forcing the raw cache on its own continuation is its generation
         else:
             with prepared(model, tier):
-                gen = greedy(model, ids, make_cache(model, tier), new_tokens)
-                forced = teacher_forced(model, ids, ref.tokens, make_cache(model, tier))
+                gen = greedy_and_forced(model, ids, ref.tokens, make_cache(model, tier))
+        forced = gen.logprobs
+        print(f"  {tier.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         match, prefix = token_match(ref.tokens, gen.tokens)
         nbytes = cache_bytes(gen.cache)
         loss = nll(forced, ref.tokens)

@@ -17,7 +17,18 @@ sys.path.insert(0, str(DEMO))
 sys.path.insert(0, str(DEMO.parent / "benchmarks"))
 
 from conftest import fresh_tiny_model, tiny_prompt  # noqa: E402
-from kv_eval import RAW, Tier, main_tiers, markdown_table, mean_kl, teacher_forced, token_match  # noqa: E402
+from kv_eval import (  # noqa: E402
+    RAW,
+    Tier,
+    greedy,
+    greedy_and_forced,
+    main_tiers,
+    make_cache,
+    markdown_table,
+    mean_kl,
+    teacher_forced,
+    token_match,
+)
 
 _spec = importlib.util.spec_from_file_location("flashcodec_demo_main", DEMO / "main.py")
 demo_main = importlib.util.module_from_spec(_spec)
@@ -97,6 +108,19 @@ def test_teacher_forcing_matches_one_full_forward_on_the_raw_cache():
     with torch.no_grad():
         full = torch.log_softmax(model(input_ids=ids).logits[:, 5:-1].float(), -1)
     torch.testing.assert_close(forced, full, atol=1e-4, rtol=1e-4)
+
+
+def test_single_pass_equals_separate_greedy_and_teacher_forcing_after_a_divergence():
+    """png keep_ratio=0.25 (pruned deltas) is lossy enough to make the tiny model diverge from the raw tokens."""
+    model = fresh_tiny_model("llama")
+    ids, lossy = tiny_prompt(1, 20), Tier("png keep=0.25", {"mode": "png", "keep_ratio": 0.25})
+    ref = greedy(model, ids, make_cache(model, RAW), NEW_TOKENS)
+    alone = greedy(model, ids, make_cache(model, lossy), NEW_TOKENS)
+    both = greedy_and_forced(model, ids, ref.tokens, make_cache(model, lossy))
+    assert token_match(ref.tokens, alone.tokens)[1] < NEW_TOKENS - 1  # it does diverge, early enough to matter
+    assert torch.equal(both.tokens, alone.tokens)
+    torch.testing.assert_close(both.logprobs, teacher_forced(model, ids, ref.tokens, make_cache(model, lossy)))
+    assert both.decode_steps == (NEW_TOKENS - 1) + (NEW_TOKENS - 1 - token_match(ref.tokens, alone.tokens)[1])
 
 
 def test_main_writes_json(tmp_path, monkeypatch):
