@@ -16,20 +16,20 @@ import torch
 
 from .sdpa_over_cache import SDPAOverCachePass
 
-OWN_OPTIONS = ("strict", "debug")
+OWN_OPTIONS = ("strict", "debug", "lower")
 
 
 class FlashCodecBackend:
     """A configured backend (callable as a torch.compile backend). ``pass_`` is the installed
     :class:`SDPAOverCachePass`; its ``reports`` say what each compiled graph got."""
 
-    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None,
+    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto",
                  mode: str | None = None, options: dict | None = None):
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict of Inductor config values, got {type(options).__name__}")
         if mode is not None and not isinstance(mode, str):
             raise TypeError(f"mode must be a torch.compile mode string, got {type(mode).__name__}")
-        self.pass_ = SDPAOverCachePass(strict=strict, debug=debug)
+        self.pass_ = SDPAOverCachePass(strict=strict, debug=debug, lower=lower)
         self.mode, self.options = mode, dict(options or {})
         self.__name__ = "flashcodec"
 
@@ -53,20 +53,22 @@ class FlashCodecBackend:
 
         options = dict(options or {})
         own = {key: options.pop(key) for key in OWN_OPTIONS if key in options}
-        target = self if not own else FlashCodecBackend(**{"strict": self.pass_.strict, "debug": self.pass_.debug,
-                                                           **own}, mode=self.mode, options=self.options)
+        mine = {"strict": self.pass_.strict, "debug": self.pass_.debug, "lower": self.pass_.lower}
+        target = self if not own else FlashCodecBackend(**{**mine, **own}, mode=self.mode, options=self.options)
         return compile_fx(gm, example_inputs, config_patches=target.config_patches(mode, options))
 
 
-def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None, mode: str | None = None,
-            options: dict | None = None) -> FlashCodecBackend:
+def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto",
+            mode: str | None = None, options: dict | None = None) -> FlashCodecBackend:
     """A configured ``flashcodec`` backend: ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))``.
 
     ``strict``: raise if any decoded KV view remains in a compiled graph (materialization-free guarantee).
-    ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``mode``/``options``:
+    ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``lower``: "auto" (inline
+    an Inductor-fusable codec attention on CPU, keep the custom op and its kernel elsewhere), "op", "inline".
+    ``mode``/``options``:
     Inductor's, as for ``torch.compile(backend="inductor")``.
     """
-    return FlashCodecBackend(strict=strict, debug=debug, mode=mode, options=options)
+    return FlashCodecBackend(strict=strict, debug=debug, lower=lower, mode=mode, options=options)
 
 
 flashcodec_backend = FlashCodecBackend()

@@ -23,14 +23,16 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.flashcodec)
-from . import match
+from . import lowering, match
 from .match import DECODE, READ, NoMatch, SDPACall, bind_sdpa, trace_kv
 
 log = logging.getLogger(__name__)
 CODEC_ATTENTION = torch.ops.flashcodec.codec_attention.default
 DEBUG_ENV = "FLASHCODEC_FX_DEBUG_DIR"
+LOWERINGS = ("auto", "op", "inline")
 
 
 class MaterializationError(RuntimeError):
@@ -46,30 +48,38 @@ class PassReport:
     remaining_views: list[str] = field(default_factory=list)
     graph_before: str | None = None
     graph_after: str | None = None
+    graph_lowered: str | None = None
+    inlined: int = 0
 
 
 class SDPAOverCachePass(CustomGraphPass):
     """Inductor post-grad pass. ``strict``: raise :class:`MaterializationError` if any ``flashcodec::read`` /
     ``flashcodec::decode`` view (or the append's memo) still feeds the graph after the rewrite.
     ``debug``: True logs the graph before and after (logger ``flashcodec_fx.passes``), a path writes
-    ``<path>/graph_<n>_{before,after}.txt``; the environment variable ``FLASHCODEC_FX_DEBUG_DIR`` does the same.
+    ``<path>/graph_<n>_{before,after,lowered}.txt``; the environment variable ``FLASHCODEC_FX_DEBUG_DIR`` does the same.
+    ``lower``: how each inserted ``codec_attention`` runs: "op" keeps the custom op (its CUDA/Triton kernel or the
+    eager reference), "inline" replaces it by :func:`lowering.codec_attention_fused` for Inductor to fuse, "auto"
+    (default) inlines on CPU and keeps the op elsewhere.
     Debugging disables Inductor's FX graph cache for the graphs this pass sees (``uuid() is None``), so every
     compile dumps. ``reports`` keeps a :class:`PassReport` per run (not on FX graph cache hits)."""
 
-    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None):
+    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto"):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+        if lower not in LOWERINGS:
+            raise ValueError(f"lower must be one of {LOWERINGS}, got {lower!r}")
         if debug is None:
             debug = os.environ.get(DEBUG_ENV) or False
         if not isinstance(debug, (bool, str, os.PathLike)):
             raise TypeError(f"debug must be a bool or a directory path, got {type(debug).__name__}")
-        self.strict, self.debug = strict, debug
+        self.strict, self.debug, self.lower = strict, debug, lower
         self.reports: list[PassReport] = []
 
     def uuid(self) -> bytes | None:
         if self.debug:
             return None
-        return get_hash_for_files((__file__, match.__file__), extra=f"strict={self.strict}")
+        return get_hash_for_files((__file__, match.__file__, lowering.__file__),
+                                  extra=f"strict={self.strict},lower={self.lower}")
 
     def __call__(self, graph: Graph) -> None:
         report = PassReport()
@@ -86,6 +96,12 @@ class SDPAOverCachePass(CustomGraphPass):
         report.remaining_views = _remaining_views(graph, report.skipped)
         if self.debug:
             report.graph_after = str(graph)
+        for node in list(graph.find_nodes(op="call_function", target=CODEC_ATTENTION)):
+            if self.lower == "inline" or (self.lower == "auto" and node.meta["val"].device.type == "cpu"):
+                _inline(graph, node)
+                report.inlined += 1
+        if self.debug:
+            report.graph_lowered = str(graph)
             self._dump(report)
         self.reports.append(report)
         if self.strict and report.remaining_views:
@@ -97,13 +113,14 @@ class SDPAOverCachePass(CustomGraphPass):
     def _dump(self, report: PassReport) -> None:
         n = len(self.reports)
         if isinstance(self.debug, bool):
-            log.warning("flashcodec pass graph %d before:\n%s\nafter (%d rewritten, skipped %s):\n%s", n,
-                        report.graph_before, report.rewritten, report.skipped, report.graph_after)
+            log.warning("flashcodec pass graph %d before:\n%s\nafter (%d rewritten, skipped %s):\n%s\nlowered:\n%s", n,
+                        report.graph_before, report.rewritten, report.skipped, report.graph_after, report.graph_lowered)
             return
         folder = Path(self.debug)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"graph_{n}_before.txt").write_text(report.graph_before)
         (folder / f"graph_{n}_after.txt").write_text(report.graph_after)
+        (folder / f"graph_{n}_lowered.txt").write_text(report.graph_lowered)
 
 
 def _remaining_views(graph: Graph, skipped: list[str]) -> list[str]:
@@ -162,3 +179,27 @@ def _mask_4d(graph: Graph, mask: Node | None, fake_mode) -> Node | None:
     with fake_mode:
         node.meta["val"] = mask.meta["val"].reshape(full)
     return node
+
+
+def _inline(graph: Graph, node: Node) -> None:
+    """Replace one ``codec_attention`` node by the traced :func:`lowering.codec_attention_fused` (ATen ops only)."""
+    tensor_at = [i for i, a in enumerate(node.args) if isinstance(a, Node)]
+
+    def fused(*tensors):
+        args = list(node.args)
+        for i, tensor in zip(tensor_at, tensors, strict=True):
+            args[i] = tensor
+        return lowering.codec_attention_fused(*args)
+
+    from torch._inductor.decomposition import select_decomp_table
+
+    vals = [node.args[i].meta["val"] for i in tensor_at]
+    with detect_fake_mode(vals):
+        sub = make_fx(fused, decomposition_table=select_decomp_table())(*vals)  # the ops Inductor lowers post-grad
+    if any(n.op == "get_attr" for n in sub.graph.nodes):
+        raise RuntimeError("flashcodec: the inlined codec_attention traced a tensor constant (lowering bug)")
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(node):
+        out = graph.graph_copy(sub.graph, dict(zip(placeholders, [node.args[i] for i in tensor_at], strict=True)))
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)

@@ -75,22 +75,23 @@ def _trace(attend, state, spec, q, mask):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("queries", [1, 3])
-def test_variant_rewritten_and_equal(variant, queries):
+@pytest.mark.parametrize("queries,lower", [(1, "op"), (3, "inline")])
+def test_variant_rewritten_and_equal(variant, queries, lower):
     attend, masked = VARIANTS[variant]
     length = 21 if masked else CAP  # without a mask, attention over read() covers the whole capacity
     state, spec = _streams(length)
     q = torch.randn(B, HQ, queries, D)
     mask = _mask(length) if masked else None
     gm = _trace(attend, state, spec, q, mask)
-    graph_pass = SDPAOverCachePass(strict=True)
+    graph_pass = SDPAOverCachePass(strict=True, lower=lower)
     graph_pass(gm.graph)
     gm.recompile()
     (report,) = graph_pass.reports
-    assert report.rewritten == 1, report.skipped
+    assert report.rewritten == 1 and report.inlined == (lower == "inline"), report.skipped
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert torch.ops.flashcodec.codec_attention.default in targets
+    assert (torch.ops.flashcodec.codec_attention.default in targets) == (lower == "op")
     assert torch.ops.flashcodec.read.default not in targets
+    assert not any("scaled_dot_product" in str(t) for t in targets)
     k, v = _read(state, spec)
     scale = 0.3 if "scale" in variant else None
     want = F.scaled_dot_product_attention(q, _repeat(k), _repeat(v), attn_mask=mask, scale=scale)
