@@ -37,6 +37,11 @@ def check_attention_args(q, k_state, v_state, spec_k, spec_v, mask):
         raise ValueError(f"q must be (B, Hq, T, D) matching the cache's B and D, got {tuple(q.shape)}")
     if k_state[0].shape[:3] != v_state[0].shape[:3] or k_state[3].shape[:2] != v_state[3].shape[:2]:
         raise ValueError("k and v states must have the same (B, H_kv, NB)")
+    if v_state[0].shape[4] != q.shape[3]:
+        raise ValueError(f"v states must have q's head_dim {q.shape[3]}, got {v_state[0].shape[4]}")
+    if not q.dtype == k_state[3].dtype == v_state[3].dtype:
+        raise ValueError(f"q dtype must match the streams' dtype (k_tail {k_state[3].dtype}, v_tail {v_state[3].dtype}), "
+                         f"got {q.dtype}")
     if q.shape[1] % k_state[0].shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_state[0].shape[1]})")
     _check_mask(mask, q.shape[0], q.shape[1], q.shape[2])
