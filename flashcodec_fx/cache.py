@@ -285,6 +285,9 @@ def codec_decode_attention(q: torch.Tensor, key_stream: CodecStream, value_strea
     ``(S, D)`` view; returns ``(B, Hq, T, D)`` in q's dtype. GQA by grouping query heads."""
     if key_stream.state is None or value_stream.state is None:
         raise RuntimeError("codec_decode_attention needs streams that hold at least one token")
+    if not torch.compiler.is_compiling() and key_stream._host_length != value_stream._host_length:
+        raise ValueError(f"key and value streams must have the same length, got {key_stream._host_length} and "
+                         f"{value_stream._host_length}")
     return torch.ops.flashcodec.codec_attention(
         q, *key_stream.state, key_stream.tail, *value_stream.state, value_stream.tail, key_stream.length,
         key_stream.spec, value_stream.spec, mask, scale)
