@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashcodec_fx import CodecKVCache, make_codec
+from flashcodec_fx import CodecKVCache, codec_decode_attention, make_codec
 from flashcodec_fx.codecs import JPEGCodec, PNGCodec
 
 ops = torch.ops.flashcodec
@@ -137,3 +137,64 @@ def test_never_builds_the_view(monkeypatch):
     torch.testing.assert_close(cache.attention(q), expected, atol=1e-6, rtol=0)
     largest = largest_operand(lambda: cache.attention(q))
     assert state_size <= largest < view_size, (largest, view_size)
+
+
+def attention_args(**changes):
+    """Valid codec_attention arguments for B=2, H_kv=2, Hq=4, T=1, D=8 with jpeg-int8 keys and png values."""
+    ck, cv = TIERS["jpeg-int8"], TIERS["png"]
+    k = ck.empty_state((2, 2), 3, 8, torch.float32, "cpu")
+    v = cv.empty_state((2, 2), 3, 8, torch.float32, "cpu")
+    args = {"q": torch.randn(2, 4, 1, 8), "k_data": k.data, "k_scale": k.scale, "k_index": k.index,
+            "k_tail": torch.zeros(2, 2, R, 8), "v_data": v.data, "v_scale": v.scale, "v_index": v.index,
+            "v_tail": torch.zeros(2, 2, R, 8), "length": torch.tensor(5), "spec_k": ck.spec, "spec_v": cv.spec,
+            "mask": None}
+    args.update(changes)
+    return args
+
+
+BAD_ATTENTION = {
+    "q head_dim": ({"q": torch.randn(2, 4, 1, 6)}, "q must be"),
+    "q batch": ({"q": torch.randn(3, 4, 1, 8)}, "q must be"),
+    "q rank": ({"q": torch.randn(4, 1, 8)}, "q must be"),
+    "q dtype": ({"q": torch.randn(2, 4, 1, 8, dtype=torch.float16)}, "dtype"),
+    "query heads": ({"q": torch.randn(2, 3, 1, 8)}, "query heads"),
+    "v head_dim": ({"v_data": torch.zeros(2, 2, 3, R, 4), "v_index": torch.zeros(2, 2, 3, 0, 4, dtype=torch.uint8),
+                    "v_tail": torch.zeros(2, 2, R, 4)}, "head_dim"),
+    "v heads": ({"v_data": torch.zeros(2, 1, 3, R, 8), "v_scale": torch.zeros(2, 1, 3, 0),
+                 "v_index": torch.zeros(2, 1, 3, 0, 8, dtype=torch.uint8), "v_tail": torch.zeros(2, 1, R, 8)},
+                "same"),
+    "k state of another codec": ({"spec_k": TIERS["jpeg"].spec}, "spec_k|k_"),
+    "v scale dtype": ({"v_scale": torch.zeros(2, 2, 3, 0, dtype=torch.float16)}, "v_scale"),
+    "k tail shape": ({"k_tail": torch.zeros(2, 2, R + 1, 8)}, "k_tail"),
+    "block sizes": ({"spec_v": make_codec("png", block_size=4).spec, "v_data": torch.zeros(2, 2, 3, 4, 8),
+                     "v_tail": torch.zeros(2, 2, 4, 8)}, "block_size"),
+    "bad spec": ({"spec_v": [7, 8, 8, 0]}, "spec_v"),
+    "length dtype": ({"length": torch.tensor(5, dtype=torch.int32)}, "length"),
+    "length rank": ({"length": torch.tensor([5])}, "length"),
+    "mask queries": ({"mask": torch.ones(1, 1, 2, 24, dtype=torch.bool)}, "mask"),
+    "mask batch": ({"mask": torch.ones(3, 1, 1, 24, dtype=torch.bool)}, "mask"),
+    "mask heads": ({"mask": torch.ones(1, 2, 1, 24, dtype=torch.bool)}, "mask"),
+    "mask rank": ({"mask": torch.ones(1, 24, dtype=torch.bool)}, "mask"),
+    "mask dtype": ({"mask": torch.ones(1, 1, 1, 24, dtype=torch.int64)}, "mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ATTENTION))
+def test_codec_attention_rejects_mismatched_inputs(case):
+    changes, match = BAD_ATTENTION[case]
+    with pytest.raises(ValueError, match=match):
+        ops.codec_attention(**attention_args(**changes))
+
+
+def test_codec_attention_accepts_the_valid_baseline_and_broadcast_masks():
+    for mask in (None, torch.ones(2, 4, 1, 24, dtype=torch.bool), torch.zeros(1, 1, 1, 24)):
+        assert ops.codec_attention(**attention_args(mask=mask)).shape == (2, 4, 1, 8)
+
+
+def test_streams_of_different_lengths_are_rejected():
+    cache = CodecKVCache(TIERS["jpeg"])
+    other = CodecKVCache(TIERS["jpeg"])
+    cache.append(torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8))
+    other.append(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
+    with pytest.raises(ValueError, match="length"):
+        codec_decode_attention(torch.randn(1, 1, 1, 8), cache.keys, other.values)
