@@ -138,3 +138,33 @@ def test_append_op_directly_matches_stream_and_touches_only_its_slots():
     assert torch.equal(tail[:, :, :3], x[:, :, 16:19]) and not tail[:, :, 3:].any()
     assert torch.equal(memo[:, :, :16], codec.decode(enc, torch.float32))
     assert torch.equal(memo[:, :, 16:19], x[:, :, 16:]) and not memo[:, :, 19:].any()
+
+
+BAD_APPEND = {
+    "new dtype": ({"new": torch.randn(1, 2, 3, 8, dtype=torch.float16)}, "new must be"),
+    "new heads": ({"new": torch.randn(1, 3, 3, 8)}, "new must be"),
+    "new head_dim": ({"new": torch.randn(1, 2, 3, 4)}, "new must be"),
+    "memo shape": ({"memo": torch.zeros(1, 2, 3 * R, 8)}, "memo must be"),
+    "memo dtype": ({"memo": torch.zeros(1, 2, 4 * R, 8, dtype=torch.bfloat16)}, "memo must be"),
+    "spec": ({"spec": [0, R, 3, 8]}, "archive_data"),
+    "unknown mode": ({"spec": [5, R, R, 8]}, "spec"),
+    "length": ({"length": torch.tensor(3, dtype=torch.int32)}, "length"),
+    "tail": ({"tail": torch.zeros(1, 2, R - 1, 8)}, "archive_tail"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_APPEND))
+def test_rejected_append_op_mutates_nothing(case):
+    codec = TIERS["jpeg-int8"]
+    data, scale, index = codec.empty_state((1, 2), 4, 8, torch.float32, "cpu")
+    args = {"data": data, "scale": scale, "index": index, "tail": torch.zeros(1, 2, R, 8),
+            "length": torch.zeros((), dtype=torch.int64), "new": torch.randn(1, 2, 11, 8), "spec": codec.spec,
+            "memo": torch.zeros(1, 2, 4 * R, 8)}
+    ops.append(**args)
+    changes, match = BAD_APPEND[case]
+    args.update(changes, new=changes.get("new", torch.randn(1, 2, 3, 8)))
+    before = [t.clone() for t in args.values() if isinstance(t, torch.Tensor)]
+    with pytest.raises(ValueError, match=match):
+        ops.append(**args)
+    after = [t for t in args.values() if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
