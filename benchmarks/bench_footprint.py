@@ -5,8 +5,9 @@ length), dynamic layout. Keys and values are random normal (storage does not dep
 Tiers: jpeg r=8 with K=8, 4 (stream dtype) and K=8, 4 int8; png keep 1.0 and 0.5 (K=2 tiers store K/r of K=8's
 archive: see bench_reconstruct for their sizes). Times are medians of ``--repeats`` runs up to S=8k, one run above.
 
-- storage: ``CodecKVCache.storage_bytes()`` after a fill of S tokens: archive held (allocated) and used, scales,
-  kept-delta index, raw tail, memo; totals with and without the memo, and both against a raw bf16 K+V cache.
+- storage: ``CodecKVCache.storage_bytes()`` after a fill of S tokens: archive held (allocated: data + scales +
+  kept-delta index) and used (filled blocks), its parts, raw tail, memo; totals with and without the memo, and both
+  against a raw bf16 K+V cache.
 - fill: ``CodecKVCache(...).forward(k, v)`` into a fresh cache (allocate, append every block, return the views),
   next to the raw cache's fill (a copy of k and v), in the same run.
 - read: ``cache.read()`` (the memoized view) next to ``torch.ops.flashcodec.read`` (a full decode of the archive),
@@ -69,9 +70,10 @@ def measure(codec: Codec, k: torch.Tensor, v: torch.Tensor, raw_fill: dict, repe
     parts = cache.storage_bytes()
     raw = 2 * k.nbytes
     without_memo = parts["total"] - parts["memo"]
-    storage = {"archive_held": parts["archive"], "archive_used": parts["archive_used"], "scales": parts["scales"],
-               "index": parts["index"], "tail": parts["tail"], "memo": parts["memo"], "total": parts["total"],
-               "total_without_memo": without_memo}
+    held = parts["archive"] + parts["scales"] + parts["index"]
+    storage = {"archive_held": held, "archive_used": parts["archive_used"], "archive_data": parts["archive"],
+               "scales": parts["scales"], "index": parts["index"], "tail": parts["tail"], "memo": parts["memo"],
+               "total": parts["total"], "total_without_memo": without_memo}
     return {"repeats": repeats, "storage_bytes": storage, "raw_bytes": raw, "bytes_vs_raw": parts["total"] / raw,
             "bytes_vs_raw_without_memo": without_memo / raw,
             "fill_s": fill_t["wall_s"], "raw_fill_s": raw_fill["wall_s"], "fill_vs_raw": fill_t["wall_s"] / raw_fill["wall_s"],

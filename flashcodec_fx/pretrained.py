@@ -66,7 +66,8 @@ def _converted(gguf: Path) -> Path:
     loaded = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     config = loaded.config
-    del config.quantization_config  # the loaded weights are dequantized: save them as a plain (unquantized) model
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the loaded weights are dequantized: save them as a plain (unquantized) model
     model = tf.AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
