@@ -35,8 +35,10 @@ def decode_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize(("family", "options"), [("llama", dict(mode="png")), ("gemma3", dict(mode="png")),
-                                                 ("llama", dict(keep_freqs=4))], ids=["llama-png", "gemma3-png", "llama-jpeg4"])
+@pytest.mark.parametrize(("family", "options"), [
+    ("llama", dict(mode="png")), ("gemma3", dict(mode="png")), ("llama", dict(keep_freqs=4)),
+    ("qwen3", dict(mode="png", layout="static", max_cache_len=12 + NEW)),
+], ids=["llama-png", "gemma3-png", "llama-jpeg4", "qwen3-png-static"])
 def test_materialization_free_tokens_equal_the_materialized_path(family, options, decode_calls):
     model = fresh_tiny_model(family)
     ids = tiny_prompt(1, 12)
