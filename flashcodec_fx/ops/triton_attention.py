@@ -32,9 +32,10 @@ def _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, pos, ok, MASK
     ptr = mask_ptr + b * smb + head[:, None] * smh + t[:, None] * smt + pos[None, :] * sml
     inside = ok & (pos[None, :] < mask_len)
     if MASK_KIND == 1:
-        allowed = tl.load(ptr, mask=inside, other=1)
-        return tl.where(allowed != 0, 0.0, float("-inf"))
-    return tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+        bias = tl.where(tl.load(ptr, mask=inside, other=1) != 0, 0.0, float("-inf"))
+    else:
+        bias = tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+    return bias
 
 
 @triton.jit
@@ -95,9 +96,9 @@ def _split_kernel(
         a_v = tl.load(av_ptr + p_in[:, None] * DRV + jv[None, :],
                       mask=(npos[:, None] == nv[None, :]) & (p_in[:, None] < r) & (jv[None, :] < DRV), other=0.0)
         for n0 in range(lo, hi, BLOCK_N):
-            sk = stored_rows(kd_ptr, ks_ptr, ki_ptr, (bh * NB + n0 + nk)[:, None], jk[:, None], dd[None, :],
-                             (n0 + nk < hi)[:, None], RK, D, QK, PK, KEPTK)
-            coef = tl.dot(q, tl.trans(sk.to(DOT_T)), input_precision=PREC)
+            sk_t = stored_rows(kd_ptr, ks_ptr, ki_ptr, (bh * NB + n0 + nk)[None, :], jk[None, :], dd[:, None],
+                               (n0 + nk < hi)[None, :], RK, D, QK, PK, KEPTK)  # S_k^T, loaded transposed
+            coef = tl.dot(q, sk_t.to(DOT_T), input_precision=PREC)
             s = tl.dot(coef, a_k, input_precision=PREC) * qk_scale
             pos_ok = (n0 + npos < hi) & (p_in < r)
             if MASK_KIND != 0:
@@ -173,7 +174,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def attention_plan(batch: int, kv_heads: int, rows: int, blocks: int, block_size: int, rows_k: int, rows_v: int,
-                   device: torch.device, num_splits: int | None = None) -> dict[str, int]:
+                   head_dim: int, device: torch.device, num_splits: int | None = None) -> dict[str, int]:
     """Tile sizes and split count from shapes only (never from the device length, so the launch is fixed).
 
     - ``BLOCK_M``: the ``G * T`` query rows of a kv head, padded to a power of two >= 16 (tl.dot minimum), at
@@ -184,6 +185,8 @@ def attention_plan(batch: int, kv_heads: int, rows: int, blocks: int, block_size
       than tiles, so short contexts get few splits (little combine work) and long ones many (full occupancy,
       each split streams a contiguous block range). The split count comes from the capacity ``NB``: a static
       cache much larger than its length leaves splits with nothing to read; they exit after one length load.
+    - ``num_warps``: 8 when a stored tile holds >= 8192 values (e.g. 8 blocks x 8 rows x D=128), else 4: with
+      D=128 on sm_90 that keeps every tier under 255 registers without spills (ptxas -v, Triton 3.9).
     """
     rp = pow2(block_size)
     block_m = pow2(rows, 16) if rows <= _MAX_ROWS else _MAX_ROWS
@@ -200,8 +203,9 @@ def attention_plan(batch: int, kv_heads: int, rows: int, blocks: int, block_size
     num_splits = min(num_splits, tiles)
     per_split = -(-tiles // num_splits) * block_n if tiles else block_n
     num_splits = -(-blocks // per_split)
+    warps = 8 if block_n * max(pow2(rows_k), pow2(rows_v)) * pow2(head_dim, 16) >= 8192 else 4
     return {"BLOCK_M": block_m, "n_mchunk": n_mchunk, "BLOCK_N": block_n, "num_splits": num_splits,
-            "blocks_per_split": per_split}
+            "blocks_per_split": per_split, "num_warps": warps}
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple:
@@ -238,7 +242,7 @@ def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch
     hkv, nb, r = k_data.shape[1], k_data.shape[2], ck.block_size
     g = hq // hkv
     q = q if q.stride(3) == 1 else q.contiguous()
-    plan = attention_plan(b, hkv, g * t, nb, r, ck.dense_rows, cv.dense_rows, q.device, num_splits)
+    plan = attention_plan(b, hkv, g * t, nb, r, ck.dense_rows, cv.dense_rows, d, q.device, num_splits)
     block_m, n_mchunk, splits = plan["BLOCK_M"], plan["n_mchunk"], plan["num_splits"]
     dp = pow2(d, 16)
     parts = splits + 1
@@ -262,7 +266,8 @@ def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch
         RV=cv.rows, RVP=pow2(cv.dense_rows), QV=bool(cv.quant_bits), PV=cv.index_rows > 0, KEPTV=cv.index_rows,
         DRV=cv.dense_rows,
         BLOCK_N=plan["BLOCK_N"], BLOCK_M=block_m, MASK_KIND=mask_kind,
-        DOT_T=dot_t, PREC=dot_precision(q.dtype),
+        DOT_T=dot_t, PREC=dot_precision(q.dtype), num_stages=1 if ck.index_rows or cv.index_rows else 2,
+        num_warps=plan["num_warps"],
     )
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
     _combine_kernel[(programs,)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, g,

@@ -71,12 +71,11 @@ def stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, valid,
             where = tl.load(index_ptr + blk * (KEPT * D) + m * D + d, mask=ok & (i > 0), other=255).to(tl.int32)
             delta = tl.load(data_ptr + blk * (R * D) + (1 + m) * D + d, mask=ok & (where == i - 1), other=0.0)
             rows += delta.to(tl.float32)
-        return rows
-    rows = tl.load(data_ptr + blk * (R * D) + i * D + d, mask=ok & (i < R), other=0.0).to(tl.float32)
-    if QUANT:
-        rows = rows * tl.load(scale_ptr + blk * R + i, mask=valid & (i < R), other=0.0)
+    else:
+        rows = tl.load(data_ptr + blk * (R * D) + i * D + d, mask=ok & (i < R), other=0.0).to(tl.float32)
+        if QUANT:
+            rows = rows * tl.load(scale_ptr + blk * R + i, mask=valid & (i < R), other=0.0)
     return rows
-
 
 @triton.jit
 def _round_half_even(x):
@@ -119,7 +118,7 @@ def archive_block(x, x_prev, i, d, blk, store_ok, an_ptr, syn_ptr, data_ptr, sca
             rows = stored.to(tl.float32)
         syn = tl.load(syn_ptr + i * R + tl.arange(0, KR)[None, :], mask=(i < r) & (tl.arange(0, KR)[None, :] < R),
                       other=0.0)
-        return tl.dot(syn, rows, input_precision="ieee")
+        decoded = tl.dot(syn, rows, input_precision="ieee")
     else:
         dense = tl.where(i == 0, x, x - x_prev)
         dense = tl.where(i < r, dense, 0.0)
@@ -143,4 +142,5 @@ def archive_block(x, x_prev, i, d, blk, store_ok, an_ptr, syn_ptr, data_ptr, sca
             dense = tl.where((i == 0) | (delta_row & (rank < KEPT)), dense, 0.0)
         else:
             tl.store(data_ptr + blk * (R * D) + i * D + d, dense, mask=store_ok & (i < r) & ok_d)
-        return tl.cumsum(dense, axis=0)
+        decoded = tl.cumsum(dense, axis=0)
+    return decoded

@@ -87,14 +87,16 @@ def test_scale_and_validation(device):
 
 
 def test_plan_heuristic():
-    cuda_like = torch.device("cpu")
-    short = attention_plan(1, 8, 4, 512, 8, 8, 8, cuda_like)
-    long = attention_plan(1, 8, 4, 16384, 8, 8, 8, cuda_like)
+    cpu = torch.device("cpu")
+    short = attention_plan(1, 8, 4, 512, 8, 8, 8, 128, cpu)
+    long = attention_plan(1, 8, 4, 16384, 8, 8, 8, 128, cpu)
     for plan, blocks in ((short, 512), (long, 16384)):
         assert plan["BLOCK_M"] == 16 and plan["BLOCK_N"] * 8 == 64  # 4 query rows padded to 16; 64 positions per tile
         assert plan["num_splits"] * plan["blocks_per_split"] >= blocks > (plan["num_splits"] - 1) * plan["blocks_per_split"]
+        assert plan["num_warps"] == 8  # 8 blocks x 8 rows x D=128 per stored tile
     assert long["blocks_per_split"] > short["blocks_per_split"]  # longer contexts stream longer ranges per split
-    tiny = attention_plan(1, 1, 1, 3, 8, 2, 2, cuda_like, num_splits=64)
+    tiny = attention_plan(1, 1, 1, 3, 8, 2, 2, 16, cpu, num_splits=64)
     assert tiny["num_splits"] == 1 and tiny["BLOCK_N"] * 2 >= 16  # never more splits than tiles; dot needs 16 rows
-    wide = attention_plan(2, 2, 8 * 17, 10, 8, 8, 8, cuda_like)
+    assert tiny["num_warps"] == 4
+    wide = attention_plan(2, 2, 8 * 17, 10, 8, 8, 8, 64, cpu)
     assert wide["BLOCK_M"] == 64 and wide["n_mchunk"] == 3  # 136 query rows: three 64-row programs
