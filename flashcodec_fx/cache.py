@@ -155,10 +155,17 @@ class CodecStream:
         self._host_length = keep
 
     def index_select(self, indices: torch.Tensor) -> None:
-        """Reorder / select along batch (beam search): archive, scales, index, tail and memo move together."""
+        """Reorder / select along batch (beam search): archive, scales, index, tail and memo move together.
+        A static layout keeps its buffers (in-place permutation) when the batch size does not change."""
         if self.state is None:
             return
         indices = indices.to(self.tail.device)
+        if self.layout == "static" and indices.shape[0] == self.tail.shape[0]:
+            # Same batch size (beam reorder): permute in place so buffer addresses stay fixed (CUDA graphs).
+            for t in (*self.state, self.tail, self.memo):
+                if t is not None:
+                    t.copy_(t.index_select(0, indices))
+            return
         self.state = Encoded(*(t.index_select(0, indices) for t in self.state))
         self.tail = self.tail.index_select(0, indices)
         if self.memo is not None:

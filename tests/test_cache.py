@@ -230,6 +230,18 @@ def test_index_select_moves_everything_together(k_tier, v_tier, layout):
         torch.testing.assert_close(out[row: row + 1], alone.attention(q[row: row + 1]), atol=1e-6, rtol=0)
 
 
+def test_static_beam_reorder_keeps_buffer_addresses():
+    """A same-size reorder of a static layout permutes in place: CUDA graphs keep valid pointers."""
+    cache = CodecKVCache(TIERS["jpeg-int8"], layout="static", max_length=32)
+    x = torch.randn(3, 2, 13, 8)
+    cache.append(x, x)
+    before = [t.data_ptr() for t in (*cache.keys.state, cache.keys.tail, cache.keys.memo)]
+    expected = cache.keys.read().index_select(0, torch.tensor([2, 2, 0]))
+    cache.index_select(torch.tensor([2, 2, 0]))
+    assert [t.data_ptr() for t in (*cache.keys.state, cache.keys.tail, cache.keys.memo)] == before
+    assert torch.equal(cache.keys.read(), expected)
+
+
 def test_repeat_interleave_expands_every_tensor():
     x = torch.randn(2, 1, 19, 4)
     cache = CodecKVCache(TIERS["jpeg-int8"])
