@@ -20,8 +20,11 @@ print("python", platform.python_version(), "torch", torch.__version__, "triton",
       "device", torch.cuda.get_device_name(0))
 PYEOF
 
+# Each test compiles its own kernel variants: spread them over 8 processes when pytest-xdist is there.
+PARALLEL=()
+if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi
 status=0
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$OUT/gpu_tests.xml" \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" \
     tests/ops/test_triton_cuda.py tests/ops/test_triton_attention.py tests/ops/test_triton_append.py \
     tests/ops/test_triton_blocks.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 timeout 150 "$PY" benchmarks/bench_attention.py --device cuda --out "$OUT/attention_cuda.json" 2>&1 \

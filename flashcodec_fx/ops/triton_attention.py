@@ -23,6 +23,7 @@ from .attention import check_attention_args
 from .triton_common import codec_matrices, dot_dtype, dot_precision, pow2, require_contiguous, stored_rows
 
 LOG2E = 1.4426950408889634
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _MAX_ROWS = 64  # query rows (G * T) per program; more rows get more programs
 
 
@@ -58,7 +59,7 @@ def _split_kernel(
     RK: tl.constexpr, RKP: tl.constexpr, QK: tl.constexpr, PK: tl.constexpr, KEPTK: tl.constexpr, DRK: tl.constexpr,
     RV: tl.constexpr, RVP: tl.constexpr, QV: tl.constexpr, PV: tl.constexpr, KEPTV: tl.constexpr, DRV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
-    DOT_T: tl.constexpr, PREC: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -96,36 +97,41 @@ def _split_kernel(
         a_v = tl.load(av_ptr + p_in[:, None] * DRV + jv[None, :],
                       mask=(npos[:, None] == nv[None, :]) & (p_in[:, None] < r) & (jv[None, :] < DRV), other=0.0)
         for n0 in range(lo, hi, BLOCK_N):
-            sk_t = stored_rows(kd_ptr, ks_ptr, ki_ptr, (bh * NB + n0 + nk)[None, :], jk[None, :], dd[:, None],
-                               (n0 + nk < hi)[None, :], RK, D, QK, PK, KEPTK)  # S_k^T, loaded transposed
-            coef = tl.dot(q, sk_t.to(DOT_T), input_precision=PREC)
+            # S_k^T, loaded transposed; int8 codes enter the dot exactly, their scales multiply its output
+            kblk = bh * NB + n0 + nk
+            kok = n0 + nk < hi
+            sk_t = stored_rows(kd_ptr, ks_ptr, ki_ptr, kblk[None, :], jk[None, :], dd[:, None], kok[None, :],
+                               RK, D, False, PK, KEPTK)
+            coef = tl.dot(q, sk_t.to(DOT_T), input_precision=PREC_S)
+            if QK:
+                coef = coef * tl.load(ks_ptr + kblk * RK + jk, mask=kok & (jk < RK), other=0.0)[None, :]
             s = tl.dot(coef, a_k, input_precision=PREC) * qk_scale
             pos_ok = (n0 + npos < hi) & (p_in < r)
             if MASK_KIND != 0:
                 pos = (n0 + npos) * r + p_in
                 s += _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, pos,
-                                row_ok[:, None] & pos_ok[None, :], MASK_KIND) * 1.4426950408889634
+                                row_ok[:, None] & pos_ok[None, :], MASK_KIND) * _LOG2E
             s = tl.where(pos_ok[None, :], s, float("-inf"))
             p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc)
             pc = tl.dot(p, a_v, input_precision=PREC)
             sv = stored_rows(vd_ptr, vs_ptr, vi_ptr, (bh * NB + n0 + nv)[:, None], jv[:, None], dd[None, :],
                              (n0 + nv < hi)[:, None], RV, D, QV, PV, KEPTV)
-            acc += tl.dot(pc.to(DOT_T), sv.to(DOT_T), input_precision=PREC)
+            acc += tl.dot(pc.to(DOT_T), sv.to(DOT_T), input_precision=PREC_S)
     else:
         i = tl.arange(0, TP)
         start = n_arch * r
         ok = (i < r) & (start + i < length)
-        raw = bh * (r * D) + i[:, None] * D + dd[None, :]
-        raw_ok = ok[:, None] & (dd[None, :] < D)
-        kt = tl.load(kt_ptr + raw, mask=raw_ok, other=0.0)
-        s = tl.dot(q, tl.trans(kt.to(DOT_T)), input_precision=PREC) * qk_scale
+        kt_t = tl.load(kt_ptr + bh * (r * D) + i[None, :] * D + dd[:, None], mask=ok[None, :] & (dd[:, None] < D),
+                       other=0.0)
+        s = tl.dot(q, kt_t.to(DOT_T), input_precision=PREC_S) * qk_scale
         if MASK_KIND != 0:
             s += _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, start + i,
-                            row_ok[:, None] & ok[None, :], MASK_KIND) * 1.4426950408889634
+                            row_ok[:, None] & ok[None, :], MASK_KIND) * _LOG2E
         s = tl.where(ok[None, :], s, float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc)
-        vt = tl.load(vt_ptr + raw, mask=raw_ok, other=0.0)
-        acc += tl.dot(p.to(DOT_T), vt.to(DOT_T), input_precision=PREC)
+        vt = tl.load(vt_ptr + bh * (r * D) + i[:, None] * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D),
+                     other=0.0)
+        acc += tl.dot(p.to(DOT_T), vt.to(DOT_T), input_precision=PREC_S)
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -226,9 +232,11 @@ def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch
 
     Same contract and validation as the reference (:func:`flashcodec_fx.ops.attention.codec_attention`); every
     codec is supported (jpeg any K <= r, int8, png, pruned png). fp16/bf16/fp32 I/O, fp32 accumulation:
-    16-bit inputs use 16-bit tensor-core dots for ``q . S`` and ``P . S`` (dequantized rows are rounded to the
-    I/O dtype, like a materialized cache) and tf32 for the fp32 synthesis products; fp32 inputs use exact
-    fp32 dots. Tiles and split count: see :func:`attention_plan` (``num_splits`` overrides the heuristic).
+    with 16-bit inputs, ``q . S_k`` runs on 16-bit tensor cores on exact operands (stored rows, or int8 codes
+    whose scales multiply the dot's output), ``P . S_v`` rounds the folded probabilities and the dequantized
+    rows to the I/O dtype (as flash attention rounds P), and every fp32 product (synthesis expansion and fold,
+    png deltas) runs as tf32x3 (about fp32 accuracy); fp32 inputs use exact fp32 dots throughout.
+    Tiles and split count: see :func:`attention_plan` (``num_splits`` overrides the heuristic).
     Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph.
     """
     ck, cv = check_attention_args(q, (k_data, k_scale, k_index, k_tail), (v_data, v_scale, v_index, v_tail),
@@ -255,6 +263,7 @@ def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dtypes = (q.dtype, ck.storage_dtype(k_tail.dtype), cv.storage_dtype(v_tail.dtype), k_tail.dtype, v_tail.dtype)
     dot_t = dot_dtype(*(dt for dt in dtypes if dt.is_floating_point))
+    prec = dot_precision(q.dtype)
     _split_kernel[(programs, parts)](
         q, q.stride(0), q.stride(1), q.stride(2),
         k_data, k_scale, k_index, k_tail, v_data, v_scale, v_index, v_tail, a_k, a_v, length,
@@ -266,8 +275,8 @@ def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch
         RV=cv.rows, RVP=pow2(cv.dense_rows), QV=bool(cv.quant_bits), PV=cv.index_rows > 0, KEPTV=cv.index_rows,
         DRV=cv.dense_rows,
         BLOCK_N=plan["BLOCK_N"], BLOCK_M=block_m, MASK_KIND=mask_kind,
-        DOT_T=dot_t, PREC=dot_precision(q.dtype), num_stages=1 if ck.index_rows or cv.index_rows else 2,
-        num_warps=plan["num_warps"],
+        DOT_T=dot_t, PREC=prec, PREC_S=prec if dot_t == tl.float32 else "tf32",
+        num_stages=1 if ck.index_rows or cv.index_rows else 2, num_warps=plan["num_warps"],
     )
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
     _combine_kernel[(programs,)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, g,

@@ -44,9 +44,9 @@ def dot_dtype(*dtypes: torch.dtype) -> tl.dtype:
 
 
 def dot_precision(q_dtype: torch.dtype) -> str:
-    """fp32 I/O computes fp32 dots exactly (``ieee``); 16-bit I/O uses tf32 for its fp32 dots (synthesis
-    expansion, png deltas), whose 10-bit mantissa is finer than the I/O dtype the result ends in."""
-    return "ieee" if q_dtype == torch.float32 else "tf32"
+    """Precision of the dots whose operands are fp32 (synthesis expansion and fold, png deltas): exact fp32
+    (``ieee``) for fp32 I/O; ``tf32x3`` (three tf32 tensor-core passes, about fp32 accuracy) for 16-bit I/O."""
+    return "ieee" if q_dtype == torch.float32 else "tf32x3"
 
 
 def require_contiguous(**tensors: torch.Tensor) -> None:
