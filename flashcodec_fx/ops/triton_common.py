@@ -105,7 +105,8 @@ def archive_block(x, x_prev, i, d, blk, store_ok, an_ptr, syn_ptr, data_ptr, sca
                      other=0.0)
         coef = tl.dot(an, x, input_precision="ieee")
         if QMAX > 0:
-            scale = tl.max(tl.abs(coef), axis=1) / QMAX
+            # IEEE divisions, as torch does (Triton's fp32 `/` may be approximate on GPUs)
+            scale = tl.math.div_rn(tl.max(tl.abs(coef), axis=1), tl.full((KR,), QMAX, tl.float32))
             safe = tl.where(scale > 0, scale, 1.0)
             codes = _round_half_even(tl.math.div_rn(coef, safe[:, None]))
             codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX)
