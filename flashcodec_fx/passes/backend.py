@@ -16,7 +16,7 @@ import torch
 
 from .sdpa_over_cache import SDPAOverCachePass
 
-OWN_OPTIONS = ("strict", "debug", "lower")
+OWN_OPTIONS = ("strict", "debug", "lower", "inductor")
 
 
 class FlashCodecBackend:
@@ -24,12 +24,15 @@ class FlashCodecBackend:
     :class:`SDPAOverCachePass`; its ``reports`` say what each compiled graph got."""
 
     def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto",
-                 mode: str | None = None, options: dict | None = None):
+                 inductor: bool = True, mode: str | None = None, options: dict | None = None):
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict of Inductor config values, got {type(options).__name__}")
         if mode is not None and not isinstance(mode, str):
             raise TypeError(f"mode must be a torch.compile mode string, got {type(mode).__name__}")
+        if not isinstance(inductor, bool):
+            raise TypeError(f"inductor must be a bool, got {type(inductor).__name__}")
         self.pass_ = SDPAOverCachePass(strict=strict, debug=debug, lower=lower)
+        self.inductor = inductor
         self.mode, self.options = mode, dict(options or {})
         self.__name__ = "flashcodec"
 
@@ -53,22 +56,44 @@ class FlashCodecBackend:
 
         options = dict(options or {})
         own = {key: options.pop(key) for key in OWN_OPTIONS if key in options}
-        mine = {"strict": self.pass_.strict, "debug": self.pass_.debug, "lower": self.pass_.lower}
+        mine = {"strict": self.pass_.strict, "debug": self.pass_.debug, "lower": self.pass_.lower,
+                "inductor": self.inductor}
         target = self if not own else FlashCodecBackend(**{**mine, **own}, mode=self.mode, options=self.options)
+        if not target.inductor:
+            return target._pass_only(gm, example_inputs)
         return compile_fx(gm, example_inputs, config_patches=target.config_patches(mode, options))
+
+    def _pass_only(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
+        """AOTAutograd with Inductor's decompositions, this pass on the functionalized graph, then eager execution:
+        the same graph the Inductor path rewrites, without code generation (fast; for checks and debugging)."""
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        def run_pass(graph_module: torch.fx.GraphModule, _inputs) -> Callable:
+            self.pass_(graph_module.graph)
+            graph_module.graph.lint()
+            graph_module.recompile()
+            return graph_module
+
+        return aot_autograd(fw_compiler=run_pass, decompositions=select_decomp_table())(gm, example_inputs)
+
+    def __deepcopy__(self, memo: dict) -> FlashCodecBackend:
+        """Shared, not copied (transformers deep-copies generation configs): ``pass_.reports`` stay observable."""
+        return self
 
 
 def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto",
-            mode: str | None = None, options: dict | None = None) -> FlashCodecBackend:
+            inductor: bool = True, mode: str | None = None, options: dict | None = None) -> FlashCodecBackend:
     """A configured ``flashcodec`` backend: ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))``.
 
     ``strict``: raise if any decoded KV view remains in a compiled graph (materialization-free guarantee).
     ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``lower``: "auto" (inline
     an Inductor-fusable codec attention on CPU, keep the custom op and its kernel elsewhere), "op", "inline".
-    ``mode``/``options``:
+    ``inductor=False``: run the pass on the AOT (functionalized, Inductor-decomposed) graph and execute it eagerly,
+    without code generation (quick checks). ``mode``/``options``:
     Inductor's, as for ``torch.compile(backend="inductor")``.
     """
-    return FlashCodecBackend(strict=strict, debug=debug, lower=lower, mode=mode, options=options)
+    return FlashCodecBackend(strict=strict, debug=debug, lower=lower, inductor=inductor, mode=mode, options=options)
 
 
 flashcodec_backend = FlashCodecBackend()

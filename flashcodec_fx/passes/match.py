@@ -64,6 +64,10 @@ class NoMatch(Exception):
     """Raised inside the matcher with the reason a site is left alone."""
 
 
+class NotCodec(NoMatch):
+    """The attention site does not read a codec cache at all (nothing to rewrite, nothing to report)."""
+
+
 def _shape(node: Node) -> tuple[int, ...]:
     val = node.meta.get("val") if isinstance(node, Node) else None
     if not isinstance(val, torch.Tensor):
@@ -136,7 +140,7 @@ def trace_kv(node: Node) -> KVSource:
     while True:
         node = _skip_passthrough(node, chain)
         if not isinstance(node, Node) or node.op != "call_function":
-            raise NoMatch(f"{node} is not produced by flashcodec::read")
+            raise NotCodec(f"{node} is not produced by flashcodec::read")
         if node.target == READ:
             return KVSource(node, repeat, chain)
         if node.target == DECODE:
@@ -161,7 +165,23 @@ def trace_kv(node: Node) -> KVSource:
             node = _unsqueezed_source(_skip_passthrough(expand.args[0], chain), chain)
             repeat *= n
             continue
+        if not _reads_codec(node):
+            raise NotCodec(f"{node.name} ({node.target}): attention not over a codec cache read")
         raise NoMatch(f"{node.name} ({node.target}) between flashcodec::read and attention is not a known GQA/view op")
+
+
+def _reads_codec(node: Node, budget: int = 64) -> bool:
+    """Whether a ``flashcodec::read``/``decode`` is among the first ``budget`` ancestors of ``node``."""
+    seen, todo = set(), [node]
+    while todo and len(seen) < budget:
+        cur = todo.pop()
+        if cur in seen or not isinstance(cur, Node):
+            continue
+        seen.add(cur)
+        if cur.target in (READ, DECODE):
+            return True
+        todo.extend(cur.all_input_nodes)
+    return False
 
 
 def _repeat_interleave_heads(node: Node) -> bool:

@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.flashcodec)
 from . import lowering, match
-from .match import DECODE, READ, NoMatch, SDPACall, bind_sdpa, trace_kv
+from .match import DECODE, READ, NoMatch, NotCodec, SDPACall, bind_sdpa, trace_kv
 
 log = logging.getLogger(__name__)
 CODEC_ATTENTION = torch.ops.flashcodec.codec_attention.default
@@ -41,9 +41,11 @@ class MaterializationError(RuntimeError):
 
 @dataclass
 class PassReport:
-    """What one run of the pass did: rewritten sites, sites left alone (with reasons), the graphs if debugging."""
+    """What one run of the pass did: rewritten sites, attention sites not over a codec read (``not_codec``), codec
+    sites left alone (``skipped``, with reasons), views still in the graph, and the graphs when debugging."""
 
     rewritten: int = 0
+    not_codec: int = 0
     skipped: list[str] = field(default_factory=list)
     remaining_views: list[str] = field(default_factory=list)
     graph_before: str | None = None
@@ -91,6 +93,8 @@ class SDPAOverCachePass(CustomGraphPass):
                 if call is not None:
                     _rewrite(graph, call)
                     report.rewritten += 1
+            except NotCodec:
+                report.not_codec += 1
             except NoMatch as why:
                 report.skipped.append(f"{node.name}: {why}")
         report.remaining_views = _remaining_views(graph, report.skipped)
@@ -131,11 +135,11 @@ def _remaining_views(graph: Graph, skipped: list[str]) -> list[str]:
 
 def _rewrite(graph: Graph, call: SDPACall) -> None:
     """Replace one matched SDPA node; raises NoMatch (graph untouched) when the site is not provably equivalent."""
+    k_src, v_src = trace_kv(call.key), trace_kv(call.value)
     if call.dropout_p != 0.0:
         raise NoMatch(f"dropout_p={call.dropout_p} (codec_attention has no dropout)")
     if call.is_causal:
         raise NoMatch("is_causal=True (top-left aligned causal mask) differs from attention over a cache")
-    k_src, v_src = trace_kv(call.key), trace_kv(call.value)
     k_read, v_read = k_src.read, v_src.read
     b, hq, t, d = match._shape(call.query)
     kb, hkv, length_cap, kd = match._shape(k_read)

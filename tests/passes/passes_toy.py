@@ -1,11 +1,7 @@
-"""Compiled fixtures for the pass tests: a toy decoder owning a static, unmemoized CodecKVCache per layer.
-
-Compiling is slow on CPU (Inductor's C++ backend): each compiled fixture is built once per session and shared.
-"""
+"""A toy decoder owning a static, unmemoized CodecKVCache per layer, and helpers to decode with it."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,16 +114,3 @@ class Compiled:
         self.backend = backend(strict=strict, debug=str(tmp))
         self.debug_dir = tmp
         self.step = torch.compile(self.model, backend=self.backend, fullgraph=True)
-
-
-@pytest.fixture(scope="session")
-def compiled_png_repeat(tmp_path_factory) -> Compiled:
-    """png lossless, repeat_kv, bool mask, strict, graphs dumped."""
-    return Compiled(tmp_path_factory.mktemp("png_repeat"))
-
-
-@pytest.fixture(scope="session")
-def compiled_jpeg_gqa(tmp_path_factory) -> Compiled:
-    """jpeg int8 (lossy), enable_gqa, additive float mask, strict."""
-    return Compiled(tmp_path_factory.mktemp("jpeg_gqa"), codec=fc.make_codec("jpeg", block_size=8, quant_bits=8),
-                    gqa="enable", mask="float")

@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPT, ToyDecoder, greedy, prefill, twin
+from passes_toy import PROMPT, Compiled, ToyDecoder, greedy, prefill, twin
 
 import flashcodec_fx as fc
 from flashcodec_fx.passes import MaterializationError, backend
 
 STEPS = 60  # PROMPT has 11 tokens: positions 11..70 cross 8 block boundaries of r=8
+
+
+@pytest.fixture(scope="module")
+def compiled_png_repeat(tmp_path_factory) -> Compiled:
+    """png lossless, repeat_kv, bool mask, strict, graphs dumped (compiled once: Inductor on CPU is slow)."""
+    return Compiled(tmp_path_factory.mktemp("png_repeat"))
+
+
+@pytest.fixture(scope="module")
+def compiled_jpeg_gqa(tmp_path_factory) -> Compiled:
+    """jpeg int8 (lossy), enable_gqa, additive float mask, strict."""
+    return Compiled(tmp_path_factory.mktemp("jpeg_gqa"), codec=fc.make_codec("jpeg", block_size=8, quant_bits=8),
+                    gqa="enable", mask="float")
 
 
 def _decode_both(fx, steps=STEPS):
@@ -95,7 +108,8 @@ def test_pass_is_noop_without_codec_cache(tmp_path):
         ids, pos = first, torch.tensor([PROMPT.shape[1]])
         torch.testing.assert_close(step(ids, pos), eager(ids, pos), rtol=1e-5, atol=1e-5)
     (report,) = be.pass_.reports
-    assert report.rewritten == 0 and report.graph_before == report.graph_after
+    assert report.rewritten == 0 and report.not_codec == 1 and not report.skipped
+    assert report.graph_before == report.graph_after == report.graph_lowered
     assert "scaled_dot_product" in report.graph_after
 
 
