@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
+from ..passes.generate import check_compile, install_compile_config
 from .attention import apply_codec_attention, remove_codec_attention
 from .cache import FlashCodecCache
 from .options import CACHE_OPTIONS, check_option_names, check_per_layer
@@ -53,10 +54,12 @@ def _codec_cache_for(model: Any, options: dict[str, Any], native: Cache, max_cac
     return FlashCodecCache.from_config(model.config, **opts)
 
 
-def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], args: tuple, kwargs: dict) -> None:
+def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], args: tuple, kwargs: dict,
+                        compiled: dict[str, Any] | None = None) -> None:
     bound = inspect.signature(native).bind(*args, **kwargs)
     model_kwargs, max_cache_length = bound.arguments["model_kwargs"], bound.arguments["max_cache_length"]
     generation_config = bound.arguments["generation_config"]
+    install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.passes.generate
     if options.get("materialization_free"):
         apply_codec_attention(model)
     native(*args, **kwargs)
@@ -84,9 +87,12 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
     """Every later ``model.generate()`` defaults to a FlashCodecCache built with ``options`` (see FlashCodecCache).
 
     ``materialization_free=True`` also switches the model to the ``"kvcodec"`` attention implementation.
+    ``compile=True`` (or a dict of ``flashcodec_fx.backend`` options, ``mode``, ``dynamic``) decodes through
+    ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.passes.generate``).
     Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
     """
     _check_model(model)
+    compiled = check_compile(options.pop("compile", False), options)
     options = _validate(options, model.config)
     state = getattr(model, "_flashcodec_patch", None)
     if state is None:
@@ -97,10 +103,10 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
         apply_codec_attention(model)
     elif state.get("options", {}).get("materialization_free"):
         remove_codec_attention(model)
-    state["options"] = options
+    state["options"], state["compile"] = options, compiled
 
     def prepare(self, *args, **kwargs):
-        return _prepare_with_codec(self, state["native"], state["options"], args, kwargs)
+        return _prepare_with_codec(self, state["native"], state["options"], args, kwargs, state["compile"])
 
     setattr(model, METHOD, types.MethodType(prepare, model))
     model._flashcodec_patch = state
@@ -121,6 +127,7 @@ def compress_kv(**options: Any) -> Callable[[T], T]:
     modified in place and returned). With ``materialization_free=True`` each instance switches to the ``"kvcodec"``
     attention implementation on its first ``generate()``. Undo with ``remove_flash_codec(cls)``.
     """
+    compiled = check_compile(options.pop("compile", False), options)
     options = _validate(options)
 
     def decorate(cls: T) -> T:
@@ -130,7 +137,7 @@ def compress_kv(**options: Any) -> Callable[[T], T]:
         native = _class_native(cls)
 
         def prepare(self, *args, **kwargs):
-            return _prepare_with_codec(self, types.MethodType(native, self), options, args, kwargs)
+            return _prepare_with_codec(self, types.MethodType(native, self), options, args, kwargs, compiled)
 
         prepare.__flashcodec_native__ = native
         prepare.__flashcodec_previous__ = (previous,) if getattr(previous, "__flashcodec_native__", None) is None \

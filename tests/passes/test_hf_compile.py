@@ -103,3 +103,46 @@ def test_backend_by_name_with_options():
         tokens = model.generate(tiny_prompt(1, 12), max_new_tokens=SHORT, do_sample=False, compile_config=config,
                                 **cache_kwargs(cache))
     assert torch.equal(tokens, _generate(model, PNG, new_tokens=SHORT))
+
+
+def test_apply_flash_codec_compile_option():
+    """apply_flash_codec(compile=...) alone makes generate() decode through the flashcodec backend."""
+    torch._dynamo.reset()
+    from conftest import fresh_tiny_model
+
+    model = fresh_tiny_model("llama")
+    want = _generate(model, PNG, new_tokens=SHORT)
+    fx.apply_flash_codec(model, mode="png", compile={"inductor": False, "strict": True})
+    try:
+        with torch.no_grad():
+            tokens = model.generate(tiny_prompt(1, 12), max_new_tokens=SHORT, do_sample=False)
+        backend = model._flashcodec_patch["compile"]["backend"]
+        assert backend.pass_.reports and all(r.rewritten == 2 for r in backend.pass_.reports)
+        assert torch.equal(tokens, want)
+    finally:
+        fx.remove_flash_codec(model)
+
+
+def test_compress_kv_compile_option():
+    torch._dynamo.reset()
+    import transformers
+
+    base = tiny_model("qwen3")
+    cls = fx.compress_kv(mode="png", compile={"inductor": False})(type("CompiledQwen3", (transformers.Qwen3ForCausalLM,), {}))
+    model = cls(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        tokens = model.generate(tiny_prompt(1, 12), max_new_tokens=SHORT, do_sample=False)
+    assert torch.equal(tokens, _generate(base, PNG, new_tokens=SHORT))
+
+
+@pytest.mark.parametrize("options,error", [
+    (dict(compile=True, layout="dynamic"), "layout='static'"),
+    (dict(compile=True, memoize=True), "memoize=False"),
+    (dict(compile="yes"), "compile must be"),
+    (dict(compile={"fullgraph": False}), "unknown option"),
+    (dict(compile={"lower": "fast"}), "lower must be"),
+])
+def test_compile_option_errors(options, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        fx.compress_kv(mode="png", **options)

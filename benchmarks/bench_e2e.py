@@ -1,0 +1,203 @@
+"""End-to-end compiled decode: raw static cache vs codec cache (materialized view) vs codec cache with the pass.
+
+For each model, context length and configuration, one subprocess (clean memory figures):
+- the cache is filled with ``context`` random K/V states per layer (prefill cost is not measured; decode cost depends
+  on how many tokens are stored, not on their values), capacity ``context + new_tokens``;
+- decode steps run through ``torch.compile(model, fullgraph=True)``: the first step compiles (``compile_s``), then
+  ``new_tokens`` greedy steps are timed one by one (per-step latency median / p90, tok/s = 1 / median), crossing
+  ``new_tokens / 8`` block boundaries; recompiles after the first step are counted (Dynamo's ``unique_graphs``).
+- memory: process RSS sampled every 0.5 ms by a thread: ``rss_before_decode`` (after compile + one step),
+  ``peak_decode`` (max during the timed steps) and ``steady`` (after them); their deltas show what a step allocates
+  on top of the cache. ``kv_bytes``: every byte the cache holds (raw: K and V buffers; codec: archive + scales +
+  tail, no memo). ``view_bytes_per_step``: the K+V view a materialized step builds per layer (computed from shapes).
+
+Configurations: ``raw`` (transformers StaticCache, backend inductor), ``codec_materialized`` (FlashCodecCache
+static, memoize=False, backend inductor: SDPA over ``flashcodec::read`` views), ``codec_pass`` (same cache, backend
+flashcodec, strict: attention on the stored state). Codec tier: jpeg r=8, all coefficients, int8 (the default).
+
+    python benchmarks/bench_e2e.py --quick            # llama-rand (SmolLM2 attention geometry, 2 layers, vocab 8192), 1k/4k/16k
+    python benchmarks/bench_e2e.py                    # + SmolLM2-135M at 1k/4k, llama-rand up to 32k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+CONFIGS = ("raw", "codec_materialized", "codec_pass")
+TIER = dict(mode="jpeg", block_size=8, quant_bits=8)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class RSSSampler(threading.Thread):
+    """Max RSS seen while running (0.5 ms period)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.running = _rss(), True
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.0005)
+
+    def stop(self) -> int:
+        self.running = False
+        self.join()
+        return self.peak
+
+
+def _model(name: str):
+    import transformers
+
+    if name == "smollm2":
+        from flashcodec_fx.pretrained import load_pretrained
+
+        return load_pretrained()[0]
+    # SmolLM2-135M's attention geometry (9 query / 3 KV heads, head_dim 64, hidden 576), 2 layers, random weights,
+    # a small vocabulary (8192) so that the lm head does not hide the attention cost.
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                      num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                      max_position_embeddings=65536, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _cache(model, config: str, capacity: int):
+    from transformers.cache_utils import StaticCache
+
+    from flashcodec_fx.hf import FlashCodecCache
+
+    if config == "raw":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    return FlashCodecCache.from_config(model.config, layout="static", max_cache_len=capacity, memoize=False, **TIER)
+
+
+def _kv_bytes(cache, config: str) -> dict:
+    if config == "raw":
+        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        return {"total": total}
+    parts: dict[str, int] = {}
+    for layer in cache.layers:
+        for key, value in layer.storage_bytes().items():
+            parts[key] = parts.get(key, 0) + value
+    return parts
+
+
+def run_one(model_name: str, config: str, context: int, new_tokens: int) -> dict:
+    import flashcodec_fx as fx
+    from flashcodec_fx.hf import FlashCodecCache  # noqa: F401  (registers the layer types)
+
+    torch.manual_seed(0)
+    model = _model(model_name)
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    capacity = context + new_tokens + 8
+    cache = _cache(model, config, capacity)
+    with torch.no_grad():
+        for idx in range(cfg.num_hidden_layers):
+            cache.update(torch.randn(1, heads, context, dim), torch.randn(1, heads, context, dim), idx)
+    backend = "inductor" if config != "codec_pass" else fx.backend(strict=True)
+    step = torch.compile(model, backend=backend, fullgraph=True)
+    name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
+    tok = torch.tensor([[42]])
+
+    def decode(pos: int):
+        out = step(input_ids=tok, position_ids=torch.tensor([[pos]]), use_cache=True, **{name: cache})
+        return out.logits[:, -1:].argmax(-1)
+
+    counters = torch._dynamo.utils.counters["stats"]
+    with torch.no_grad():
+        start = time.perf_counter()
+        tok = decode(context)
+        compile_s = time.perf_counter() - start
+        graphs = counters["unique_graphs"]
+        rss_before = _rss()
+        sampler = RSSSampler()
+        sampler.start()
+        times, tokens = [], []
+        for i in range(new_tokens):
+            start = time.perf_counter()
+            tok = decode(context + 1 + i)
+            times.append(time.perf_counter() - start)
+            tokens.append(int(tok))
+        peak = sampler.stop()
+        steady = _rss()
+    median = statistics.median(times)
+    view = 0 if config != "codec_materialized" else 2 * heads * capacity * dim * 4 * cfg.num_hidden_layers
+    return {"model": model_name, "config": config, "context": context, "new_tokens": new_tokens,
+            "capacity": capacity, "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": dim,
+            "compile_s": round(compile_s, 2), "step_ms_median": round(median * 1e3, 3),
+            "step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3),
+            "tok_per_s": round(1.0 / median, 2), "recompiles": counters["unique_graphs"] - graphs,
+            "rss_before_decode_mb": round(rss_before / 2**20, 1), "rss_peak_decode_mb": round(peak / 2**20, 1),
+            "rss_steady_mb": round(steady / 2**20, 1), "decode_peak_delta_mb": round((peak - rss_before) / 2**20, 2),
+            "process_max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, 1),
+            "kv_bytes": _kv_bytes(cache, config), "view_bytes_per_step": view, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="llama-rand only, contexts 1k/4k/16k")
+    parser.add_argument("--models", default=None, help="comma list of smollm2, llama-rand")
+    parser.add_argument("--contexts", default=None, help="comma list of context lengths")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--run", nargs=3, metavar=("MODEL", "CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        print("ROW " + json.dumps(run_one(args.run[0], args.run[1], int(args.run[2]), args.new_tokens)), flush=True)
+        return
+    if args.quick:
+        plan = {"llama-rand": [1024, 4096, 16384]}
+    else:
+        plan = {"smollm2": [1024, 4096], "llama-rand": [1024, 4096, 16384, 32768]}
+    if args.models:
+        plan = {m: plan.get(m, [1024, 4096]) for m in args.models.split(",")}
+    if args.contexts:
+        plan = {m: [int(c) for c in args.contexts.split(",")] for m in plan}
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise ValueError(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
+    rows = []
+    for model_name, contexts in plan.items():
+        for context in contexts:
+            for config in configs:
+                cmd = [sys.executable, __file__, "--run", model_name, config, str(context),
+                       "--new-tokens", str(args.new_tokens)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")), None)
+                if row is None:
+                    row = {"model": model_name, "config": config, "context": context,
+                           "error": (proc.stderr or proc.stdout)[-2000:]}
+                rows.append(row)
+                print({k: row.get(k) for k in ("model", "config", "context", "step_ms_median", "tok_per_s",
+                                                "recompiles", "decode_peak_delta_mb", "compile_s", "error")},
+                      flush=True)
+    from common import write_result
+
+    payload = {"tier": TIER, "dtype": "float32", "batch": 1, "rows": rows,
+               "note": "shared 2-core CPU machine, other jobs running: absolute times are noisy"}
+    path = write_result("e2e_cpu" if not torch.cuda.is_available() else "e2e_gpu", payload, out=args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""``compile=`` for ``apply_flash_codec`` / ``compress_kv``: generate() decodes through the flashcodec backend.
+
+``compile=True`` (or a dict of :func:`flashcodec_fx.backend` options plus ``mode`` / ``dynamic``) makes the codec
+cache static and unmemoized (what a compiled decode step reads) and, on every ``generate()`` call that brings no
+``compile_config`` of its own, compiles the decode step with ``backend=flashcodec_fx.backend(...)``,
+``fullgraph=True``, on every device (transformers auto-compiles only on accelerators otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BACKEND_KEYS = ("strict", "debug", "lower", "inductor", "options")
+COMPILE_KEYS = (*BACKEND_KEYS, "mode", "dynamic")
+
+
+def check_compile(compile_option: Any, cache_options: dict[str, Any]) -> dict[str, Any] | None:
+    """Validate ``compile`` against the cache options; returns the settings (the configured ``backend``, ``mode``,
+    ``dynamic``; None when off). Adjusts
+    ``cache_options`` in place: ``layout="static"`` and ``memoize=False`` unless given (other values raise)."""
+    if compile_option is False or compile_option is None:
+        return None
+    if compile_option is True:
+        settings: dict[str, Any] = {}
+    elif isinstance(compile_option, dict):
+        unknown = sorted(set(compile_option) - set(COMPILE_KEYS))
+        if unknown:
+            raise ValueError(f"compile: unknown option(s) {unknown}; allowed: {list(COMPILE_KEYS)}")
+        settings = dict(compile_option)
+    else:
+        raise TypeError(f"compile must be a bool or a dict of options {list(COMPILE_KEYS)}, got "
+                        f"{type(compile_option).__name__}")
+    if cache_options.setdefault("layout", "static") != "static":
+        raise ValueError(f"compile=True needs layout='static' (a compiled decode step has fixed shapes), got "
+                         f"layout={cache_options['layout']!r}")
+    if cache_options.setdefault("memoize", False):
+        raise ValueError("compile=True needs memoize=False: compiled steps attend on the stored state and never read "
+                         "the memo, which would only cost memory")
+    from .backend import backend
+
+    # One backend per patch (validated now): every generate() then reuses the same compiled decode step.
+    return {"backend": backend(**{k: v for k, v in settings.items() if k in BACKEND_KEYS}),
+            "mode": settings.get("mode"), "dynamic": settings.get("dynamic")}
+
+
+def install_compile_config(generation_config: Any, settings: dict[str, Any] | None) -> None:
+    """Give this generate() call a compile config with the flashcodec backend, unless the caller brought one."""
+    if settings is None or generation_config is None or getattr(generation_config, "compile_config", None) is not None:
+        return
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=settings["backend"], fullgraph=True, mode=settings["mode"],
+                           dynamic=settings["dynamic"])
+    config._compile_all_devices = True
+    generation_config.compile_config = config
