@@ -140,3 +140,40 @@ def test_main_writes_json(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["benchmark"] == "main_job" and "versions" in result and "machine" in result
     assert [row["tier"] for row in result["rows"]] == [t.name for t in main_tiers()]
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"flashcodec_{name}", DEMO.parent / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adaptive_allocation_is_the_exact_knapsack_optimum():
+    import itertools
+
+    adaptive = _bench("bench_adaptive")
+    gen = torch.Generator().manual_seed(0)
+    damage = {2: torch.rand(5, generator=gen).tolist(), 4: (torch.rand(5, generator=gen) * 0.3).tolist(), 8: [0.0] * 5}
+    for budget in (10, 14, 20, 27, 40):
+        picks, total = adaptive.allocate(damage, budget)
+        brute = min((sum(damage[k][i] for i, k in enumerate(c)), c)
+                    for c in itertools.product(adaptive.LADDER, repeat=5) if sum(c) <= budget)
+        assert sum(picks) <= budget and total == pytest.approx(brute[0])
+    with pytest.raises(ValueError, match="budget"):
+        adaptive.allocate(damage, 9)
+
+
+def test_kivi_like_layer_quantizes_complete_groups_and_counts_the_format():
+    ppl = _bench("bench_ppl")
+    layer = ppl.KiviLikeLayer(bits=4)
+    keys, values = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    out_k, _ = layer.update(keys, values)
+    assert out_k is keys  # prefill attends on the exact states
+    assert layer.quantized == 32 and torch.equal(layer.keys[:, :, 32:], keys[:, :, 32:])
+    err = (layer.keys[:, :, :32] - keys[:, :, :32]).abs()
+    span = keys[:, :, :32].amax(2, keepdim=True) - keys[:, :, :32].amin(2, keepdim=True)
+    assert err.max() > 0 and bool((err <= span / 15 / 2 * 1.01 + 1e-3).all())  # half a step of the per-channel grid
+    parts = layer.storage_bytes()
+    assert parts["archive_used"] == 2 * 2 * 32 * 64 * 4 // 8 + 2 * 2 * 2 * 2 * 32 * 64 // 32
+    assert parts["tail"] == 2 * 2 * 8 * 64 * 4
