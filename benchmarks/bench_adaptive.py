@@ -3,13 +3,14 @@
     python benchmarks/bench_adaptive.py [--quick] [--out FILE]
 
 1. Calibration (on windows from the first part of the corpus): for every layer ``i`` and every truncated rung
-   ``K`` of the ladder, only layer ``i`` is compressed (jpeg r=8, K coefficients, int8; every other layer native via
+   ``K`` of the ladder (1, 2, 4), only layer ``i`` is compressed (jpeg r=8, K coefficients, int8; every other layer native via
    ``per_layer={j: None}``) and the mean KL(raw || that cache) of next-token distributions is measured by teacher
    forcing. That is layer ``i``'s damage at ``K``. The top rung (K=8, all coefficients, int8) is taken as damage 0:
    on this model it is near lossless (see ppl.json).
 2. Allocation: a jpeg int8 block with K coefficients keeps ``K * (head_dim + 4)`` bytes per head, so storage is
    proportional to the sum of the per-layer K. For a budget equal to a uniform tier's (K_u on every layer), an exact
-   multiple-choice knapsack (dynamic programming) picks one rung per layer minimizing the summed damage.
+   multiple-choice knapsack (dynamic programming) picks one rung in {1, 2, 4, 8} per layer minimizing the summed
+   damage; budgets: uniform K = 2, 3, 4, 6.
 3. Evaluation (on held-out windows from the rest of the corpus): raw, each uniform tier and its adaptive twin,
    every layer compressed; perplexity, delta vs raw, mean KL vs raw and the measured KV bytes.
 """
@@ -34,8 +35,8 @@ from common import write_result  # noqa: E402
 from kv_eval import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced  # noqa: E402
 
 BLOCK = 8
-LADDER = (2, 4, 8)  # keep_freqs rungs; the last one is taken as lossless-enough (damage 0)
-UNIFORM_BUDGETS = (3, 4)  # uniform keep_freqs whose storage the adaptive allocation must not exceed
+LADDER = (1, 2, 4, 8)  # keep_freqs rungs; the last one is taken as lossless-enough (damage 0)
+UNIFORM_BUDGETS = (2, 3, 4, 6)  # uniform keep_freqs whose storage the adaptive allocation must not exceed
 CALIBRATION_SHARE = 0.25  # calibration windows come from the first quarter of the corpus, evaluation from the rest
 COLUMNS = [("tier", "tier", "s"), ("per-layer K", "allocation", "s"), ("KV bytes", "kv_bytes", ",d"),
            ("vs raw", "kv_ratio", ".3f"), ("bits/value", "bits_per_value", ".2f"), ("ppl", "ppl", ".3f"),

@@ -154,14 +154,15 @@ def test_adaptive_allocation_is_the_exact_knapsack_optimum():
 
     adaptive = _bench("bench_adaptive")
     gen = torch.Generator().manual_seed(0)
-    damage = {2: torch.rand(5, generator=gen).tolist(), 4: (torch.rand(5, generator=gen) * 0.3).tolist(), 8: [0.0] * 5}
-    for budget in (10, 14, 20, 27, 40):
+    damage = {k: (torch.rand(5, generator=gen) / k).tolist() for k in adaptive.LADDER[:-1]} | {adaptive.LADDER[-1]: [0.0] * 5}
+    cheapest = 5 * min(adaptive.LADDER)
+    for budget in (cheapest, cheapest + 3, 14, 20, 27, 40):
         picks, total = adaptive.allocate(damage, budget)
         brute = min((sum(damage[k][i] for i, k in enumerate(c)), c)
                     for c in itertools.product(adaptive.LADDER, repeat=5) if sum(c) <= budget)
         assert sum(picks) <= budget and total == pytest.approx(brute[0])
     with pytest.raises(ValueError, match="budget"):
-        adaptive.allocate(damage, 9)
+        adaptive.allocate(damage, cheapest - 1)
 
 
 def test_kivi_like_layer_quantizes_complete_groups_and_counts_the_format():
