@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(rows, COLUMNS))
     path = write_result("adaptive", {
         "model": args.model or "SmolLM2-135M-Instruct", "dtype": "float32", "quick": args.quick,
-        "corpus": str(CORPUS.relative_to(HERE.parent)), "load_average_1m": os.getloadavg()[0],
+        "corpus": str(CORPUS.relative_to(HERE.parent)),
         "calibration": {"windows": cal_windows, "prefix_tokens": cal_prefix, "target_tokens": cal_target,
                         "token_range": [0, split], "seconds": calibration_s,
                         "per_layer_kl": {str(k): v for k, v in damage.items()},

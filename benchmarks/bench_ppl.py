@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     path = write_result("ppl", {
         "model": args.model or "SmolLM2-135M-Instruct", "dtype": "float32", "corpus": str(CORPUS.relative_to(HERE.parent)),
         "corpus_tokens": ids.numel(), "windows": count, "prefix_tokens": prefix, "target_tokens": target,
-        "quick": args.quick, "load_average_1m": os.getloadavg()[0],
+        "quick": args.quick,
         "method": "windows batched; prefix prefilled exactly, target teacher-forced token by token through the cache; "
                   "ppl over all target tokens; KL(raw || tier) averaged over target positions; kv_bytes at the end",
         "rows": rows, "skipped_peers": skipped,

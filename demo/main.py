@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n--- {name} ---\n{tokenizer.decode(generated[name][0], skip_special_tokens=True)}")
     path = write_result("main_job", {
         "model": args.model or "SmolLM2-135M-Instruct", "dtype": "float32", "prompt": args.prompt,
-        "prompt_tokens": ids.shape[1], "new_tokens": args.new_tokens, "load_average_1m": os.getloadavg()[0],
+        "prompt_tokens": ids.shape[1], "new_tokens": args.new_tokens,
         "method": "greedy decode per tier (prefill exact, then token by token); NLL/ppl/KL: the raw cache's "
                   "continuation teacher-forced token by token through each tier's cache, all positions scored; "
                   "kv_bytes: archive (filled blocks incl. scales/indices) + raw tail; held_bytes: everything held",
