@@ -14,6 +14,7 @@ together, as ``CodecKVCache`` does): the key stream's ``length`` is used for bot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -152,6 +153,8 @@ def _rewrite(graph: Graph, call: SDPACall) -> None:
     if spec_k[1] != spec_v[1]:
         raise NoMatch(f"key and value block sizes differ ({spec_k[1]} vs {spec_v[1]})")
     fake_mode = detect_fake_mode([n.meta["val"] for n in (call.query, k_read, v_read)])
+    if fake_mode is None:
+        raise NoMatch("the graph carries no fake-tensor metadata (run the pass on a traced / post-grad graph)")
     with graph.inserting_before(call.node):
         mask = _mask_4d(graph, call.mask, fake_mode)
         args = (call.query, *k_read.args[:4], *v_read.args[:4], k_read.args[4], list(spec_k), list(spec_v), mask,
@@ -198,7 +201,7 @@ def _inline(graph: Graph, node: Node) -> None:
     from torch._inductor.decomposition import select_decomp_table
 
     vals = [node.args[i].meta["val"] for i in tensor_at]
-    with detect_fake_mode(vals):
+    with detect_fake_mode(vals) or contextlib.nullcontext():
         sub = make_fx(fused, decomposition_table=select_decomp_table())(*vals)  # the ops Inductor lowers post-grad
     if any(n.op == "get_attr" for n in sub.graph.nodes):
         raise RuntimeError("flashcodec: the inlined codec_attention traced a tensor constant (lowering bug)")
