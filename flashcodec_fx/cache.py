@@ -194,7 +194,9 @@ class CodecStream:
         self.memo, self.memoize = None, False
 
     def storage_bytes(self) -> dict[str, int]:
-        """Every byte held, by part. ``archive_used`` counts only the filled blocks (a subset of ``archive``)."""
+        """Every byte held, by part: ``archive`` (data), ``scales``, ``index``, ``tail`` (+ length), ``memo``, and
+        ``total`` (their sum). ``archive_used`` is extra: the filled blocks' data + scales + index (the compressed
+        bytes in use), not added into ``total``."""
         if self.state is None:
             return {"archive": 0, "archive_used": 0, "scales": 0, "index": 0, "tail": 0, "memo": 0, "total": 0}
         data, scale, index = self.state

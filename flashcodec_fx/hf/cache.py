@@ -232,8 +232,8 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def storage_bytes(self) -> dict[str, int]:
         """Bytes held by both streams: ``archive`` (+ ``scales``, ``index``), ``memo`` (the materialized view),
-        ``tail`` (raw open block + length), ``total``; ``archive_used`` counts filled blocks only (part of
-        ``archive``)."""
+        ``tail`` (raw open block + length), ``total``; ``archive_used``: the filled blocks' data + scales + index
+        (not added into ``total``)."""
         return self.codec_cache.storage_bytes()
 
     def raw_equivalent_bytes(self) -> int:
