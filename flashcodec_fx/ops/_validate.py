@@ -35,3 +35,20 @@ def spec_codec(name: str, spec: list[int]) -> Codec:
 def check_length(length: torch.Tensor) -> None:
     if length.dim() != 0 or length.dtype != torch.int64:
         raise ValueError(f"length must be a 0-dim int64 tensor, got {length.dtype} of shape {tuple(length.shape)}")
+
+
+def check_append_args(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: torch.Tensor,
+                      length: torch.Tensor, new: torch.Tensor, spec: list[int], memo: torch.Tensor | None) -> Codec:
+    """Validate ``flashcodec::append`` arguments (reference and Triton alike); returns the codec."""
+    codec = spec_codec("spec", spec)
+    check_state("archive", codec, data, scale, index, tail)
+    check_length(length)
+    if new.dim() != 4 or (new.shape[0], new.shape[1], new.shape[3]) != (tail.shape[0], tail.shape[1], tail.shape[3]) \
+            or new.dtype != tail.dtype:
+        raise ValueError(f"new must be (B, H, T, D) = ({tail.shape[0]}, {tail.shape[1]}, T, {tail.shape[3]}) "
+                         f"in {tail.dtype}, got {new.dtype} {tuple(new.shape)}")
+    b, h, _, d = tail.shape
+    want = (b, h, data.shape[2] * codec.block_size, d)
+    if memo is not None and (tuple(memo.shape) != want or memo.dtype != tail.dtype):
+        raise ValueError(f"memo must be {tail.dtype} of shape {want}, got {memo.dtype} {tuple(memo.shape)}")
+    return codec

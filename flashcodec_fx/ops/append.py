@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import Encoded
-from ._validate import check_length, check_state, spec_codec
+from ._validate import check_append_args
 
 
 def touched_blocks(new_tokens: int, block_size: int) -> int:
@@ -27,17 +27,9 @@ def append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: t
     the decoded rows of each newly archived block and the raw rows of the open block, so reads never
     re-decode history. The caller guarantees ``length + T <= NB * r``.
     """
-    codec = spec_codec("spec", spec)
-    check_state("archive", codec, data, scale, index, tail)
-    check_length(length)
+    codec = check_append_args(data, scale, index, tail, length, new, spec, memo)
     b, h, t, d = new.shape
-    if new.dim() != 4 or (b, h, d) != (tail.shape[0], tail.shape[1], tail.shape[3]) or new.dtype != tail.dtype:
-        raise ValueError(f"new must be (B, H, T, D) = ({tail.shape[0]}, {tail.shape[1]}, T, {tail.shape[3]}) "
-                         f"in {tail.dtype}, got {new.dtype} {tuple(new.shape)}")
     r = codec.block_size
-    if memo is not None and (tuple(memo.shape) != (b, h, data.shape[2] * r, d) or memo.dtype != tail.dtype):
-        raise ValueError(f"memo must be {tail.dtype} of shape {(b, h, data.shape[2] * r, d)}, got "
-                         f"{memo.dtype} {tuple(memo.shape)}")
     nblk = touched_blocks(t, r)
     dev = new.device
     first = torch.div(length, r, rounding_mode="floor")

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import check_length, check_state, spec_codec
+from ._validate import check_append_args
 from .append import touched_blocks
 from .triton_common import archive_block, codec_matrices, pow2, require_contiguous
 
@@ -83,17 +83,9 @@ def triton_append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, 
     contiguous (the cache allocates them so). Quantized codes may differ from the reference's by one step at
     fp32 rounding ties of the DCT sums; pruned png ties in delta magnitude keep the earlier position.
     """
-    codec = spec_codec("spec", spec)
-    check_state("archive", codec, data, scale, index, tail)
-    check_length(length)
+    codec = check_append_args(data, scale, index, tail, length, new, spec, memo)
     b, h, t, d = new.shape
-    if new.dim() != 4 or (b, h, d) != (tail.shape[0], tail.shape[1], tail.shape[3]) or new.dtype != tail.dtype:
-        raise ValueError(f"new must be (B, H, T, D) = ({tail.shape[0]}, {tail.shape[1]}, T, {tail.shape[3]}) "
-                         f"in {tail.dtype}, got {new.dtype} {tuple(new.shape)}")
     r = codec.block_size
-    if memo is not None and (tuple(memo.shape) != (b, h, data.shape[2] * r, d) or memo.dtype != tail.dtype):
-        raise ValueError(f"memo must be {tail.dtype} of shape {(b, h, data.shape[2] * r, d)}, got "
-                         f"{memo.dtype} {tuple(memo.shape)}")
     require_contiguous(data=data, scale=scale, index=index, tail=tail, memo=memo)
     if new.stride(3) != 1:
         new = new.contiguous()
