@@ -112,7 +112,7 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int) -> dict
     with torch.no_grad():
         for idx in range(cfg.num_hidden_layers):
             cache.update(torch.randn(1, heads, context, dim), torch.randn(1, heads, context, dim), idx)
-    backend = "inductor" if config != "codec_pass" else fx.backend(strict=True)
+    backend = "inductor" if config != "codec_pass" else fx.backend(strict=True, lower=os.environ.get("FLASHCODEC_LOWER", "auto"))
     step = torch.compile(model, backend=backend, fullgraph=True)
     name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
     tok = torch.tensor([[42]])

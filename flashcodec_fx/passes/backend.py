@@ -87,8 +87,8 @@ def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None,
     """A configured ``flashcodec`` backend: ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))``.
 
     ``strict``: raise if any decoded KV view remains in a compiled graph (materialization-free guarantee).
-    ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``lower``: "auto" (inline
-    an Inductor-fusable codec attention on CPU, keep the custom op and its kernel elsewhere), "op", "inline".
+    ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``lower``: "auto" (= "op":
+    keep the custom op and its kernel on every device), "op", "inline" (an Inductor-fusable codec attention).
     ``inductor=False``: run the pass on the AOT (functionalized, Inductor-decomposed) graph and execute it eagerly,
     without code generation (quick checks). ``mode``/``options``:
     Inductor's, as for ``torch.compile(backend="inductor")``.
