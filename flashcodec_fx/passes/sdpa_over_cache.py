@@ -63,7 +63,7 @@ class SDPAOverCachePass(CustomGraphPass):
     ``lower``: how each inserted ``codec_attention`` runs: "op" keeps the custom op (its CUDA/Triton kernel or the
     eager reference), "inline" replaces it by :func:`lowering.codec_attention_fused` for Inductor to fuse, "auto"
     (default) keeps the op on every device: on SmolLM2-135M (30 layers, 1k context, CPU) the inlined form measured
-    9x slower per step than the op (benchmarks/results/e2e_cpu_smollm2.json).
+    9x slower per step than the op (benchmarks/results/e2e_cpu_smollm2{_inline,}.json).
     Debugging disables Inductor's FX graph cache for the graphs this pass sees (``uuid() is None``), so every
     compile dumps. ``reports`` keeps a :class:`PassReport` per run (not on FX graph cache hits)."""
 
