@@ -88,16 +88,19 @@ class CodecStream:
             if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.tail.dtype:
                 raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.tail.dtype}, got {x.dtype} {tuple(x.shape)}")
 
+    def _check_room(self, t: int) -> None:
+        if self.layout == "static" and self._host_length + t > self.max_length:
+            raise ValueError(f"static cache holds max_length={self.max_length} tokens; "
+                             f"{self._host_length} stored + {t} new exceeds it")
+
     def append(self, x: torch.Tensor) -> None:
         """Append ``x (B, H, T, D)``; completed blocks are archived on the device."""
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._check_new(x)
+            self._check_room(x.shape[2])
         r, t = self.codec.block_size, x.shape[2]
         if self.layout == "static":
-            if not compiling and self._host_length + t > self.max_length:
-                raise ValueError(f"static cache holds max_length={self.max_length} tokens; "
-                                 f"{self._host_length} stored + {t} new exceeds it")
             if self.state is None:
                 self._allocate(x, _ceil_div(self.max_length, r))
         else:
@@ -244,9 +247,7 @@ class CodecKVCache:
             self.values._check_new(new_v)
             if new_k.shape[:3] != new_v.shape[:3]:
                 raise ValueError(f"new_k and new_v must share (B, H, T), got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
-            if self.layout == "static" and self.keys._host_length + new_k.shape[2] > self.keys.max_length:
-                raise ValueError(f"static cache holds max_length={self.keys.max_length} tokens; "
-                                 f"{self.keys._host_length} stored + {new_k.shape[2]} new exceeds it")
+            self.keys._check_room(new_k.shape[2])
         self.keys.append(new_k)
         self.values.append(new_v)
 

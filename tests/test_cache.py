@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_tiers import grid_data, tier_table
 
 from flashcodec_fx import CodecKVCache, CodecStream, make_codec
 
 ops = torch.ops.flashcodec
 R = 8
-TIERS = {
-    "jpeg": make_codec("jpeg", block_size=R),
-    "jpeg-k3": make_codec("jpeg", block_size=R, keep_freqs=3),
-    "jpeg-int8": make_codec("jpeg", block_size=R, quant_bits=8),
-    "png": make_codec("png", block_size=R),
-    "png-half": make_codec("png", block_size=R, keep_ratio=0.5),
-}
+TIERS = tier_table(R, low_keep=3)
 LOSSY = ["jpeg-k3", "jpeg-int8", "png-half"]
 LAYOUTS = ["dynamic", "static"]
-
-
-def grid_data(shape, dtype=torch.float32, seed=0):
-    """Multiples of 1/16 in [-16, 16]: exact in every dtype, differences exact in fp32 (png exact)."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(-256, 257, shape, generator=gen).float() / 16).to(dtype)
 
 
 def stream_of(tier, layout, x, steps=(), memoize=True, max_length=100):

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_tiers import tier_table
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-from flashcodec_fx.codecs import make_codec
 
 ops = torch.ops.flashcodec
 R = 4
-TIERS = {
-    "jpeg": make_codec("jpeg", block_size=R),
-    "jpeg-k2": make_codec("jpeg", block_size=R, keep_freqs=2),
-    "jpeg-int8": make_codec("jpeg", block_size=R, quant_bits=8),
-    "png": make_codec("png", block_size=R),
-    "png-half": make_codec("png", block_size=R, keep_ratio=0.5),
-}
+TIERS = tier_table(R, low_keep=2)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

@@ -6,26 +6,15 @@ import random
 
 import pytest
 import torch
+from codec_tiers import grid_data, tier_table
 
-from flashcodec_fx import CodecStream, make_codec
+from flashcodec_fx import CodecStream
 
 ops = torch.ops.flashcodec
 R = 8
-TIERS = {
-    "jpeg": make_codec("jpeg", block_size=R),
-    "jpeg-k3": make_codec("jpeg", block_size=R, keep_freqs=3),
-    "jpeg-int8": make_codec("jpeg", block_size=R, quant_bits=8),
-    "png": make_codec("png", block_size=R),
-    "png-half": make_codec("png", block_size=R, keep_ratio=0.5),
-}
+TIERS = tier_table(R, low_keep=3)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = ["dynamic", "static"]
-
-
-def grid_data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Multiples of 1/16 in [-16, 16]: exact in bf16/fp16, and every difference is exact in fp32 (png exact)."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(-256, 257, shape, generator=gen).float() / 16).to(dtype)
 
 
 def chunks(total: int, seed: int, largest: int = 2 * R + 3) -> list[int]:
