@@ -1,4 +1,4 @@
-"""Stateless codec math: DCT basis, quantizer, and the `jpeg` / `png` block codecs."""
+"""Stateless codec math: DCT basis, rotation, level sets, packing, the quantizer and the `jpeg` / `png` codecs."""
 
 from __future__ import annotations
 
@@ -7,47 +7,74 @@ import functools
 from .base import JPEG, MODE_NAMES, PNG, Codec, Encoded
 from .dct import dct_basis
 from .jpeg import JPEGCodec
+from .levels import LEVELS, level_table, qmax
 from .png import PNGCodec
-from .quant import dequantize_rows, quantize_rows
+from .quant import AXES, Quantizer
+from .rotation import rotation
 
-_OPTIONS = {"jpeg": ("block_size", "keep_freqs", "quant_bits"), "png": ("block_size", "keep_ratio")}
+RESIDUAL_OPTIONS = ("sinks", "window")
+OPTIONS = {
+    "jpeg": ("block_size", "keep_freqs", "quant_bits", "levels", "scale_axis", "group", "scale_search", "rotate",
+             "center", *RESIDUAL_OPTIONS),
+    "png": ("block_size", "keep_ratio", *RESIDUAL_OPTIONS),
+}
 
 
 def make_codec(mode: str, **options) -> Codec:
     """Build a codec by name: ``make_codec("jpeg", block_size=8, keep_freqs=8, quant_bits=8)``,
-    ``make_codec("png", block_size=8, keep_ratio=1.0)``."""
-    if mode not in _OPTIONS:
-        raise ValueError(f"mode must be one of {sorted(_OPTIONS)}, got {mode!r}")
-    unknown = sorted(set(options) - set(_OPTIONS[mode]))
+    ``make_codec("png", block_size=8, keep_ratio=1.0)``; options per mode in ``OPTIONS``."""
+    if mode not in OPTIONS:
+        raise ValueError(f"mode must be one of {sorted(OPTIONS)}, got {mode!r}")
+    unknown = sorted(set(options) - set(OPTIONS[mode]))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for mode={mode!r}; allowed: {list(_OPTIONS[mode])}")
+        raise ValueError(f"unknown option(s) {unknown} for mode={mode!r}; allowed: {list(OPTIONS[mode])}")
     return JPEGCodec(**options) if mode == "jpeg" else PNGCodec(**options)
 
 
-def codec_from_spec(spec: list[int] | tuple[int, ...]) -> Codec:
-    """Inverse of ``Codec.spec``: ``[mode, block_size, rows, quant_bits]`` -> codec (memoized)."""
-    if len(spec) != 4:
-        raise ValueError(f"spec must be [mode, block_size, rows, quant_bits], got {list(spec)!r}")
-    return _codec_from_spec(*(int(v) for v in spec))
+def codec_from_spec(spec: str) -> Codec:
+    """Inverse of ``Codec.spec`` (memoized)."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a codec spec string (Codec.spec), got {type(spec).__name__} {spec!r}")
+    return _codec_from_spec(spec)
 
 
-@functools.lru_cache(maxsize=256)
-def _codec_from_spec(mode: int, block_size: int, rows: int, quant_bits: int) -> Codec:
-    if mode == JPEG:
-        return JPEGCodec(block_size, rows, quant_bits or None)
-    if mode == PNG:
-        if quant_bits:
-            raise ValueError(f"spec quant_bits must be 0 for png, got {quant_bits}")
-        if not 2 <= rows <= block_size:
-            raise ValueError(f"spec rows must be in 2..{block_size} for png, got {rows}")
-        codec = PNGCodec(block_size, (rows - 1) / (block_size - 1))
-        if codec.rows != rows:
-            raise ValueError(f"spec rows={rows} does not round-trip for png block_size={block_size}")
-        return codec
-    raise ValueError(f"spec mode must be {JPEG} (jpeg) or {PNG} (png), got {mode}")
+def _int(fields: dict, key: str) -> int:
+    try:
+        return int(fields[key])
+    except (KeyError, ValueError):
+        raise ValueError(f"spec field {key!r} missing or not an int in {fields}") from None
+
+
+@functools.lru_cache(maxsize=512)
+def _codec_from_spec(spec: str) -> Codec:
+    mode, *items = spec.split(";")
+    try:
+        fields = dict(item.split("=", 1) for item in items)
+    except ValueError:
+        raise ValueError(f"spec must be 'mode;key=value;...', got {spec!r}") from None
+    residual = {"sinks": _int(fields, "sinks"), "window": _int(fields, "window")}
+    if mode == "png":
+        r, kept = _int(fields, "r"), _int(fields, "kept")
+        if not 1 <= kept < r:
+            raise ValueError(f"spec kept must be in 1..{r - 1} for png block_size={r}, got {kept}")
+        codec = PNGCodec(r, kept / (r - 1), **residual)
+    elif mode == "jpeg":
+        options = dict(rotate=None if fields.get("rotate", "-") == "-" else _int(fields, "rotate"),
+                       center=bool(_int(fields, "center")), **residual)
+        r = _int(fields, "r")
+        if "bits" in fields:
+            options.update(quant_bits=tuple(int(b) for b in fields["bits"].split(".")),
+                           levels=tuple(fields["levels"].split(".")), scale_axis=fields["axis"],
+                           group=_int(fields, "blocks") * r, scale_search=bool(_int(fields, "search")))
+        codec = JPEGCodec(r, _int(fields, "k"), **options)
+    else:
+        raise ValueError(f"spec mode must be 'jpeg' or 'png', got {mode!r} in {spec!r}")
+    if codec.spec != spec:
+        raise ValueError(f"spec {spec!r} is not canonical (it reads back as {codec.spec!r})")
+    return codec
 
 
 __all__ = [
-    "JPEG", "PNG", "MODE_NAMES", "Codec", "Encoded", "JPEGCodec", "PNGCodec", "codec_from_spec",
-    "dct_basis", "dequantize_rows", "make_codec", "quantize_rows",
+    "AXES", "JPEG", "LEVELS", "MODE_NAMES", "OPTIONS", "PNG", "Codec", "Encoded", "JPEGCodec", "PNGCodec", "Quantizer",
+    "codec_from_spec", "dct_basis", "level_table", "make_codec", "qmax", "rotation",
 ]

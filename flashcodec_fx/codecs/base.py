@@ -1,4 +1,17 @@
-"""What every codec shares: the stored state of a block stream and the linear-map contract."""
+"""What every codec shares: the stored form of an archive group, the residual policy, and the linear-map contract.
+
+A stream ``(B, H, S, D)`` is stored as
+
+- ``sinks`` raw first tokens (positions ``0 .. sinks - 1``),
+- an archive of *groups* of ``G`` tokens (``G`` = ``blocks`` blocks of ``r``), starting at position ``sinks``: a group
+  is archived once it is complete and older than the ``window`` newest tokens, and never changes afterwards,
+- a raw tail holding the tokens between the archive and the stream's length (at most ``window + G - 1``).
+
+Before a group is encoded, an optional per-channel mean (taken from the first append, the prompt) is subtracted and
+an optional fixed rotation along head_dim is applied. Every codec is linear along seq: a block ``X (r, D)`` of the
+centered, rotated tokens is ``A @ S`` with ``S`` its dense stored rows (after dequantization), so attention can run
+on ``S`` directly (``ops/attention.py``).
+"""
 
 from __future__ import annotations
 
@@ -6,38 +19,67 @@ from typing import NamedTuple
 
 import torch
 
+from .rotation import rotation
+
 JPEG, PNG = 0, 1
 MODE_NAMES = {JPEG: "jpeg", PNG: "png"}
 
 
 class Encoded(NamedTuple):
-    """Stored form of ``NB`` blocks of a ``(..., NB * r, D)`` stream.
+    """Stored form of ``NG`` archive groups (shapes per codec: :meth:`Codec.archive_shapes`).
 
-    data:  ``(..., NB, R, D)`` stored rows (stream dtype, int8 codes, or fp32 deltas).
-    scale: ``(..., NB, R)`` fp32 per-row scales when quantized, else ``(..., NB, 0)``.
-    index: ``(..., NB, M, D)`` uint8 positions of kept png deltas when pruned, else ``(..., NB, 0, D)``.
+    data:  stored rows (stream dtype or fp32) ``(..., NG, R, D)``, or packed codes ``(..., NG, g, row_bytes)`` uint8.
+    scale: fp16 scales of quantized codecs (else an empty ``(..., NG, 0)``-shaped tensor).
+    zero:  fp16 zero points of ``uniform`` scale classes (else empty).
+    index: uint8 positions of kept png deltas when pruned ``(..., NG, M, D)`` (else empty).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
+    zero: torch.Tensor
     index: torch.Tensor
 
 
-class Codec:
-    """A linear map along seq: a block ``X (r, D)`` is ``A @ S`` with ``S`` the dense stored rows.
+def check_count(name: str, value, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return value
 
-    Subclasses define ``encode``/``decode`` and ``synthesis``; ``spec`` packs the codec into the
-    ``int[]`` that the ``torch.ops.flashcodec`` ops take: ``[mode, block_size, rows, quant_bits]``.
-    """
+
+class Codec:
+    """Base of the ``jpeg`` and ``png`` codecs (see the module docstring). Subclasses set the transform
+    (``synthesis``, ``transform``), the archive layout (``archive_shapes``) and :meth:`stored_rows`."""
 
     mode: int
     block_size: int
-    rows: int
-    quant_bits: int
+    rows: int  # stored rows per block (before any quantization)
+    blocks: int = 1  # blocks per archive group
+    sinks: int = 0
+    window: int = 0
+    center: bool = False
+    rotate: int | None = None  # rotation seed
+    quantizer = None
+
+    def _set_residual(self, sinks: int, window: int) -> None:
+        self.sinks = check_count("sinks", sinks)
+        self.window = check_count("window", window)
 
     @property
-    def spec(self) -> list[int]:
-        return [self.mode, self.block_size, self.rows, self.quant_bits]
+    def group(self) -> int:
+        """Tokens per archive group ``G``."""
+        return self.blocks * self.block_size
+
+    @property
+    def tail_capacity(self) -> int:
+        """Rows of the raw tail: the window plus one open group."""
+        return self.window + self.group
+
+    @property
+    def quant_bits(self) -> int:
+        """Largest bit width of the stored codes, 0 when unquantized."""
+        return max(self.quantizer.bits) if self.quantizer is not None else 0
 
     @property
     def index_rows(self) -> int:
@@ -45,44 +87,99 @@ class Codec:
 
     @property
     def dense_rows(self) -> int:
-        """Rows ``R`` of the dense ``S`` in ``X = A @ S`` (after dequantization / index scatter)."""
+        """Rows ``R`` of the dense ``S`` of a block in ``X = A @ S`` (after dequantization / index scatter)."""
         return self.rows
 
-    def storage_dtype(self, stream_dtype: torch.dtype) -> torch.dtype:
+    @property
+    def spec(self) -> str:
+        """The codec as the string the ``torch.ops.flashcodec`` ops take (``codec_from_spec`` inverts it)."""
         raise NotImplementedError
 
-    def empty_state(self, lead: tuple[int, ...], blocks: int, head_dim: int, stream_dtype: torch.dtype,
-                    device: torch.device | str | None) -> Encoded:
-        """Zeroed storage for ``blocks`` blocks: shapes as in :class:`Encoded`."""
-        scale_rows = self.rows if self.quant_bits else 0
-        return Encoded(
-            torch.zeros(*lead, blocks, self.rows, head_dim, dtype=self.storage_dtype(stream_dtype), device=device),
-            torch.zeros(*lead, blocks, scale_rows, dtype=torch.float32, device=device),
-            torch.zeros(*lead, blocks, self.index_rows, head_dim, dtype=torch.uint8, device=device),
-        )
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Codec) and self.spec == other.spec
 
-    def bytes_per_block(self, head_dim: int, stream_dtype: torch.dtype) -> int:
-        item = torch.empty((), dtype=self.storage_dtype(stream_dtype)).element_size()
-        scale = 4 * self.rows if self.quant_bits else 0
-        return self.rows * head_dim * item + scale + self.index_rows * head_dim
+    def __hash__(self) -> int:
+        return hash(self.spec)
 
-    def blockify(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., NB * r, D)`` -> ``(..., NB, r, D)``; the seq length must be a multiple of r."""
-        *lead, seq, dim = x.shape
-        if seq % self.block_size:
-            raise ValueError(f"x: seq length {seq} is not a multiple of block_size={self.block_size}")
-        return x.reshape(*lead, seq // self.block_size, self.block_size, dim)
+    # --- layout ----------------------------------------------------------------------------------------------
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def archive_shapes(self, head_dim: int, stream_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-group shape and dtype of each :class:`Encoded` field."""
         raise NotImplementedError
 
-    def decode(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
+    def empty_archive(self, lead: tuple[int, ...], groups: int, head_dim: int, stream_dtype: torch.dtype,
+                      device: torch.device | str | None) -> Encoded:
+        """Zeroed storage for ``groups`` archive groups."""
+        shapes = self.archive_shapes(head_dim, stream_dtype)
+        return Encoded(*(torch.zeros(*lead, groups, *shape, dtype=dtype, device=device)
+                         for shape, dtype in shapes.values()))
 
-    def stored_rows(self, enc: Encoded) -> torch.Tensor:
-        """Dense fp32 ``S (..., NB, R, D)`` with each block equal to ``synthesis() @ S``."""
-        raise NotImplementedError
+    def group_bytes(self, head_dim: int, stream_dtype: torch.dtype) -> int:
+        """Stored bytes of one archive group (every field)."""
+        total = 0
+        for shape, dtype in self.archive_shapes(head_dim, stream_dtype).values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if the codec cannot store vectors of ``head_dim`` channels."""
+
+    # --- math ------------------------------------------------------------------------------------------------
 
     def synthesis(self, device: torch.device | str | None = None) -> torch.Tensor:
         """``A (r, R)`` fp32 such that a block is ``A @ stored_rows``."""
         raise NotImplementedError
+
+    def rotation(self, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """``R (D, D)`` fp32 applied to every archived vector (``x -> R @ x``), or None."""
+        return None if self.rotate is None else rotation(head_dim, self.rotate, device)
+
+    def prepare(self, x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+        """``x (..., S, D)`` -> fp32 centered (``mean (..., D)``) and rotated tokens: what the transform sees."""
+        x = x.float()
+        if self.center and mean is not None:
+            x = x - mean[..., None, :].float()
+        rot = self.rotation(x.shape[-1], x.device)
+        return x if rot is None else x @ rot.T
+
+    def restore(self, x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+        """Inverse of :meth:`prepare` (fp32)."""
+        rot = self.rotation(x.shape[-1], x.device)
+        if rot is not None:
+            x = x @ rot
+        if self.center and mean is not None:
+            x = x + mean[..., None, :].float()
+        return x
+
+    def blockify(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., NB * r, D)`` -> ``(..., NB, r, D)``; the seq length must be a multiple of r."""
+        *lead, seq, dim = x.shape
+        if seq % self.group:
+            raise ValueError(f"x: seq length {seq} is not a multiple of the archive group ({self.group} tokens)")
+        return x.reshape(*lead, seq // self.block_size, self.block_size, dim)
+
+    def encode_rows(self, blocks: torch.Tensor, dtype: torch.dtype) -> Encoded:
+        """``(..., NB, r, D)`` prepared fp32 blocks -> the stored form of their ``NB / blocks`` groups (``dtype``: the
+        stream's, kept by unquantized jpeg coefficients)."""
+        raise NotImplementedError
+
+    def stored_rows(self, enc: Encoded, head_dim: int) -> torch.Tensor:
+        """Dense fp32 ``S (..., NB, R, D)`` (per block) with each block equal to ``synthesis() @ S``."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, mean: torch.Tensor | None = None) -> Encoded:
+        """``x (..., NG * G, D)`` tokens of complete groups -> their stored form (``mean``: the stream's center)."""
+        self.check_head_dim(x.shape[-1])
+        return self.encode_rows(self.blockify(self.prepare(x, mean)), x.dtype)
+
+    def decode(self, enc: Encoded, dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored groups -> ``(..., NG * G, D)`` tokens in ``dtype``: ``A @ S`` per block, rotated back, mean added."""
+        blocks = self.synthesis(enc.data.device) @ self.stored_rows(enc, self.head_dim_of(enc))
+        return self.restore(blocks.flatten(-3, -2), mean).to(dtype)
+
+    def head_dim_of(self, enc: Encoded) -> int:
+        """``D`` of stored groups."""
+        return enc.data.shape[-1]

@@ -1,64 +1,174 @@
-"""`jpeg`: orthonormal DCT-II per block of r tokens, lowest K coefficients kept, optionally int8."""
+"""`jpeg`: orthonormal DCT-II per block of r tokens, lowest K coefficients kept, optionally quantized per frequency.
+
+``block_size=1`` is the identity transform (each token is its own block): per-token quantization.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .base import JPEG, Codec, Encoded
+from .base import JPEG, Codec, Encoded, check_count
 from .dct import dct_basis
-from .quant import SUPPORTED_QUANT_BITS, dequantize_rows, quantize_rows
+from .pack import check_head_dim
+from .quant import AXES, SCALE_DTYPE, Quantizer
+
+MAX_BLOCK = 256
+DEFAULT_CHANNEL_GROUP = 128
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _seed(rotate) -> int | None:
+    if rotate is None or rotate is False:
+        return None
+    if rotate is True:
+        return 0
+    return check_count("rotate (a seed)", rotate)
+
+
+def _bits(quant_bits, keep: int) -> tuple[int, ...] | None:
+    if quant_bits is None:
+        return None
+    if isinstance(quant_bits, Sequence) and not isinstance(quant_bits, str):
+        if len(quant_bits) != keep:
+            raise ValueError(f"quant_bits as a table needs one entry per kept frequency ({keep}), got {len(quant_bits)}")
+        bits = tuple(quant_bits)
+    elif isinstance(quant_bits, bool) or not isinstance(quant_bits, int):
+        raise TypeError(f"quant_bits must be None, an int in 1..8 or a sequence of them, got "
+                        f"{type(quant_bits).__name__} {quant_bits!r}")
+    else:
+        bits = (quant_bits,) * keep
+    for b in bits:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TypeError(f"quant_bits entries must be ints, got {type(b).__name__} {b!r}")
+        if not 1 <= b <= 8:
+            raise ValueError(f"quant_bits entries must be in 1..8, got {b}")
+    return bits
+
+
+def _levels(levels, n_classes: int, axis: str) -> tuple[str, ...]:
+    if levels is None:
+        return ("int",) * n_classes
+    if isinstance(levels, str):
+        return (levels,) * n_classes
+    if not isinstance(levels, Sequence) or not all(isinstance(v, str) for v in levels):
+        raise TypeError(f"levels must be a level-set name or a sequence of them, got {levels!r}")
+    want = "one per kept frequency" if axis == "token" else "(dc, ac)"
+    if len(levels) != n_classes:
+        raise ValueError(f"levels for scale_axis={axis!r} needs {n_classes} entries ({want}), got {len(levels)}")
+    return tuple(levels)
 
 
 class JPEGCodec(Codec):
     """Keep the lowest ``keep_freqs`` DCT coefficients of each block of ``block_size`` tokens.
 
-    ``keep_freqs == block_size`` is lossless up to fp rounding. ``quant_bits=8`` stores int8 codes with
-    a per-(block, frequency) fp32 scale over head_dim. Unquantized coefficients keep the stream dtype.
+    ``keep_freqs == block_size`` is lossless up to fp rounding. ``quant_bits`` (an int, or one per kept frequency: a
+    quantization table) quantizes the coefficients: ``levels`` (``"int"``, ``"uniform"``, ``"midrise"``, ``"lloyd"``;
+    see ``levels.py``), ``scale_axis`` ``"token"`` (an fp16 scale per (block, frequency) over head_dim) or
+    ``"channel"`` (per channel over ``group`` tokens, DC and AC classes; ``levels`` may then be a ``(dc, ac)`` pair),
+    ``scale_search`` (least-squares clipping search). ``rotate`` (True or a seed) applies a fixed random-sign
+    Walsh-Hadamard rotation along head_dim, ``center`` subtracts a per-channel mean taken from the first append.
+    ``sinks`` / ``window``: raw first / newest tokens. Unquantized coefficients keep the stream dtype.
     """
 
     mode = JPEG
 
-    def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits: int | None = None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(f"block_size must be an int >= 2, got {block_size!r}")
+    def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits=None, *, levels=None,
+                 scale_axis: str = "token", group: int | None = None, scale_search: bool = False, rotate=None,
+                 center: bool = False, sinks: int = 0, window: int = 0):
+        block_size = check_count("block_size", block_size, least=1)
+        if block_size > MAX_BLOCK:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK}, got {block_size}")
         keep = block_size if keep_freqs is None else keep_freqs
-        if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= block_size:
-            raise ValueError(f"keep_freqs must be an int in 1..{block_size} (block_size), got {keep_freqs!r}")
-        if quant_bits is not None and (isinstance(quant_bits, bool) or not isinstance(quant_bits, int)
-                                       or quant_bits not in SUPPORTED_QUANT_BITS):
-            raise ValueError(f"quant_bits must be None or one of {SUPPORTED_QUANT_BITS}, got {quant_bits!r}")
-        self.block_size = block_size
-        self.keep_freqs = keep
-        self.rows = keep
-        self.quant_bits = quant_bits or 0
+        if isinstance(keep, bool) or not isinstance(keep, int):
+            raise TypeError(f"keep_freqs must be None or an int, got {type(keep_freqs).__name__} {keep_freqs!r}")
+        if not 1 <= keep <= block_size:
+            raise ValueError(f"keep_freqs must be in 1..{block_size} (block_size), got {keep_freqs!r}")
+        self.block_size, self.keep_freqs, self.rows = block_size, keep, keep
+        self.rotate, self.center = _seed(rotate), _check_bool("center", center)
+        self._set_residual(sinks, window)
+        bits = _bits(quant_bits, keep)
+        if scale_axis not in AXES:
+            raise ValueError(f"scale_axis must be one of {AXES}, got {scale_axis!r}")
+        _check_bool("scale_search", scale_search)
+        if bits is None:
+            if levels is not None or scale_axis != "token" or group is not None or scale_search:
+                raise ValueError("levels, scale_axis, group and scale_search apply to quantized coefficients: set "
+                                 "quant_bits too")
+            return
+        if group is None:
+            group = block_size if scale_axis == "token" else max(block_size, DEFAULT_CHANNEL_GROUP)
+        check_count("group", group, least=1)
+        if group % block_size:
+            raise ValueError(f"group must be a multiple of block_size={block_size}, got {group}")
+        if scale_axis == "token" and group != block_size:
+            raise ValueError(f"group applies to scale_axis='channel' (token-axis scales are per block), got "
+                             f"group={group} with block_size={block_size}")
+        self.blocks = group // block_size
+        n_classes = keep if scale_axis == "token" else (1 if keep == 1 else 2)
+        self.quantizer = Quantizer(bits, _levels(levels, n_classes, scale_axis), scale_axis, self.blocks, scale_search)
 
     def __repr__(self) -> str:
-        return f"JPEGCodec(block_size={self.block_size}, keep_freqs={self.keep_freqs}, quant_bits={self.quant_bits or None})"
+        return f"JPEGCodec({self.spec})"
 
-    def storage_dtype(self, stream_dtype: torch.dtype) -> torch.dtype:
-        return torch.int8 if self.quant_bits else stream_dtype
+    @property
+    def spec(self) -> str:
+        q = self.quantizer
+        parts = [f"jpeg;r={self.block_size};k={self.keep_freqs}"]
+        if q is not None:
+            parts.append(f"bits={'.'.join(map(str, q.bits))};levels={'.'.join(q.levels)};axis={q.axis};"
+                         f"blocks={q.blocks};search={int(q.search)}")
+        parts.append(f"rotate={'-' if self.rotate is None else self.rotate};center={int(self.center)};"
+                     f"sinks={self.sinks};window={self.window}")
+        return ";".join(parts)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.quantizer is not None:
+            check_head_dim(head_dim)
+
+    def archive_shapes(self, head_dim, stream_dtype):
+        q = self.quantizer
+        if q is None:
+            return {"data": ((self.rows, head_dim), stream_dtype), "scale": ((0,), SCALE_DTYPE),
+                    "zero": ((0,), SCALE_DTYPE), "index": ((0,), torch.uint8)}
+        return {"data": ((q.blocks, q.row_bytes(head_dim)), torch.uint8),
+                "scale": (q.scale_shape(head_dim), SCALE_DTYPE), "zero": (q.zero_shape(head_dim), SCALE_DTYPE),
+                "index": ((0,), torch.uint8)}
+
+    def head_dim_of(self, enc: Encoded) -> int:
+        if self.quantizer is None:
+            return enc.data.shape[-1]
+        return enc.data.shape[-1] * 8 // sum(self.quantizer.bits)
 
     def synthesis(self, device=None) -> torch.Tensor:
         return dct_basis(self.block_size, device)[: self.keep_freqs].T.contiguous()
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        """``x (..., NB * r, D)`` -> coefficients ``(..., NB, K, D)`` (+ scales when quantized)."""
-        blocks = self.blockify(x).float()
-        analysis = dct_basis(self.block_size, x.device)[: self.keep_freqs]
-        coeffs = analysis @ blocks
-        lead = coeffs.shape[:-2]
-        index = torch.zeros(*lead, 0, x.shape[-1], dtype=torch.uint8, device=x.device)
-        if self.quant_bits:
-            codes, scale = quantize_rows(coeffs, self.quant_bits)
-            return Encoded(codes, scale, index)
-        return Encoded(coeffs.to(x.dtype), torch.zeros(*lead, 0, device=x.device), index)
+    def analysis(self, device=None) -> torch.Tensor:
+        """``M (K, r)``: coefficients of a block ``X`` are ``M @ X``."""
+        return dct_basis(self.block_size, device)[: self.keep_freqs].contiguous()
 
-    def stored_rows(self, enc: Encoded) -> torch.Tensor:
-        if self.quant_bits:
-            return dequantize_rows(enc.data, enc.scale)
-        return enc.data.float()
+    def encode_rows(self, blocks: torch.Tensor, dtype: torch.dtype) -> Encoded:
+        coeffs = self.analysis(blocks.device) @ blocks  # (..., NB, K, D)
+        lead, d = coeffs.shape[:-3], coeffs.shape[-1]
+        nb = coeffs.shape[-3]
+        empty = dict(device=blocks.device)
+        if self.quantizer is None:
+            ng = nb
+            return Encoded(coeffs.to(dtype), torch.zeros(*lead, ng, 0, dtype=SCALE_DTYPE, **empty),
+                           torch.zeros(*lead, ng, 0, dtype=SCALE_DTYPE, **empty),
+                           torch.zeros(*lead, ng, 0, dtype=torch.uint8, **empty))
+        g = self.quantizer.blocks
+        codes, scale, zero = self.quantizer.quantize(coeffs.reshape(*lead, nb // g, g, self.keep_freqs, d))
+        return Encoded(codes, scale, zero, torch.zeros(*lead, nb // g, 0, dtype=torch.uint8, **empty))
 
-    def decode(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
-        """``(..., NB, K, D)`` -> ``(..., NB * r, D)`` in ``dtype``: ``M[:K].T @ C``."""
-        blocks = self.synthesis(enc.data.device) @ self.stored_rows(enc)
-        return blocks.flatten(-3, -2).to(dtype)
+    def stored_rows(self, enc: Encoded, head_dim: int) -> torch.Tensor:
+        if self.quantizer is None:
+            return enc.data.float()
+        rows = self.quantizer.dequantize(enc.data, enc.scale, enc.zero, head_dim)  # (..., NG, g, K, D)
+        return rows.flatten(-4, -3)

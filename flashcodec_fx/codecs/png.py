@@ -6,7 +6,10 @@ import math
 
 import torch
 
-from .base import PNG, Codec, Encoded
+from .base import PNG, Codec, Encoded, check_count
+from .quant import SCALE_DTYPE
+
+MAX_BLOCK = 256  # kept-delta positions are stored as uint8
 
 
 class PNGCodec(Codec):
@@ -15,25 +18,33 @@ class PNGCodec(Codec):
     ``keep_ratio=1.0`` is exact whenever every consecutive difference is representable in fp32: always
     for values within a factor 2**13 (fp16) / 2**16 (bf16) of each other, and whenever one is zero.
     ``keep_ratio < 1`` keeps, per (block, channel), the ``ceil(keep_ratio * (r - 1))`` largest deltas by
-    magnitude with their uint8 positions (lossy). Blocks are at most 256 tokens.
+    magnitude with their uint8 positions (lossy). Blocks are at most 256 tokens. ``sinks`` / ``window``: raw first /
+    newest tokens, as for jpeg.
     """
 
     mode = PNG
-    quant_bits = 0
 
-    def __init__(self, block_size: int = 8, keep_ratio: float = 1.0):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= 256:
-            raise ValueError(f"block_size must be an int in 2..256 for png, got {block_size!r}")
-        if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
+    def __init__(self, block_size: int = 8, keep_ratio: float = 1.0, *, sinks: int = 0, window: int = 0):
+        block_size = check_count("block_size", block_size, least=2)
+        if block_size > MAX_BLOCK:
+            raise ValueError(f"block_size must be an int in 2..{MAX_BLOCK} for png, got {block_size!r}")
+        if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)):
+            raise TypeError(f"keep_ratio must be a float in (0, 1], got {type(keep_ratio).__name__} {keep_ratio!r}")
+        if not 0 < keep_ratio <= 1:
             raise ValueError(f"keep_ratio must be a float in (0, 1], got {keep_ratio!r}")
         self.block_size = block_size
         self.keep_ratio = float(keep_ratio)
         self.kept_deltas = max(1, math.ceil(self.keep_ratio * (block_size - 1) - 1e-9))
         self.pruned = self.kept_deltas < block_size - 1
         self.rows = 1 + self.kept_deltas
+        self._set_residual(sinks, window)
 
     def __repr__(self) -> str:
-        return f"PNGCodec(block_size={self.block_size}, keep_ratio={self.keep_ratio})"
+        return f"PNGCodec({self.spec})"
+
+    @property
+    def spec(self) -> str:
+        return f"png;r={self.block_size};kept={self.kept_deltas};sinks={self.sinks};window={self.window}"
 
     @property
     def index_rows(self) -> int:
@@ -43,26 +54,26 @@ class PNGCodec(Codec):
     def dense_rows(self) -> int:
         return self.block_size
 
-    def storage_dtype(self, stream_dtype: torch.dtype) -> torch.dtype:
-        return torch.float32
+    def archive_shapes(self, head_dim, stream_dtype):
+        return {"data": ((self.rows, head_dim), torch.float32), "scale": ((0,), SCALE_DTYPE),
+                "zero": ((0,), SCALE_DTYPE), "index": ((self.index_rows, head_dim), torch.uint8)}
 
     def synthesis(self, device=None) -> torch.Tensor:
         return torch.tril(torch.ones(self.block_size, self.block_size, device=device))
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        """``x (..., NB * r, D)`` -> ``(..., NB, 1 + M, D)`` fp32 anchor + deltas (+ uint8 positions)."""
-        blocks = self.blockify(x).float()
+    def encode_rows(self, blocks: torch.Tensor, dtype: torch.dtype) -> Encoded:
+        """``(..., NB, r, D)`` -> ``(..., NB, 1 + M, D)`` fp32 anchor + deltas (+ uint8 positions)."""
         deltas = blocks[..., 1:, :] - blocks[..., :-1, :]
         lead = blocks.shape[:-2]
-        scale = torch.zeros(*lead, 0, device=x.device)
+        empty = torch.zeros(*lead, 0, dtype=SCALE_DTYPE, device=blocks.device)
         if not self.pruned:
-            index = torch.zeros(*lead, 0, x.shape[-1], dtype=torch.uint8, device=x.device)
-            return Encoded(torch.cat([blocks[..., :1, :], deltas], dim=-2), scale, index)
+            index = torch.zeros(*lead, 0, blocks.shape[-1], dtype=torch.uint8, device=blocks.device)
+            return Encoded(torch.cat([blocks[..., :1, :], deltas], dim=-2), empty, empty, index)
         top = deltas.abs().topk(self.kept_deltas, dim=-2, sorted=False).indices
         kept = deltas.gather(-2, top)
-        return Encoded(torch.cat([blocks[..., :1, :], kept], dim=-2), scale, top.to(torch.uint8))
+        return Encoded(torch.cat([blocks[..., :1, :], kept], dim=-2), empty, empty, top.to(torch.uint8))
 
-    def stored_rows(self, enc: Encoded) -> torch.Tensor:
+    def stored_rows(self, enc: Encoded, head_dim: int) -> torch.Tensor:
         if not self.pruned:
             return enc.data.float()
         lead, dim = enc.data.shape[:-2], enc.data.shape[-1]
@@ -70,9 +81,9 @@ class PNGCodec(Codec):
         deltas.scatter_(-2, enc.index.long(), enc.data[..., 1:, :])
         return torch.cat([enc.data[..., :1, :], deltas], dim=-2)
 
-    def decode(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, enc: Encoded, dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
         """Sequential fp32 cumsum over each block (exact where the deltas are), cast to ``dtype``."""
-        rows = self.stored_rows(enc)
+        rows = self.stored_rows(enc, enc.data.shape[-1])
         out = [rows[..., 0, :]]
         for i in range(1, self.block_size):
             out.append(out[-1] + rows[..., i, :])

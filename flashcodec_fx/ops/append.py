@@ -1,68 +1,119 @@
-"""`flashcodec::append`: new tokens into the raw tail; completed blocks archived in place, on the device.
+"""`flashcodec::append`: new tokens into the stream; groups that complete and leave the window are archived in place.
 
-Lengths live in a 0-dim int64 device tensor and every shape depends only on input shapes, so one step
-is the same launch sequence every time (no host sync, capturable in a CUDA graph, compileable).
+Every position and decision comes from the 0-dim device length and the input shapes, so one step is the same
+launch sequence every time (no host sync, capturable in a CUDA graph, compileable). The reference below is the spec:
+
+1. tokens at positions below ``sinks`` are written to the sink rows;
+2. the first append that reaches past the sinks sets the per-channel mean (``center``): the mean of its non-sink tokens;
+3. the tail and the non-sink new tokens form a work buffer (row ``i`` = position ``archived_end(length) + i``); its
+   first ``completable_groups(T, G)`` groups are encoded, and the ones that are complete and older than the window
+   are written to their archive slots;
+4. the rows after the newly archived groups become the tail (zeros past the new length); ``length += T``.
+
+``memo`` (optional, ``(B, H, capacity, D)`` stream dtype): the view attention reads, kept up to date: new tokens are
+written raw at their positions, newly archived groups as their decoded values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs import Encoded
-from ._validate import check_append_args
+from ..codecs import Codec
+from .state import StreamState, archived_end, capacity, check_state, spec_codec
 
 
-def touched_blocks(new_tokens: int, block_size: int) -> int:
-    """Upper bound on the blocks that ``new_tokens`` appended at any offset can touch."""
-    return new_tokens // block_size + 2
+def completable_groups(new_tokens: int, group: int) -> int:
+    """Upper bound on the archive groups that ``new_tokens`` appended at any length can complete: ``ceil(T / G)``."""
+    return -(-new_tokens // group)
 
 
-@torch.library.custom_op("flashcodec::append", mutates_args=("data", "scale", "index", "tail", "length", "memo"))
-def append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: torch.Tensor, length: torch.Tensor,
-           new: torch.Tensor, spec: list[int], memo: torch.Tensor | None = None) -> None:
-    """Append ``new (B, H, T, D)`` to a stream whose first ``length`` tokens are stored.
+def check_append_args(state, new: torch.Tensor, spec: str, memo: torch.Tensor | None) -> tuple[Codec, StreamState]:
+    """Validate ``flashcodec::append`` arguments (every kernel's launcher uses this); returns the codec and state."""
+    codec = spec_codec("spec", spec)
+    state = check_state("state", codec, state)
+    b, h, _, d = state.tail.shape
+    if new.dim() != 4 or (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d) or new.dtype != state.tail.dtype:
+        raise ValueError(f"new must be (B, H, T, D) = ({b}, {h}, T, {d}) in {state.tail.dtype}, got {new.dtype} "
+                         f"{tuple(new.shape)}")
+    want = (b, h, capacity(codec, state), d)
+    if memo is not None and (tuple(memo.shape) != want or memo.dtype != state.tail.dtype):
+        raise ValueError(f"memo must be {state.tail.dtype} of shape {want}, got {memo.dtype} {tuple(memo.shape)}")
+    return codec, state
 
-    State (mutated): ``data/scale/index`` the archive ``(B, H, NB, ...)``, ``tail (B, H, r, D)`` raw tokens of
-    the open block, ``length`` 0-dim int64. ``memo`` (optional, ``(B, H, NB * r, D)`` stream dtype) receives
-    the decoded rows of each newly archived block and the raw rows of the open block, so reads never
-    re-decode history. The caller guarantees ``length + T <= NB * r``.
-    """
-    codec = check_append_args(data, scale, index, tail, length, new, spec, memo)
-    b, h, t, d = new.shape
-    r = codec.block_size
-    nblk = touched_blocks(t, r)
-    dev = new.device
-    first = torch.div(length, r, rounding_mode="floor")
-    work = new.new_zeros(b, h, nblk * r, d)
-    work[:, :, :r] = tail
-    work.index_copy_(2, length % r + torch.arange(t, device=dev), new)
-    enc = codec.encode(work)
 
-    j = torch.arange(nblk, device=dev)
-    end = length + t
-    complete = (first + j + 1) * r <= end
-    slots = torch.where(complete, first + j, first)
-    for store, fresh in zip((data, scale, index), enc, strict=True):
-        keep = torch.where(complete[0], fresh[:, :, 0], store.index_select(2, first[None])[:, :, 0])
-        pick = complete.view(1, 1, nblk, *[1] * (fresh.dim() - 3))
+def _write_sinks(codec: Codec, st: StreamState, new: torch.Tensor) -> None:
+    """Sink row ``s`` takes new token ``s - length`` when that token exists."""
+    t = new.shape[2]
+    token = torch.arange(codec.sinks, device=new.device) - st.length
+    fresh = new.index_select(2, token.clamp(0, t - 1))
+    st.sink.copy_(torch.where(((token >= 0) & (token < t)).view(1, 1, -1, 1), fresh, st.sink))
+
+
+def _set_mean(st: StreamState, codec: Codec, new: torch.Tensor) -> None:
+    """The first append reaching past the sinks sets the mean of its non-sink tokens."""
+    t = new.shape[2]
+    counted = ((st.length + torch.arange(t, device=new.device)) >= codec.sinks).float()
+    mean = (new.float() * counted.view(1, 1, -1, 1)).sum(2) / counted.sum().clamp_min(1)
+    first = (st.length <= codec.sinks) & (st.length + t > codec.sinks)
+    st.mean.copy_(torch.where(first, mean, st.mean))
+
+
+def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                  memo: torch.Tensor | None) -> None:
+    """Encode the first groups of ``work`` (rows from position ``start``); archive those complete by ``end``.
+
+    Groups that are not archived are redirected to the first one's slot with the first one's value (new or kept),
+    so every index written holds one value (a deterministic ``index_copy_``)."""
+    b, h, _, d = work.shape
+    g, ng = codec.group, st.data.shape[2]
+    n = completable_groups(work.shape[2] - codec.tail_capacity, g)
+    enc = codec.encode(work[:, :, : n * g], st.mean)
+    k = torch.arange(n, device=work.device)
+    complete = start + (k + 1) * g <= end
+    first = torch.div(start - codec.sinks, g, rounding_mode="floor")
+    slot0 = first.clamp(max=ng - 1)
+    slots = torch.where(complete, first + k, slot0)
+    for store, fresh in zip(st[:4], enc, strict=True):
+        keep = torch.where(complete[0], fresh[:, :, 0], store.index_select(2, slot0[None])[:, :, 0])
+        pick = complete.view(1, 1, n, *[1] * (fresh.dim() - 3))
         store.index_copy_(2, slots, torch.where(pick, fresh, keep.unsqueeze(2)))
-
-    last = torch.div(end, r, rounding_mode="floor") - first
     if memo is not None:
-        rows = codec.decode(Encoded(*enc), tail.dtype).view(b, h, nblk, r, d)
-        raw = work.view(b, h, nblk, r, d)
-        open_block = (j == last) & (end % r != 0)
-        value = torch.where(complete.view(1, 1, nblk, 1, 1), rows, raw)
-        first_value = torch.where(complete[0] | open_block[0], value[:, :, 0], memo.view(b, h, -1, r, d)
-                                  .index_select(2, first[None])[:, :, 0])
-        use = (complete | open_block).view(1, 1, nblk, 1, 1)
-        value = torch.where(use, value, first_value.unsqueeze(2))
-        mslots = torch.where(complete | open_block, first + j, first)
-        memo.view(b, h, -1, r, d).index_copy_(2, mslots, value)
-    tail.copy_(work.index_select(2, last * r + torch.arange(r, device=dev)))
-    length.add_(t)
+        rows = codec.decode(enc, memo.dtype, st.mean).view(b, h, n, g, d)
+        view = memo[:, :, codec.sinks:].view(b, h, ng, g, d)
+        keep = torch.where(complete[0], rows[:, :, 0], view.index_select(2, slot0[None])[:, :, 0])
+        view.index_copy_(2, slots, torch.where(complete.view(1, 1, n, 1, 1), rows, keep.unsqueeze(2)))
+
+
+@torch.library.custom_op("flashcodec::append", mutates_args=("state", "memo"))
+def append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
+    """Append ``new (B, H, T, D)`` to a stream (``state`` as in ``ops/state.py``, mutated in place).
+
+    The caller guarantees ``length + T <= capacity``; ``memo`` as in the module docstring.
+    """
+    codec, st = check_append_args(state, new, spec, memo)
+    t, dev = new.shape[2], new.device
+    end = st.length + t
+    if codec.sinks:
+        _write_sinks(codec, st, new)
+    if codec.center:
+        _set_mean(st, codec, new)
+    start = archived_end(codec, st.length)
+    rows = torch.arange(codec.tail_capacity + t, device=dev)
+    token = start + rows - st.length
+    is_new = (token >= 0) & (token < t)
+    old = torch.cat([st.tail, st.tail.new_zeros(*st.tail.shape[:2], t, st.tail.shape[3])], dim=2)
+    work = torch.where(is_new.view(1, 1, -1, 1), new.index_select(2, token.clamp(0, t - 1)), old)
+    if memo is not None:
+        memo.index_copy_(2, st.length + torch.arange(t, device=dev), new)
+    new_start = archived_end(codec, end)
+    _write_groups(codec, st, work, start, new_start, memo)
+    shift = new_start - start + torch.arange(codec.tail_capacity, device=dev)
+    tail = work.index_select(2, shift.clamp(max=work.shape[2] - 1))
+    st.tail.copy_(torch.where((new_start + torch.arange(codec.tail_capacity, device=dev) < end).view(1, 1, -1, 1),
+                              tail, torch.zeros((), dtype=tail.dtype, device=dev)))
+    st.length.add_(t)
 
 
 @append.register_fake
-def _(data, scale, index, tail, length, new, spec, memo=None):
+def _(state, new, spec, memo=None):
     return None

@@ -1,10 +1,13 @@
-"""`flashcodec::codec_attention`: decode attention on stored coefficients, never on the (S, D) view.
+"""`flashcodec::codec_attention`: attention on the stored form, never on the (S, D) view.
 
-Each archived block is ``X = A @ S`` (A the codec's ``(r, R)`` synthesis matrix, S its dense stored rows), so
+Each stream is four segments of *slots*, each slot a position: the raw sinks, the archive, the raw tail, and the
+current call's own ``T`` new tokens (exact, as the prompt is). An archived block of the centered, rotated vectors is
+``X = A @ S`` (A the codec's ``(r, R)`` synthesis matrix, S its dense stored rows), so with ``q_rot = R @ q``
 
-    scores[p] = q . X[p] = ((q @ S^T) @ A^T)[p]        out = sum_p prob[p] X[p] = (prob @ A) @ S
+    scores[p] = q . k[p] = ((q_rot @ S^T) @ A^T)[p] + q . mean_k          out += R^T ((prob @ A) @ S) + mass * mean_v
 
-per block; the open block's raw tail rows are attended directly in the same softmax.
+per block. Keys and values may archive at different positions (their own sinks, groups, windows): key scores are
+computed per key slot, normalized over every valid position once, moved to positions, and read back per value slot.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import math
 
 import torch
 
-from ..codecs import Encoded
-from ._validate import check_length, check_state, spec_codec
+from ..codecs import Codec, Encoded
+from .read import check_new
+from .state import StreamState, archived_end, check_state, spec_codec
 
 
 def _check_mask(mask: torch.Tensor | None, b: int, hq: int, t: int) -> None:
@@ -26,29 +30,48 @@ def _check_mask(mask: torch.Tensor | None, b: int, hq: int, t: int) -> None:
                          f"B={b}, Hq={hq}, T={t}, got {mask.dtype} {tuple(mask.shape)}")
 
 
-def check_attention_args(q, k_state, v_state, spec_k, spec_v, mask):
-    """Validate ``codec_attention`` arguments; returns ``(codec_k, codec_v)``."""
+def check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask):
+    """Validate ``codec_attention`` arguments; returns ``(codec_k, codec_v, k_state, v_state)``."""
     ck, cv = spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v)
-    check_state("k", ck, *k_state)
-    check_state("v", cv, *v_state)
-    if ck.block_size != cv.block_size:
-        raise ValueError(f"spec_k and spec_v must share block_size, got {ck.block_size} and {cv.block_size}")
-    if q.dim() != 4 or q.shape[3] != k_state[0].shape[4] or q.shape[0] != k_state[0].shape[0]:
-        raise ValueError(f"q must be (B, Hq, T, D) matching the cache's B and D, got {tuple(q.shape)}")
-    if k_state[0].shape[:3] != v_state[0].shape[:3] or k_state[3].shape[:2] != v_state[3].shape[:2]:
-        raise ValueError("k and v states must have the same (B, H_kv, NB)")
-    if v_state[0].shape[4] != q.shape[3]:
-        raise ValueError(f"v states must have q's head_dim {q.shape[3]}, got {v_state[0].shape[4]}")
-    if not q.dtype == k_state[3].dtype == v_state[3].dtype:
-        raise ValueError(f"q dtype must match the streams' dtype (k_tail {k_state[3].dtype}, v_tail {v_state[3].dtype}), "
-                         f"got {q.dtype}")
-    if q.shape[1] % k_state[0].shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_state[0].shape[1]})")
+    ks, vs = check_state("k_state", ck, k_state), check_state("v_state", cv, v_state)
+    if q.dim() != 4 or q.shape[0] != ks.tail.shape[0] or q.shape[3] != ks.tail.shape[3]:
+        raise ValueError(f"q must be (B, Hq, T, D) matching the cache's B and D {(ks.tail.shape[0], ks.tail.shape[3])}, "
+                         f"got {tuple(q.shape)}")
+    if vs.tail.shape[:2] != ks.tail.shape[:2] or vs.tail.shape[3] != q.shape[3]:
+        raise ValueError(f"k and v states must share (B, H_kv) and q's head_dim, got k {tuple(ks.tail.shape)} and "
+                         f"v {tuple(vs.tail.shape)}")
+    if not q.dtype == ks.tail.dtype == vs.tail.dtype:
+        raise ValueError(f"q dtype must match the streams' dtype (k {ks.tail.dtype}, v {vs.tail.dtype}), got {q.dtype}")
+    if q.shape[1] % ks.tail.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({ks.tail.shape[1]})")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (the current call's own keys and values)")
+    check_new("k_new", ks, k_new)
+    check_new("v_new", vs, v_new)
+    if k_new is not None and k_new.shape[2] != v_new.shape[2]:
+        raise ValueError(f"k_new and v_new must hold the same tokens, got {k_new.shape[2]} and {v_new.shape[2]}")
     _check_mask(mask, q.shape[0], q.shape[1], q.shape[2])
-    return ck, cv
+    return ck, cv, ks, vs
 
 
-def _mask_bias(mask: torch.Tensor, pos: torch.Tensor, b: int, hkv: int, g: int, t: int) -> torch.Tensor:
+def slot_positions(codec: Codec, st: StreamState, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position and validity of every slot of a stream: sinks, archive, tail, then the ``new_tokens`` of this call.
+
+    Stored slots count only below ``length - new_tokens`` (the new tokens are read exactly from the call instead)."""
+    dev, length = st.tail.device, st.length
+    stored_end = length - new_tokens
+    start = archived_end(codec, length)
+    sinks = torch.arange(codec.sinks, device=dev)
+    archive = codec.sinks + torch.arange(st.data.shape[2] * codec.group, device=dev)
+    tail = start + torch.arange(codec.tail_capacity, device=dev)
+    new = stored_end + torch.arange(new_tokens, device=dev)
+    pos = torch.cat([sinks, archive, tail, new])
+    ok = torch.cat([sinks < stored_end, (archive < start) & (archive < stored_end), tail < stored_end,
+                    torch.ones(new_tokens, dtype=torch.bool, device=dev)])
+    return pos, ok
+
+
+def mask_bias(mask: torch.Tensor, pos: torch.Tensor, b: int, hkv: int, g: int, t: int) -> torch.Tensor:
     """Gather an additive fp32 bias ``(B, H_kv, G * T, P)`` for absolute positions ``pos (P,)``."""
     picked = mask.index_select(3, pos.clamp(max=mask.shape[3] - 1))
     if picked.dtype == torch.bool:
@@ -57,53 +80,81 @@ def _mask_bias(mask: torch.Tensor, pos: torch.Tensor, b: int, hkv: int, g: int, 
     return picked.reshape(b, hkv, g * t, -1)
 
 
-@torch.library.custom_op("flashcodec::codec_attention", mutates_args=())
-def codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, k_index: torch.Tensor,
-                    k_tail: torch.Tensor, v_data: torch.Tensor, v_scale: torch.Tensor, v_index: torch.Tensor,
-                    v_tail: torch.Tensor, length: torch.Tensor, spec_k: list[int], spec_v: list[int],
-                    mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention of ``q (B, Hq, T, D)`` over the first ``length`` stored tokens; returns ``(B, Hq, T, D)`` in q's dtype.
-
-    GQA: query head ``i`` reads kv head ``i // (Hq // H_kv)``. ``mask``: bool (True = attend) or additive float,
-    ``(1|B, 1|Hq, 1|T, L)`` over absolute positions ``0..L-1`` with ``L >= length``; without a mask every query
-    sees every stored token. ``scale`` defaults to ``1 / sqrt(D)``. Accumulates in fp32.
-    """
-    ck, cv = check_attention_args(q, (k_data, k_scale, k_index, k_tail), (v_data, v_scale, v_index, v_tail),
-                                  spec_k, spec_v, mask)
-    check_length(length)
-    b, hq, t, d = q.shape
-    hkv, nb, r = k_data.shape[1], k_data.shape[2], ck.block_size
-    g = hq // hkv
-    dev = q.device
-    qg = q.float().reshape(b, hkv, g * t, d)
-    sk = ck.stored_rows(Encoded(k_data, k_scale, k_index))
-    sv = cv.stored_rows(Encoded(v_data, v_scale, v_index))
-
-    coef = torch.einsum("bhqd,bhnrd->bhqnr", qg, sk)
-    s_arch = torch.einsum("bhqnr,pr->bhqnp", coef, ck.synthesis(dev)).reshape(b, hkv, g * t, nb * r)
-    s_tail = qg @ k_tail.float().transpose(-1, -2)
-    scores = torch.cat([s_arch, s_tail], dim=-1) * (1.0 / math.sqrt(d) if scale is None else scale)
-
-    start = torch.div(length, r, rounding_mode="floor") * r
-    arch_pos = torch.arange(nb * r, device=dev)
-    tail_pos = start + torch.arange(r, device=dev)
-    valid = torch.cat([arch_pos < start, tail_pos < length])
-    if mask is not None:
-        scores = scores + _mask_bias(mask, torch.cat([arch_pos, tail_pos]), b, hkv, g, t)
-    scores = scores.masked_fill(~valid, float("-inf"))
+def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where rows with no finite score give zeros (not NaN)."""
     peak = scores.amax(dim=-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     weights = torch.exp(scores - peak)
     denom = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return weights / torch.where(denom > 0, denom, torch.ones_like(denom))
 
-    p_arch = probs[..., : nb * r].reshape(b, hkv, g * t, nb, r)
-    p_coef = torch.einsum("bhqnp,pr->bhqnr", p_arch, cv.synthesis(dev))
-    out = torch.einsum("bhqnr,bhnrd->bhqd", p_coef, sv) + probs[..., nb * r:] @ v_tail.float()
-    return out.reshape(b, hq, t, d).to(q.dtype)
+
+def _key_scores(codec: Codec, st: StreamState, qg: torch.Tensor, k_new: torch.Tensor | None) -> torch.Tensor:
+    """``q . k`` per slot ``(B, H_kv, GT, slots)`` in slot order; archived keys in the coefficient domain."""
+    b, h, _, d = st.tail.shape
+    rot = codec.rotation(d, qg.device)
+    q_rot = qg if rot is None else qg @ rot.T
+    rows = codec.stored_rows(Encoded(*st[:4]), d)  # (B, H, NB, R, D)
+    coef = torch.einsum("bhqd,bhnrd->bhqnr", q_rot, rows)
+    archive = torch.einsum("bhqnr,pr->bhqnp", coef, codec.synthesis(qg.device)).flatten(-2)
+    if codec.center:
+        archive = archive + (qg * st.mean[:, :, None]).sum(-1, keepdim=True)
+    parts = [qg @ st.sink.float().transpose(-1, -2), archive, qg @ st.tail.float().transpose(-1, -2)]
+    if k_new is not None:
+        parts.append(qg @ k_new.float().transpose(-1, -2))
+    return torch.cat(parts, dim=-1)
+
+
+def _value_sum(codec: Codec, st: StreamState, w: torch.Tensor, v_new: torch.Tensor | None) -> torch.Tensor:
+    """``sum_slot w[slot] v[slot]`` ``(B, H_kv, GT, D)`` for weights in slot order; archive in the coefficient domain."""
+    b, h, _, d = st.tail.shape
+    ns, na, nt = codec.sinks, st.data.shape[2] * codec.group, codec.tail_capacity
+    w_sink, w_arch, w_tail, w_new = w.split([ns, na, nt, w.shape[-1] - ns - na - nt], dim=-1)
+    rows = codec.stored_rows(Encoded(*st[:4]), d)  # (B, H, NB, R, D)
+    p_coef = torch.einsum("bhqnp,pr->bhqnr", w_arch.unflatten(-1, (rows.shape[2], codec.block_size)),
+                          codec.synthesis(w.device))
+    out = torch.einsum("bhqnr,bhnrd->bhqd", p_coef, rows)
+    rot = codec.rotation(d, w.device)
+    if rot is not None:
+        out = out @ rot
+    if codec.center:
+        out = out + w_arch.sum(-1, keepdim=True) * st.mean[:, :, None]
+    out = out + w_sink @ st.sink.float() + w_tail @ st.tail.float()
+    if v_new is not None:
+        out = out + w_new @ v_new.float()
+    return out
+
+
+@torch.library.custom_op("flashcodec::codec_attention", mutates_args=())
+def codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[torch.Tensor], spec_k: str,
+                    spec_v: str, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of ``q (B, Hq, T, D)`` over the first ``length`` stored positions; ``(B, Hq, T, D)`` in q's dtype.
+
+    ``k_new`` / ``v_new`` ``(B, H_kv, T_new, D)``: the current call's own keys and values (already appended), read
+    exactly at the last ``T_new`` positions. GQA: query head ``i`` reads kv head ``i // (Hq // H_kv)``. ``mask``: bool
+    (True = attend) or additive float, ``(1|B, 1|Hq, 1|T, L)`` over absolute positions ``0..L-1`` with
+    ``L >= length``; without a mask every query sees every stored position. ``scale`` defaults to ``1 / sqrt(D)``.
+    Accumulates in fp32; a row that sees nothing gives zeros.
+    """
+    ck, cv, ks, vs = check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask)
+    b, hq, t, d = q.shape
+    hkv = ks.tail.shape[1]
+    g = hq // hkv
+    tn = 0 if k_new is None else k_new.shape[2]
+    qg = q.float().reshape(b, hkv, g * t, d)
+    k_pos, k_ok = slot_positions(ck, ks, tn)
+    scores = _key_scores(ck, ks, qg, k_new) * (1.0 / math.sqrt(d) if scale is None else scale)
+    if mask is not None:
+        scores = scores + mask_bias(mask, k_pos, b, hkv, g, t)
+    probs = safe_softmax(scores.masked_fill(~k_ok, float("-inf")))
+    v_pos, v_ok = slot_positions(cv, vs, tn)
+    n_pos = max(k_pos.shape[0], v_pos.shape[0])
+    at_pos = probs.new_zeros(b, hkv, g * t, n_pos).scatter_add_(-1, k_pos.clamp(max=n_pos - 1).expand_as(probs), probs)
+    w = at_pos.index_select(-1, v_pos.clamp(max=n_pos - 1)) * v_ok
+    return _value_sum(cv, vs, w, v_new).reshape(b, hq, t, d).to(q.dtype)
 
 
 @codec_attention.register_fake
-def _(q, k_data, k_scale, k_index, k_tail, v_data, v_scale, v_index, v_tail, length, spec_k, spec_v,
-      mask=None, scale=None):
+def _(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=None, mask=None, scale=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

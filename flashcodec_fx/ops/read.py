@@ -1,36 +1,51 @@
-"""`flashcodec::read`: the materialized view of a stream (archive decoded + raw tail), zeros past length."""
+"""`flashcodec::read`: the view attention reads (sinks raw, archive decoded, tail raw, zeros past the length).
+
+This is the full-precision view that the compile pass removes: attention over it equals
+``flashcodec::codec_attention`` over the stored state. With ``new`` (the ``T`` tokens of the current call), the last
+``T`` positions hold those exact tokens (what the call's own queries read), whatever the archive stored for them.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..codecs import Encoded
-from ._validate import check_length, check_state, spec_codec
+from .state import archived_end, capacity, check_state, spec_codec
+
+
+def check_new(name: str, state, new: torch.Tensor | None) -> None:
+    if new is None:
+        return
+    b, h, _, d = state.tail.shape
+    if new.dim() != 4 or (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d) or new.dtype != state.tail.dtype:
+        raise ValueError(f"{name} must be (B, H, T, D) = ({b}, {h}, T, {d}) in {state.tail.dtype}, got {new.dtype} "
+                         f"{tuple(new.shape)}")
 
 
 @torch.library.custom_op("flashcodec::read", mutates_args=())
-def read(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: torch.Tensor, length: torch.Tensor,
-         spec: list[int]) -> torch.Tensor:
-    """``(B, H, NB * r, D)`` in the tail's dtype: decoded archive, then the open block's raw rows.
-
-    This is the full-precision view that the compile pass removes: attention over it equals
-    ``flashcodec::codec_attention`` over the stored state.
-    """
+def read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, H, capacity, D)`` in the stream dtype: position ``p`` holds what attention reads there."""
     codec = spec_codec("spec", spec)
-    check_state("archive", codec, data, scale, index, tail)
-    check_length(length)
-    r = codec.block_size
-    b, h, nb, _, d = data.shape
-    out = codec.decode(Encoded(data, scale, index), tail.dtype)
-    pos = torch.arange(nb * r, device=data.device)
-    start = torch.div(length, r, rounding_mode="floor") * r
+    st = check_state("state", codec, state)
+    check_new("new", st, new)
+    dev, length = st.tail.device, st.length
+    archive = codec.decode(Encoded(*st[:4]), st.tail.dtype, st.mean)
+    view = torch.cat([st.sink, archive], dim=2)
+    pos = torch.arange(capacity(codec, st), device=dev)
+    start = archived_end(codec, length)
     in_tail = (pos >= start) & (pos < length)
-    tail_rows = tail.index_select(2, (pos - start).clamp(0, r - 1))
-    out = torch.where(in_tail[:, None], tail_rows, out)
-    return torch.where((pos < length)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    tail_rows = st.tail.index_select(2, (pos - start).clamp(0, codec.tail_capacity - 1))
+    view = torch.where(in_tail[:, None], tail_rows, view)
+    if new is not None:
+        t = new.shape[2]
+        token = pos - (length - t)
+        fresh = new.index_select(2, token.clamp(0, t - 1))
+        view = torch.where(((token >= 0) & (token < t))[:, None], fresh, view)
+    return torch.where((pos < length)[:, None], view, torch.zeros((), dtype=view.dtype, device=dev))
 
 
 @read.register_fake
-def _(data, scale, index, tail, length, spec):
-    b, h, nb, _, d = data.shape
-    return tail.new_empty(b, h, nb * tail.shape[2], d)
+def _(state, spec, new=None):
+    codec = spec_codec("spec", spec)
+    b, h, _, d = state[6].shape
+    return state[6].new_empty(b, h, capacity(codec, state), d)

@@ -1,0 +1,92 @@
+"""Level sets of the quantizer: the value a ``b``-bit code ``c`` in ``0 .. 2**b - 1`` stands for, before scaling.
+
+A stored value is ``level[c] * scale + zero``:
+
+- ``int``: symmetric mid-tread integers ``c - 2**(b-1)``, codes kept in ``1 .. 2**b - 1`` (``-qmax .. qmax``, the
+  classic int8 grid; needs ``b >= 2``); scale from the largest magnitude: ``amax / qmax``.
+- ``uniform``: asymmetric ``c`` in ``0 .. 2**b - 1`` with a zero point (the minimum): ``(max - min) / (2**b - 1)``.
+- ``midrise``: symmetric ``c - 2**(b-1) + 1/2`` (no zero level): scale ``amax / 2**(b-1)``.
+- ``lloyd``: Lloyd-Max levels of a unit Gaussian (minimum mean squared error for normal data), scale = the RMS.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+LEVELS = ("int", "uniform", "midrise", "lloyd")
+MAX_BITS = 8
+_LLOYD_ITERATIONS = 300
+
+
+def qmax(bits: int) -> int:
+    """Largest code magnitude of the symmetric ``int`` grid: ``2**(bits-1) - 1``."""
+    return (1 << (bits - 1)) - 1
+
+
+def check_levels(name: str, levels: str, bits: int) -> None:
+    if levels not in LEVELS:
+        raise ValueError(f"{name} must be one of {LEVELS}, got {levels!r}")
+    if levels == "int" and bits < 2:
+        raise ValueError(f"{name}='int' needs at least 2 bits (1 bit has no symmetric integer grid), got {bits}")
+
+
+def _normal_pdf(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+
+
+@functools.lru_cache(maxsize=None)
+def _lloyd_max(bits: int) -> tuple[float, ...]:
+    """Lloyd-Max quantizer of N(0, 1) with ``2**bits`` levels: alternate midpoint thresholds and interval centroids
+    (closed form for a Gaussian: ``(pdf(a) - pdf(b)) / (cdf(b) - cdf(a))``), float64, from a uniform start."""
+    n = 1 << bits
+    levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1 if n > 2 else 0.4)
+    for _ in range(_LLOYD_ITERATIONS):
+        edges = torch.cat([torch.tensor([-math.inf], dtype=torch.float64), (levels[1:] + levels[:-1]) / 2,
+                           torch.tensor([math.inf], dtype=torch.float64)])
+        lo, hi = edges[:-1], edges[1:]
+        mass = (_normal_cdf(hi) - _normal_cdf(lo)).clamp_min(1e-300)
+        levels = (_normal_pdf(lo) - _normal_pdf(hi)) / mass
+    return tuple(levels.tolist())
+
+
+@functools.lru_cache(maxsize=None)
+def _table(levels: str, bits: int) -> tuple[float, ...]:
+    n = 1 << bits
+    if levels == "int":
+        return tuple(float(c - (n >> 1)) for c in range(n))
+    if levels == "uniform":
+        return tuple(float(c) for c in range(n))
+    if levels == "midrise":
+        return tuple(c - (n >> 1) + 0.5 for c in range(n))
+    return _lloyd_max(bits)
+
+
+def level_table(levels: str, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``(2**bits,)`` fp32: the unscaled value of each code."""
+    check_levels("levels", levels, bits)
+    return torch.tensor(_table(levels, bits), dtype=torch.float32, device=device)
+
+
+def code_range(levels: str, bits: int) -> tuple[int, int]:
+    """Inclusive range of codes the encoder may emit (``int`` skips code 0, keeping the grid symmetric)."""
+    return (1 if levels == "int" else 0), (1 << bits) - 1
+
+
+def base_scale(levels: str, bits: int, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial ``(scale, zero)`` of each slice of ``x`` reduced over ``dims`` (keepdim), before any search:
+    the no-clipping scale of the level set (``lloyd``: the RMS). ``zero`` is 0 except for ``uniform``."""
+    if levels == "uniform":
+        low, high = x.amin(dims, keepdim=True), x.amax(dims, keepdim=True)
+        return (high - low) / ((1 << bits) - 1), low
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if levels == "lloyd":
+        return x.square().mean(dims, keepdim=True).sqrt(), zero
+    amax = x.abs().amax(dims, keepdim=True)
+    return amax / (qmax(bits) if levels == "int" else (1 << (bits - 1))), zero

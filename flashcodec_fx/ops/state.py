@@ -1,0 +1,101 @@
+"""The stored state of one stream ``(B, H, S, D)``, as the ``torch.ops.flashcodec`` ops take it (a ``Tensor[]``).
+
+=========  ===========================================  ===========================================================
+field      shape                                        holds
+=========  ===========================================  ===========================================================
+data       ``(B, H, NG, *group)``                       archive groups (``codecs.Encoded.data``)
+scale      ``(B, H, NG, *group)``                       fp16 scales (empty when unquantized)
+zero       ``(B, H, NG, *group)``                       fp16 zero points (empty unless ``uniform`` levels)
+index      ``(B, H, NG, *group)``                       uint8 kept-delta positions (pruned png; else empty)
+mean       ``(B, H, D)`` fp32, or ``(B, H, 0)``         per-channel center (codecs with ``center=True``)
+sink       ``(B, H, sinks, D)`` stream dtype            raw first tokens
+tail       ``(B, H, window + G, D)`` stream dtype       raw tokens between the archive and the length
+length     ``()`` int64                                 tokens stored, on the device
+=========  ===========================================  ===========================================================
+
+Positions (all derived from ``length`` on the device, never read on the host): sinks hold ``0 .. sinks - 1``; archive
+group ``n`` holds ``sinks + n * G ..``; the archive ends at ``archived_end(length)``; tail row ``i`` holds position
+``archived_end(length) + i``. A stream's *capacity* in positions is ``sinks + NG * G``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..codecs import Codec, codec_from_spec
+
+
+class StreamState(NamedTuple):
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    index: torch.Tensor
+    mean: torch.Tensor
+    sink: torch.Tensor
+    tail: torch.Tensor
+    length: torch.Tensor
+
+
+def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str | None) -> StreamState:
+    """Zeroed state for ``groups`` archive groups."""
+    codec.check_head_dim(head_dim)
+    archive = codec.empty_archive((batch, heads), groups, head_dim, dtype, device)
+    return StreamState(
+        *archive,
+        torch.zeros(batch, heads, head_dim if codec.center else 0, dtype=torch.float32, device=device),
+        torch.zeros(batch, heads, codec.sinks, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, codec.tail_capacity, head_dim, dtype=dtype, device=device),
+        torch.zeros((), dtype=torch.int64, device=device),
+    )
+
+
+def capacity(codec: Codec, state) -> int:
+    """Positions a state can hold: ``sinks + NG * G``."""
+    return codec.sinks + state[0].shape[2] * codec.group
+
+
+def archived_end(codec: Codec, length: torch.Tensor) -> torch.Tensor:
+    """First position not in the archive (or the sinks) when ``length`` tokens are stored: groups archive once they
+    are complete and older than the window."""
+    behind = (length - codec.sinks - codec.window).clamp_min(0)
+    return codec.sinks + torch.div(behind, codec.group, rounding_mode="floor") * codec.group
+
+
+def spec_codec(name: str, spec: str) -> Codec:
+    try:
+        return codec_from_spec(spec)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+def check_state(name: str, codec: Codec, state) -> StreamState:
+    """Check one stream's state against its codec (shapes and dtypes as in the module docstring)."""
+    if len(state) != len(StreamState._fields):
+        raise ValueError(f"{name} must hold the {len(StreamState._fields)} tensors {StreamState._fields}, got {len(state)}")
+    state = StreamState(*state)
+    if state.tail.dim() != 4:
+        raise ValueError(f"{name}.tail must be (B, H, window + G, D), got shape {tuple(state.tail.shape)}")
+    b, h, _, d = state.tail.shape
+    dtype = state.tail.dtype
+    if not dtype.is_floating_point:
+        raise TypeError(f"{name}.tail must be a floating tensor (the stream dtype), got {dtype}")
+    groups = state.data.shape[2] if state.data.dim() > 2 else -1
+    shapes = codec.archive_shapes(d, dtype)
+    for field, (shape, want_dtype) in shapes.items():
+        t = getattr(state, field)
+        want = (b, h, groups, *shape)
+        if tuple(t.shape) != want or t.dtype != want_dtype:
+            raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
+    expect = {"mean": ((b, h, d if codec.center else 0), torch.float32),
+              "sink": ((b, h, codec.sinks, d), dtype), "tail": ((b, h, codec.tail_capacity, d), dtype)}
+    for field, (want, want_dtype) in expect.items():
+        t = getattr(state, field)
+        if tuple(t.shape) != want or t.dtype != want_dtype:
+            raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
+    if state.length.dim() != 0 or state.length.dtype != torch.int64:
+        raise ValueError(f"{name}.length must be a 0-dim int64 tensor, got {state.length.dtype} of shape "
+                         f"{tuple(state.length.shape)}")
+    return state
