@@ -41,7 +41,7 @@ def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(x / math.sqrt(2)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lloyd_max(bits: int) -> tuple[float, ...]:
     """Lloyd-Max quantizer of N(0, 1) with ``2**bits`` levels: alternate midpoint thresholds and interval centroids
     (closed form for a Gaussian: ``(pdf(a) - pdf(b)) / (cdf(b) - cdf(a))``), float64, from a uniform start."""
@@ -56,7 +56,7 @@ def _lloyd_max(bits: int) -> tuple[float, ...]:
     return tuple(levels.tolist())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(levels: str, bits: int) -> tuple[float, ...]:
     n = 1 << bits
     if levels == "int":

@@ -15,7 +15,7 @@ import torch
 SLICE_WIDTHS = (8, 4, 2, 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def slices(bits: int) -> tuple[tuple[int, int], ...]:
     """``((width, shift), ...)`` of a ``bits``-bit code, widest slice first (it holds the low bits)."""
     out, shift = [], 0

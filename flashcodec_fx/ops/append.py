@@ -84,8 +84,7 @@ def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torc
         view.index_copy_(2, slots, torch.where(complete.view(1, 1, n, 1, 1), rows, keep.unsqueeze(2)))
 
 
-@torch.library.custom_op("flashcodec::append", mutates_args=("state", "memo"))
-def append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
+def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
     """Append ``new (B, H, T, D)`` to a stream (``state`` as in ``ops/state.py``, mutated in place).
 
     The caller guarantees ``length + T <= capacity``; ``memo`` as in the module docstring.
@@ -112,6 +111,12 @@ def append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.
     st.tail.copy_(torch.where((new_start + torch.arange(codec.tail_capacity, device=dev) < end).view(1, 1, -1, 1),
                               tail, torch.zeros((), dtype=tail.dtype, device=dev)))
     st.length.add_(t)
+
+
+@torch.library.custom_op("flashcodec::append", mutates_args=("state", "memo"))
+def append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
+    """The ``flashcodec::append`` op; its default kernel is :func:`append_reference` (the spec)."""
+    append_reference(state, new, spec, memo)
 
 
 @append.register_fake

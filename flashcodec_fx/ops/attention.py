@@ -125,8 +125,7 @@ def _value_sum(codec: Codec, st: StreamState, w: torch.Tensor, v_new: torch.Tens
     return out
 
 
-@torch.library.custom_op("flashcodec::codec_attention", mutates_args=())
-def codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[torch.Tensor], spec_k: str,
+def codec_attention_reference(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[torch.Tensor], spec_k: str,
                     spec_v: str, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                     mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of ``q (B, Hq, T, D)`` over the first ``length`` stored positions; ``(B, Hq, T, D)`` in q's dtype.
@@ -153,6 +152,14 @@ def codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[
     at_pos = probs.new_zeros(b, hkv, g * t, n_pos).scatter_add_(-1, k_pos.clamp(max=n_pos - 1).expand_as(probs), probs)
     w = at_pos.index_select(-1, v_pos.clamp(max=n_pos - 1)) * v_ok
     return _value_sum(cv, vs, w, v_new).reshape(b, hq, t, d).to(q.dtype)
+
+
+@torch.library.custom_op("flashcodec::codec_attention", mutates_args=())
+def codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[torch.Tensor], spec_k: str,
+                    spec_v: str, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """The ``flashcodec::codec_attention`` op; its default kernel is :func:`codec_attention_reference` (the spec)."""
+    return codec_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale)
 
 
 @codec_attention.register_fake

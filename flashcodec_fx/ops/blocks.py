@@ -24,8 +24,7 @@ def check_archive(name: str, codec: Codec, enc, head_dim: int, dtype: torch.dtyp
             raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
 
 
-@torch.library.custom_op("flashcodec::encode", mutates_args=())
-def encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+def encode_reference(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor, torch.Tensor]:
     """Encode ``x (B, H, NG * G, D)`` (tokens of complete groups) into ``(data, scale, zero, index)``."""
     codec = spec_codec("spec", spec)
@@ -38,6 +37,13 @@ def encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tupl
     return tuple(t.contiguous() for t in codec.encode(x, mean))
 
 
+@torch.library.custom_op("flashcodec::encode", mutates_args=())
+def encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor, torch.Tensor]:
+    """The ``flashcodec::encode`` op; its default kernel is :func:`encode_reference` (the spec)."""
+    return encode_reference(x, spec, mean)
+
+
 @encode.register_fake
 def _(x, spec, mean=None):
     codec = spec_codec("spec", spec)
@@ -46,8 +52,7 @@ def _(x, spec, mean=None):
     return tuple(x.new_empty(b, h, ng, *shape, dtype=dtype) for shape, dtype in codec.archive_shapes(d, x.dtype).values())
 
 
-@torch.library.custom_op("flashcodec::decode", mutates_args=())
-def decode(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
+def decode_reference(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
            dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild ``(B, H, NG * G, D)`` in ``dtype`` from stored groups."""
     codec = spec_codec("spec", spec)
@@ -56,6 +61,13 @@ def decode(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: t
     check_archive("archive", codec, enc, d, dtype)
     _check_mean(codec, mean, data.shape[0], data.shape[1], d)
     return codec.decode(enc, dtype, mean).contiguous()
+
+
+@torch.library.custom_op("flashcodec::decode", mutates_args=())
+def decode(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
+           dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``flashcodec::decode`` op; its default kernel is :func:`decode_reference` (the spec)."""
+    return decode_reference(data, scale, zero, index, spec, dtype, mean)
 
 
 @decode.register_fake

@@ -22,8 +22,7 @@ def check_new(name: str, state, new: torch.Tensor | None) -> None:
                          f"{tuple(new.shape)}")
 
 
-@torch.library.custom_op("flashcodec::read", mutates_args=())
-def read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
+def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
     """``(B, H, capacity, D)`` in the stream dtype: position ``p`` holds what attention reads there."""
     codec = spec_codec("spec", spec)
     st = check_state("state", codec, state)
@@ -42,6 +41,12 @@ def read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) 
         fresh = new.index_select(2, token.clamp(0, t - 1))
         view = torch.where(((token >= 0) & (token < t))[:, None], fresh, view)
     return torch.where((pos < length)[:, None], view, torch.zeros((), dtype=view.dtype, device=dev))
+
+
+@torch.library.custom_op("flashcodec::read", mutates_args=())
+def read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``flashcodec::read`` op; its default kernel is :func:`read_reference` (the spec)."""
+    return read_reference(state, spec, new)
 
 
 @read.register_fake
