@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from . import ops
-from .cache import CodecKVCache, CodecStream, codec_decode_attention
+from .cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
 from .codecs import Codec, JPEGCodec, PNGCodec, make_codec
+from .presets import DEFAULT_PRESET, PRESETS
 
 __version__ = "0.1.0"
 
@@ -12,8 +13,8 @@ _HF_NAMES = ("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback"
              "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec")
 
 __all__ = [
-    "Codec", "CodecKVCache", "CodecStream", "JPEGCodec", "PNGCodec", "codec_decode_attention", "make_codec", "ops",
-    "__version__",
+    "DEFAULT_PRESET", "PRESETS", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream", "JPEGCodec", "PNGCodec",
+    "codec_decode_attention", "make_codec", "ops", "__version__",
 ]
 
 

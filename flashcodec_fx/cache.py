@@ -1,49 +1,70 @@
 """`CodecKVCache`: the storage engine for one attention layer's K and V streams (no transformers import).
 
-A stream keeps an archive of encoded blocks (``codecs.Encoded`` tensors), a raw tail of the open block
-(< r tokens, stream dtype), a 0-dim int64 device length and, optionally, a memoized reconstruction that
-receives each block's decoded rows once, when the block is archived.
+A stream keeps the state of ``ops/state.py`` (archive groups, fp16 scales, raw sinks and tail, the per-channel mean,
+a 0-dim device length) and, optionally, a memo: the decoded view attention reads, updated once per archived group.
 
 Layouts:
-- ``dynamic``: the archive starts at 16 blocks and doubles on overflow; a host-side length mirror drives growth.
+- ``dynamic``: the archive starts at 256 positions and doubles on overflow; a host-side length mirror drives growth.
 - ``static``: preallocated for ``max_length`` tokens; ``append`` never branches on tensor values on the host,
   so a decode step compiles to one graph and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.flashcodec)
-from .codecs import Codec, Encoded
+from . import ops
+from .codecs import Codec, Encoded, make_codec
+from .ops.state import StreamState, capacity
 
 LAYOUTS = ("dynamic", "static")
-INITIAL_BLOCKS = 16
+CROP_MODES = ("exact", "decode")
+INITIAL_POSITIONS = 256
+STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "memo")
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class CodecStream:
-    """One compressed ``(B, H, S, D)`` stream. Storage is allocated on the first append."""
+class CodecOverflowError(IndexError, ValueError):
+    """More tokens than a static layout holds (an ``IndexError`` as transformers' StaticCache raises, and a
+    ``ValueError`` as every other rejected argument here)."""
 
-    def __init__(self, codec: Codec, layout: str = "dynamic", max_length: int | None = None, memoize: bool = True):
+
+class CodecStream:
+    """One compressed ``(B, H, S, D)`` stream. Storage is allocated on the first append.
+
+    ``memoize``: keep the decoded view (costs a full-precision copy; only for attention on the view). ``crop``:
+    ``"exact"`` (a crop that would reopen an archived group of a lossy codec raises) or ``"decode"`` (reopened tokens
+    come back as the values attention read: the view after a crop is the prefix of the view before it)."""
+
+    def __init__(self, codec: Codec, layout: str = "dynamic", max_length: int | None = None, memoize: bool = False,
+                 crop: str = "exact", positions: int | None = None):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a flashcodec_fx Codec (see make_codec), got {type(codec).__name__}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if layout == "static" and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int for the static layout, got {max_length!r}")
-        self.codec, self.layout, self.max_length, self.memoize = codec, layout, max_length, memoize
-        self.state: Encoded | None = None
-        self.tail: torch.Tensor | None = None
-        self.length: torch.Tensor | None = None
+        if layout == "static":
+            if isinstance(max_length, bool) or not isinstance(max_length, int):
+                raise TypeError(f"max_length must be an int for the static layout, got {type(max_length).__name__}")
+            if max_length < 1:
+                raise ValueError(f"max_length must be a positive int for the static layout, got {max_length!r}")
+        if not isinstance(memoize, bool):
+            raise TypeError(f"memoize must be a bool, got {type(memoize).__name__}")
+        if crop not in CROP_MODES:
+            raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
+        self.codec, self.layout, self.max_length, self.memoize, self.crop_mode = codec, layout, max_length, memoize, crop
+        # static: positions to allocate (>= max_length; K and V of a layer get the same, see CodecKVCache)
+        self.positions = max_length if positions is None else positions
+        self.state: StreamState | None = None
         self.memo: torch.Tensor | None = None
-        self._host_length = 0  # eager mirror of `length`: drives growth and bound checks, never read in compiled code
+        self._host_length = 0  # eager mirror of the device length: drives growth and bound checks
 
     @property
-    def spec(self) -> list[int]:
+    def spec(self) -> str:
         return self.codec.spec
 
     @property
@@ -51,179 +72,270 @@ class CodecStream:
         return self.state is not None
 
     @property
-    def capacity_blocks(self) -> int:
-        return 0 if self.state is None else self.state.data.shape[2]
+    def tail(self) -> torch.Tensor | None:
+        return None if self.state is None else self.state.tail
+
+    @property
+    def length(self) -> torch.Tensor | None:
+        return None if self.state is None else self.state.length
+
+    @property
+    def capacity(self) -> int:
+        """Positions the allocated state holds (0 before the first append)."""
+        return 0 if self.state is None else capacity(self.codec, self.state)
 
     @property
     def archived_tokens(self) -> int:
-        """Tokens held in the archive (host mirror)."""
-        return self._host_length // self.codec.block_size * self.codec.block_size
+        """Tokens held by the sinks and the archive (host mirror)."""
+        return min(self._host_length, self._archived_end(self._host_length))
 
-    def _allocate(self, like: torch.Tensor, blocks: int) -> None:
+    @property
+    def exact_crop(self) -> bool:
+        """Whether reopening an archived group gives back the exact tokens (png lossless on 16-bit streams)."""
+        return getattr(self.codec, "kept_deltas", 0) == self.codec.block_size - 1 and self.state is not None \
+            and self.state.tail.dtype in (torch.float16, torch.bfloat16)
+
+    def _groups_for(self, positions: int) -> int:
+        return _ceil_div(max(0, positions - self.codec.sinks), self.codec.group)
+
+    def _allocate(self, like: torch.Tensor, groups: int) -> None:
         b, h, _, d = like.shape
-        r = self.codec.block_size
-        self.state = self.codec.empty_state((b, h), blocks, d, like.dtype, like.device)
-        self.tail = like.new_zeros(b, h, r, d)
-        self.length = torch.zeros((), dtype=torch.int64, device=like.device)
-        self.memo = like.new_zeros(b, h, blocks * r, d) if self.memoize else None
+        self.state = ops.empty_state(self.codec, b, h, groups, d, like.dtype, like.device)
+        self.codec.warm(d, like.device)
+        self.memo = like.new_zeros(b, h, capacity(self.codec, self.state), d) if self.memoize else None
 
-    def _grow(self, blocks: int) -> None:
-        old, old_memo, n = self.state, self.memo, self.capacity_blocks
-        b, h, _, _, d = old.data.shape
-        self.state = self.codec.empty_state((b, h), blocks, d, self.tail.dtype, self.tail.device)
-        for new, prev in zip(self.state, old, strict=True):
+    def _grow(self, groups: int) -> None:
+        old, n = self.state, self.state.data.shape[2]
+        b, h, _, d = old.tail.shape
+        archive = self.codec.empty_archive((b, h), groups, d, old.tail.dtype, old.tail.device)
+        for new, prev in zip(archive, old[:4], strict=True):
             new[:, :, :n].copy_(prev)
-        if old_memo is not None:
-            self.memo = old_memo.new_zeros(b, h, blocks * self.codec.block_size, d)
-            self.memo[:, :, : old_memo.shape[2]].copy_(old_memo)
+        self.state = StreamState(*archive, *old[4:])
+        if self.memo is not None:
+            memo = self.memo.new_zeros(b, h, capacity(self.codec, self.state), d)
+            memo[:, :, : self.memo.shape[2]].copy_(self.memo)
+            self.memo = memo
 
-    def _check_new(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[2] < 1:
-            raise ValueError(f"new tokens must be a (B, H, T, D) tensor with T >= 1, got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    def prepare(self, like: torch.Tensor) -> None:
+        """Allocate the storage for tokens shaped like ``like (B, H, T, D)`` if it is not there yet (static: the whole
+        capacity; dynamic: the initial one)."""
+        if self.state is not None:
+            return
+        if self.layout == "static":
+            self._allocate(like, self._groups_for(self.positions))
+        else:
+            self._allocate(like, self._groups_for(INITIAL_POSITIONS))
+
+    def check_new(self, x: torch.Tensor) -> None:
+        """Reject tokens this stream cannot take, before any state changes."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"new tokens must be a (B, H, T, D) tensor, got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[2] < 1:
+            raise ValueError(f"new tokens must be a (B, H, T, D) tensor with T >= 1, got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"new tokens must be a floating tensor, got {x.dtype}")
-        if self.tail is not None:
-            b, h, _, d = self.tail.shape
-            if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.tail.dtype:
-                raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.tail.dtype}, got {x.dtype} {tuple(x.shape)}")
+        self.codec.check_head_dim(x.shape[3])
+        if self.state is not None:
+            b, h, _, d = self.state.tail.shape
+            if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.state.tail.dtype:
+                raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.state.tail.dtype}, got {x.dtype} "
+                                 f"{tuple(x.shape)}")
+        if self.layout == "static" and self._host_length + x.shape[2] > self.max_length:
+            raise CodecOverflowError(f"static cache holds max_length={self.max_length} tokens; "
+                                     f"{self._host_length} stored + {x.shape[2]} new exceeds it")
 
-    def _check_room(self, t: int) -> None:
-        if self.layout == "static" and self._host_length + t > self.max_length:
-            raise ValueError(f"static cache holds max_length={self.max_length} tokens; "
-                             f"{self._host_length} stored + {t} new exceeds it")
-
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x (B, H, T, D)``; completed blocks are archived on the device."""
+    def append(self, x: torch.Tensor, checked: bool = False) -> None:
+        """Append ``x (B, H, T, D)``; complete groups are archived on the device. ``checked``: the caller already
+        ran :meth:`check_new` (validate once per call path)."""
         compiling = torch.compiler.is_compiling()
-        if not compiling:
-            self._check_new(x)
-            self._check_room(x.shape[2])
-        r, t = self.codec.block_size, x.shape[2]
-        if self.layout == "static":
-            if self.state is None:
-                self._allocate(x, _ceil_div(self.max_length, r))
-        else:
-            need = _ceil_div(self._host_length + t, r)
-            if self.state is None:
-                self._allocate(x, max(INITIAL_BLOCKS, need))
-            elif need > self.capacity_blocks:
-                grown = self.capacity_blocks
+        if not compiling and not checked:
+            self.check_new(x)
+        t = x.shape[2]
+        self.prepare(x)
+        if self.layout == "dynamic":
+            need = self._groups_for(self._host_length + t)
+            if need > self.state.data.shape[2]:
+                grown = max(1, self.state.data.shape[2])
                 while grown < need:
                     grown *= 2
                 self._grow(grown)
-        torch.ops.flashcodec.append(*self.state, self.tail, self.length, x.contiguous(), self.spec, self.memo)
+        torch.ops.flashcodec.append(list(self.state), x.contiguous(), self.spec, self.memo)
         if not compiling:
             self._host_length += t
 
-    def read(self) -> torch.Tensor:
-        """The full-precision view ``(B, H, L, D)``.
+    def read(self, new: torch.Tensor | None = None) -> torch.Tensor:
+        """The view attention reads ``(B, H, L, D)`` (one decode of the archive unless memoized).
 
-        Dynamic: ``L`` is the stored length (a slice of the memo, or one decode when not memoized).
-        Static: ``L`` is the capacity ``ceil(max_length / r) * r``; positions past the length are to be masked.
+        ``new``: the current call's tokens, read exactly at the last positions (not applied to the memo, which holds
+        what is stored). Dynamic: ``L`` is the stored length. Static: ``L`` is the capacity; positions past the
+        length are zeros, to be masked.
         """
         if self.state is None:
             raise RuntimeError("read() before any token was appended")
         if self.memo is not None:
             view = self.memo
         else:
-            view = torch.ops.flashcodec.read(*self.state, self.tail, self.length, self.spec)
+            view = torch.ops.flashcodec.read(list(self.state), self.spec, new)
         return view if self.layout == "static" else view[:, :, : self._host_length]
 
     def get_seq_length(self) -> int:
-        if self.layout == "static" and self.length is not None and not torch.compiler.is_compiling():
-            return int(self.length)
         return self._host_length
 
     def crop(self, n: int) -> None:
-        """Keep the first ``n`` tokens (``n < 0`` drops ``-n``). Tokens of the cut block that were archived come back
-        into the raw tail as their decoded values, i.e. exactly what attention read before the crop."""
+        """Keep the first ``n`` tokens (``n < 0`` drops ``-n``; past the start empties the stream, as transformers'
+        DynamicLayer does). Tokens left in the raw tail are kept exactly. A crop that reopens archived groups gives
+        their kept tokens back into the tail as the values attention read, when the codec is exact or
+        ``crop="decode"``; otherwise it raises (nothing changes)."""
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
-        length = self.get_seq_length()
-        keep = length + n if n < 0 else min(n, length)
-        if keep < 0:
-            raise ValueError(f"cannot crop {n} tokens from a stream of {length}")
+        length = self._host_length
+        keep = max(0, length + n) if n < 0 else min(n, length)
         if self.state is None or keep == length:
             return
-        r = self.codec.block_size
-        start = keep // r * r
-        if start < self.archived_tokens:
-            block = Encoded(*(t[:, :, start // r: start // r + 1] for t in self.state))
-            self.tail.copy_(self.codec.decode(block, self.tail.dtype))
-        self.tail[:, :, keep - start:].zero_()  # rows past the length: stale tokens would reach the memo on regrowth
+        codec, st = self.codec, self.state
+        old_start, new_start = self._archived_end(length), self._archived_end(keep)
+        reopen = new_start < old_start and keep > new_start
+        if reopen and self.crop_mode == "exact" and not self.exact_crop:
+            raise ValueError(f"crop to {keep} tokens would reopen archived tokens {new_start}..{min(old_start, keep) - 1} "
+                             f"of a lossy codec, which cannot give them back exactly; crop at most "
+                             f"{length - max(old_start, codec.sinks)} tokens here, or build the cache with crop='decode'")
+        rows = torch.zeros_like(st.tail)
+        kept = max(0, keep - new_start)
+        source = self.read() if reopen else None
+        if source is not None:
+            rows[:, :, :kept] = source[:, :, new_start:keep]
+        else:
+            rows[:, :, :kept] = st.tail[:, :, new_start - old_start: new_start - old_start + kept]
+        st.tail.copy_(rows)
+        if keep < codec.sinks:
+            st.sink[:, :, keep:].zero_()
+        if codec.center and keep <= codec.sinks:
+            st.mean.zero_()
         if self.memo is not None:
             self.memo[:, :, keep:].zero_()
-        self.length.fill_(keep)
+        st.length.fill_(keep)
         self._host_length = keep
 
+    def _archived_end(self, length: int) -> int:
+        """Host twin of ``ops.archived_end`` for a host length."""
+        c = self.codec
+        return c.sinks + max(0, length - c.sinks - c.window) // c.group * c.group
+
     def index_select(self, indices: torch.Tensor) -> None:
-        """Reorder / select along batch (beam search): archive, scales, index, tail and memo move together.
-        A static layout keeps its buffers (in-place permutation) when the batch size does not change."""
+        """Reorder / select along batch (beam search): every state tensor and the memo move together. A static
+        layout keeps its buffers (in-place permutation) when the batch size does not change."""
         if self.state is None:
             return
-        indices = indices.to(self.tail.device)
-        if self.layout == "static" and indices.shape[0] == self.tail.shape[0]:
-            # Same batch size (beam reorder): permute in place so buffer addresses stay fixed (CUDA graphs).
-            for t in (*self.state, self.tail, self.memo):
-                if t is not None:
-                    t.copy_(t.index_select(0, indices))
+        indices = indices.to(self.state.tail.device)
+        tensors = [t for t in (*self.state[:7], self.memo) if t is not None]
+        if self.layout == "static" and indices.shape[0] == self.state.tail.shape[0]:
+            for t in tensors:  # same batch size (beam reorder): stable addresses for CUDA graphs
+                t.copy_(t.index_select(0, indices))
             return
-        self.state = Encoded(*(t.index_select(0, indices) for t in self.state))
-        self.tail = self.tail.index_select(0, indices)
+        self.state = StreamState(*(t.index_select(0, indices) for t in self.state[:7]), self.state.length)
         if self.memo is not None:
             self.memo = self.memo.index_select(0, indices)
 
     def repeat_interleave(self, repeats: int) -> None:
         if self.state is None:
             return
-        self.state = Encoded(*(t.repeat_interleave(repeats, dim=0) for t in self.state))
-        self.tail = self.tail.repeat_interleave(repeats, dim=0)
+        self.state = StreamState(*(t.repeat_interleave(repeats, dim=0) for t in self.state[:7]), self.state.length)
         if self.memo is not None:
             self.memo = self.memo.repeat_interleave(repeats, dim=0)
 
     def reset(self) -> None:
-        """Forget every token, keep the allocation."""
-        if self.state is None:
-            return
-        for t in (*self.state, self.tail, self.length):
-            t.zero_()
-        if self.memo is not None:
-            self.memo.zero_()
+        """Forget every token. Dynamic: the storage is released (the next append may bring another batch size);
+        static: zeroed in place (stable buffer addresses)."""
+        if self.layout == "dynamic":
+            self.state, self.memo = None, None
+        elif self.state is not None:
+            for t in (*self.state, self.memo):
+                if t is not None:
+                    t.zero_()
         self._host_length = 0
 
     def release_memo(self) -> None:
-        """Drop the memoized reconstruction (materialization-free decoding never reads it)."""
+        """Drop the memoized view (attention on the stored form never reads it)."""
         self.memo, self.memoize = None, False
 
-    def storage_bytes(self) -> dict[str, int]:
-        """Every byte held, by part: ``archive`` (data), ``scales``, ``index``, ``tail`` (+ length), ``memo``, and
-        ``total`` (their sum). ``archive_used`` is extra: the filled blocks' data + scales + index (the compressed
-        bytes in use), not added into ``total``."""
+    def start_memo(self) -> None:
+        """Keep the decoded view from now on (one decode of what is stored; later appends update it)."""
+        if self.state is not None and self.memo is None:
+            self.memo = torch.ops.flashcodec.read(list(self.state), self.spec)
+        self.memoize = True
+
+    def storage_breakdown(self) -> dict[str, int]:
+        """Every byte held, by part: ``archive`` (codes / coefficients, allocated capacity), ``scales`` (scales, zero
+        points, png indices), ``sinks``, ``tail`` (raw rows + length), ``mean``, ``memo``, and ``total``.
+        ``archive_used`` (not added into ``total``): the filled groups' archive + scales."""
         if self.state is None:
-            return {"archive": 0, "archive_used": 0, "scales": 0, "index": 0, "tail": 0, "memo": 0, "total": 0}
-        data, scale, index = self.state
-        nbytes = {"archive": data.nbytes, "scales": scale.nbytes, "index": index.nbytes,
-                  "tail": self.tail.nbytes + self.length.nbytes, "memo": 0 if self.memo is None else self.memo.nbytes}
+            return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, "archive_used": 0}
+        st = self.state
+        nbytes = {"archive": st.data.nbytes, "scales": st.scale.nbytes + st.zero.nbytes + st.index.nbytes,
+                  "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes, "mean": st.mean.nbytes,
+                  "memo": 0 if self.memo is None else self.memo.nbytes}
         nbytes["total"] = sum(nbytes.values())
-        blocks = self.get_seq_length() // self.codec.block_size
-        per_block = (data.nbytes + scale.nbytes + index.nbytes) // max(1, self.capacity_blocks)
-        nbytes["archive_used"] = blocks * per_block
+        groups = max(0, self.archived_tokens - self.codec.sinks) // self.codec.group
+        per_group = (st.data.nbytes + nbytes["scales"]) // max(1, st.data.shape[2])
+        nbytes["archive_used"] = groups * per_group
         return nbytes
+
+    def storage_bytes(self) -> int:
+        """Every byte this stream holds (see :meth:`storage_breakdown`)."""
+        return self.storage_breakdown()["total"]
+
+    def stored_bits(self) -> int:
+        """Bits that the stored tokens take as stored: filled archive groups (codes, scales, zero points), the sinks
+        and tail rows holding tokens (in the stream dtype), and the mean; no unused capacity, no memo."""
+        if self.state is None:
+            return 0
+        st, codec, n = self.state, self.codec, self._host_length
+        d, item = st.tail.shape[3], st.tail.element_size()
+        lead = st.tail.shape[0] * st.tail.shape[1]
+        archived = self.archived_tokens
+        groups = max(0, archived - codec.sinks) // codec.group
+        raw = min(n, codec.sinks) + (n - archived if n > archived else 0)
+        return 8 * (lead * groups * codec.group_bytes(d, st.tail.dtype) + lead * raw * d * item + st.mean.nbytes)
+
+    def decoded(self) -> torch.Tensor:
+        """``(B, H, L, D)``: the stored tokens as attention reads them (one decode; for inspection, never used by a
+        decode step)."""
+        return self.read()[:, :, : self._host_length]
+
+
+def static_positions(key_codec: Codec, value_codec: Codec, max_length: int) -> int:
+    """Positions both streams of a static layer allocate: the smallest count >= ``max_length`` that both archives
+    tile exactly (so the K and V views have one length). Needs the same ``sinks`` on both."""
+    if key_codec.sinks != value_codec.sinks:
+        raise ValueError(f"the static layout needs the same sinks for keys and values, got {key_codec.sinks} and "
+                         f"{value_codec.sinks}")
+    step = math.lcm(key_codec.group, value_codec.group)
+    return key_codec.sinks + _ceil_div(max(0, max_length - key_codec.sinks), step) * step
+
+
+def _codec(name: str, codec, options: dict) -> Codec | None:
+    if codec is not None and options:
+        raise ValueError(f"pass {name} as a codec object or codec options, not both (got {sorted(options)})")
+    if codec is None and not options:
+        return None
+    return make_codec(options.pop("mode", "jpeg"), **options) if codec is None else codec
 
 
 class CodecKVCache:
-    """K and V streams of one attention layer. ``key_codec``/``value_codec`` may differ (same block_size)."""
+    """K and V streams of one attention layer. ``key_codec`` / ``value_codec`` may differ; or pass codec options as
+    keywords (``CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)``), shared by both streams."""
 
-    def __init__(self, key_codec: Codec, value_codec: Codec | None = None, layout: str = "dynamic",
-                 max_length: int | None = None, memoize: bool = True):
+    def __init__(self, key_codec: Codec | None = None, value_codec: Codec | None = None, layout: str = "dynamic",
+                 max_length: int | None = None, memoize: bool = False, crop: str = "exact", **codec_options):
+        key_codec = _codec("key_codec", key_codec, dict(codec_options))
+        if key_codec is None:
+            raise ValueError("CodecKVCache needs a key codec or codec options (e.g. mode='jpeg', quant_bits=8)")
         value_codec = key_codec if value_codec is None else value_codec
-        if isinstance(value_codec, Codec) and isinstance(key_codec, Codec) \
-                and key_codec.block_size != value_codec.block_size:
-            raise ValueError(f"key and value codecs must share block_size, got {key_codec.block_size} and "
-                             f"{value_codec.block_size}")
-        self.keys = CodecStream(key_codec, layout, max_length, memoize)
-        self.values = CodecStream(value_codec, layout, max_length, memoize)
+        positions = None
+        if layout == "static" and isinstance(max_length, int) and isinstance(value_codec, Codec):
+            positions = static_positions(key_codec, value_codec, max_length)
+        self.keys = CodecStream(key_codec, layout, max_length, memoize, crop, positions)
+        self.values = CodecStream(value_codec, layout, max_length, memoize, crop, positions)
 
     @property
     def layout(self) -> str:
@@ -237,19 +349,21 @@ class CodecKVCache:
     __call__ = forward
 
     def decode_step(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``(B, H, T, D)`` keys and values; returns the materialized views (see ``CodecStream.read``)."""
+        """Append ``(B, H, T, D)`` keys and values; returns the views attention reads (the new tokens exact)."""
         self.append(new_k, new_v)
-        return self.read()
+        return self.keys.read(new_k), self.values.read(new_v)
+
+    def check_new(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        self.keys.check_new(new_k)
+        self.values.check_new(new_v)
+        if new_k.shape[:3] != new_v.shape[:3]:
+            raise ValueError(f"new_k and new_v must share (B, H, T), got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
 
     def append(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         if not torch.compiler.is_compiling():
-            self.keys._check_new(new_k)
-            self.values._check_new(new_v)
-            if new_k.shape[:3] != new_v.shape[:3]:
-                raise ValueError(f"new_k and new_v must share (B, H, T), got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
-            self.keys._check_room(new_k.shape[2])
-        self.keys.append(new_k)
-        self.values.append(new_v)
+            self.check_new(new_k, new_v)
+        self.keys.append(new_k, checked=True)
+        self.values.append(new_v, checked=True)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.read(), self.values.read()
@@ -280,24 +394,40 @@ class CodecKVCache:
         self.keys.release_memo()
         self.values.release_memo()
 
-    def storage_bytes(self) -> dict[str, int]:
-        k, v = self.keys.storage_bytes(), self.values.storage_bytes()
+    def storage_breakdown(self) -> dict[str, int]:
+        k, v = self.keys.storage_breakdown(), self.values.storage_breakdown()
         return {part: k[part] + v[part] for part in k}
 
-    def attention(self, q: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-        """Decode attention on the stored coefficients: see :func:`codec_decode_attention`."""
-        return codec_decode_attention(q, self.keys, self.values, mask, scale)
+    def storage_bytes(self) -> int:
+        """Every byte both streams hold (see :meth:`storage_breakdown`)."""
+        return self.keys.storage_bytes() + self.values.storage_bytes()
+
+    def bits_per_value(self) -> float:
+        """Stored bits per cached value (K and V), as stored (:meth:`CodecStream.stored_bits`)."""
+        n = 0 if self.keys.state is None else self.keys.state.tail[..., 0, :].numel() * self.get_seq_length()
+        return (self.keys.stored_bits() + self.values.stored_bits()) / max(1, 2 * n)
+
+    def attention(self, q: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None,
+                  new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Decode attention on the stored form: see :func:`codec_decode_attention`."""
+        return codec_decode_attention(q, self.keys, self.values, mask, scale, new)
 
 
 def codec_decode_attention(q: torch.Tensor, key_stream: CodecStream, value_stream: CodecStream,
-                           mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """``q (B, Hq, T, D)`` attends over both streams' stored state (archive + raw tail) without building the
-    ``(S, D)`` view; returns ``(B, Hq, T, D)`` in q's dtype. GQA by grouping query heads."""
+                           mask: torch.Tensor | None = None, scale: float | None = None,
+                           new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``q (B, Hq, T, D)`` attends over both streams' stored state without building the ``(S, D)`` view; returns
+    ``(B, Hq, T, D)`` in q's dtype. GQA by grouping query heads. ``new``: the current call's ``(keys, values)``,
+    already appended, read exactly (as the prompt is)."""
     if key_stream.state is None or value_stream.state is None:
         raise RuntimeError("codec_decode_attention needs streams that hold at least one token")
-    if not torch.compiler.is_compiling() and key_stream._host_length != value_stream._host_length:
-        raise ValueError(f"key and value streams must have the same length, got {key_stream._host_length} and "
-                         f"{value_stream._host_length}")
-    return torch.ops.flashcodec.codec_attention(
-        q, *key_stream.state, key_stream.tail, *value_stream.state, value_stream.tail, key_stream.length,
-        key_stream.spec, value_stream.spec, mask, scale)
+    if not torch.compiler.is_compiling() and key_stream.get_seq_length() != value_stream.get_seq_length():
+        raise ValueError(f"key and value streams must have the same length, got {key_stream.get_seq_length()} and "
+                         f"{value_stream.get_seq_length()}")
+    k_new, v_new = (None, None) if new is None else new
+    return torch.ops.flashcodec.codec_attention(q, list(key_stream.state), list(value_stream.state), key_stream.spec,
+                                                value_stream.spec, k_new, v_new, mask, scale)
+
+
+__all__ = ["CROP_MODES", "LAYOUTS", "CodecKVCache", "CodecOverflowError", "CodecStream", "Encoded",
+           "codec_decode_attention"]

@@ -127,6 +127,14 @@ class Codec:
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if the codec cannot store vectors of ``head_dim`` channels."""
 
+    def warm(self, head_dim: int, device: torch.device | str) -> None:
+        """Create the codec's constant tensors on ``device`` now (they are cached per device), so that no later call,
+        e.g. inside a CUDA-graph capture, copies one from the host."""
+        self.synthesis(device)
+        self.rotation(head_dim, device)
+        if self.quantizer is not None:
+            self.quantizer.warm(device)
+
     # --- math ------------------------------------------------------------------------------------------------
 
     def synthesis(self, device: torch.device | str | None = None) -> torch.Tensor:

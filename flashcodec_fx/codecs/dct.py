@@ -24,4 +24,10 @@ def dct_basis(block_size: int, device: torch.device | str | None = None) -> torc
     ``M`` is orthonormal, so ``M @ M.T == I`` and a block ``X (r, D)`` has coefficients ``C = M @ X``
     and is rebuilt as ``X = M.T @ C``.
     """
+    return _on_device(block_size, str(torch.device("cpu") if device is None else torch.device(device)))
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(block_size: int, device: str) -> torch.Tensor:
+    """One copy per device, made once (a later call inside a CUDA-graph capture never copies from the host)."""
     return _dct_basis_cpu(block_size).to(device)

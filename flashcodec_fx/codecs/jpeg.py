@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -63,6 +64,17 @@ def _levels(levels, n_classes: int, axis: str) -> tuple[str, ...]:
     if len(levels) != n_classes:
         raise ValueError(f"levels for scale_axis={axis!r} needs {n_classes} entries ({want}), got {len(levels)}")
     return tuple(levels)
+
+
+def _device(device) -> str:
+    return str(torch.device("cpu") if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _matrix(block_size: int, keep: int, synthesis: bool, device: str) -> torch.Tensor:
+    """``M[:K]`` (analysis) or its transpose (synthesis), once per device."""
+    basis = dct_basis(block_size, device)[:keep]
+    return (basis.T if synthesis else basis).contiguous()
 
 
 class JPEGCodec(Codec):
@@ -147,11 +159,11 @@ class JPEGCodec(Codec):
         return enc.data.shape[-1] * 8 // sum(self.quantizer.bits)
 
     def synthesis(self, device=None) -> torch.Tensor:
-        return dct_basis(self.block_size, device)[: self.keep_freqs].T.contiguous()
+        return _matrix(self.block_size, self.keep_freqs, True, _device(device))
 
     def analysis(self, device=None) -> torch.Tensor:
         """``M (K, r)``: coefficients of a block ``X`` are ``M @ X``."""
-        return dct_basis(self.block_size, device)[: self.keep_freqs].contiguous()
+        return _matrix(self.block_size, self.keep_freqs, False, _device(device))
 
     def encode_rows(self, blocks: torch.Tensor, dtype: torch.dtype) -> Encoded:
         coeffs = self.analysis(blocks.device) @ blocks  # (..., NB, K, D)

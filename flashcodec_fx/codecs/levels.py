@@ -69,8 +69,13 @@ def _table(levels: str, bits: int) -> tuple[float, ...]:
 
 
 def level_table(levels: str, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``(2**bits,)`` fp32: the unscaled value of each code."""
+    """``(2**bits,)`` fp32: the unscaled value of each code (one copy per device, cached)."""
     check_levels("levels", levels, bits)
+    return _on_device(levels, bits, str(torch.device("cpu") if device is None else torch.device(device)))
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(levels: str, bits: int, device: str) -> torch.Tensor:
     return torch.tensor(_table(levels, bits), dtype=torch.float32, device=device)
 
 

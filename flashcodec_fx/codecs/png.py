@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -10,6 +11,12 @@ from .base import PNG, Codec, Encoded, check_count
 from .quant import SCALE_DTYPE
 
 MAX_BLOCK = 256  # kept-delta positions are stored as uint8
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix_sum(block_size: int, device: str) -> torch.Tensor:
+    """Lower-triangular ones ``(r, r)``: a block is the prefix sum of its anchor and deltas (one copy per device)."""
+    return torch.tril(torch.ones(block_size, block_size, device=device))
 
 
 class PNGCodec(Codec):
@@ -59,7 +66,7 @@ class PNGCodec(Codec):
                 "zero": ((0,), SCALE_DTYPE), "index": ((self.index_rows, head_dim), torch.uint8)}
 
     def synthesis(self, device=None) -> torch.Tensor:
-        return torch.tril(torch.ones(self.block_size, self.block_size, device=device))
+        return _prefix_sum(self.block_size, str(torch.device("cpu") if device is None else torch.device(device)))
 
     def encode_rows(self, blocks: torch.Tensor, dtype: torch.dtype) -> Encoded:
         """``(..., NB, r, D)`` -> ``(..., NB, 1 + M, D)`` fp32 anchor + deltas (+ uint8 positions)."""

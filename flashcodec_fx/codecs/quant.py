@@ -122,6 +122,11 @@ class Quantizer:
             out[j, : 1 << b] = level_table(self.levels[self.row_class[j]], b)
         return out.to(device)
 
+    def warm(self, device: torch.device | str) -> None:
+        """Cache every level table of this quantizer on ``device``."""
+        for j, b in enumerate(self.bits):
+            level_table(self.levels[self.row_class[j]], b, device)
+
     # --- encode / decode -------------------------------------------------------------------------------------
 
     def _reduce_dims(self) -> tuple[int, ...]:

@@ -37,4 +37,9 @@ def rotation(head_dim: int, seed: int, device: torch.device | str | None = None)
     (R @ q) . (R @ x)``, so attention can run in the rotated space and rotate its output back with ``R.T``."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    return _on_device(head_dim, seed, str(torch.device("cpu") if device is None else torch.device(device)))
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(head_dim: int, seed: int, device: str) -> torch.Tensor:
     return _rotation_cpu(head_dim, seed).to(device)

@@ -1,24 +1,23 @@
-"""Materialization-free eager decoding through transformers' ``AttentionInterface`` (registered name ``"kvcodec"``).
+"""Attention on the stored form, eager, through transformers' ``AttentionInterface`` (registered name ``"kvcodec"``).
 
-A :class:`~flashcodec_fx.hf.cache.FlashCodecLayer` with ``materialization_free=True`` leaves a note (itself and the
-key tensor it returned) in ``update()``; the attention function called next with that very key tensor picks it up:
+One decode dataflow: ``FlashCodecLayer.update`` returns the call's new keys and values as :class:`CodecStates`,
+tensors that carry the layer that stored them; the ``"kvcodec"`` attention function receives them and attends:
 
-- prefill (the layer was empty): attention on the exact prompt states, through the model's previous implementation
-  (``"sdpa"`` or ``"eager"``), and the layer is marked as served (``attention_bound``);
-- decode: :func:`flashcodec_fx.codec_decode_attention` on the layer's stored coefficients with the mask transformers
-  passes (bool, additive or None), ``scaling`` and GQA; no ``(S, D)`` view is built.
+- prefill (the layer was empty): on the exact prompt states, through the model's previous implementation (``"sdpa"``
+  or ``"eager"``), and the layer is marked as served (``attention_bound``);
+- later calls: :func:`flashcodec_fx.codec_decode_attention` on the layer's stored form, the call's own tokens read
+  exactly, with the mask transformers passes (bool, additive or None), ``scaling`` and GQA; no ``(S, D)`` view.
 
 Every other call (layers without a codec, sliding / linear layers, models not using a FlashCodecCache) runs the
-previous implementation unchanged. Decode steps the coefficient path cannot serve (``output_attentions``, dropout,
-sliding window, logit soft-capping, attention sinks, position bias, a multi-token step without a mask, K/V head dims
-differing from the query's) fall back to the previous implementation on one decode of the stored view, with a
-``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built with ``strict=True``.
+previous implementation unchanged. Calls the stored-form path cannot serve (``output_attentions``, dropout, sliding
+window, logit soft-capping, attention sinks, position bias, a multi-token call without a mask, K/V head dims differing
+from the query's) attend on one decode of the stored view, with a ``MaterializationFreeFallback`` warning, or raise
+``NotImplementedError`` when the cache was built with ``strict=True``.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,32 +27,35 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..cache import codec_decode_attention
-
 NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 DELEGATES = ("sdpa", "eager")
 
 
-
 class MaterializationFreeFallback(UserWarning):
-    """A materialization-free step ran on the materialized view instead (see docs/hf.md, "Fallbacks")."""
+    """A step that was to attend on the stored form attended on the decoded view instead (see docs/hf.md)."""
 
 
-_pending = threading.local()
+class CodecStates(torch.Tensor):
+    """The new ``(B, H, T, D)`` keys or values of one call, carrying the :class:`FlashCodecLayer` that stored them
+    (``codec_layer``) and whether the layer held tokens before the call (``codec_decode``). Any operation on it gives a
+    plain tensor: only the ``"kvcodec"`` attention function reads the tag."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    codec_layer: Any
+    codec_decode: bool
+
+
+def tag_states(x: torch.Tensor, layer: Any, decode: bool) -> CodecStates:
+    out = x.as_subclass(CodecStates)
+    out.codec_layer, out.codec_decode = layer, decode
+    return out
+
+
+def plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_subclass(torch.Tensor) if isinstance(x, CodecStates) else x
+
+
 _delegate_of: dict[int, str] = {}  # id(config) -> implementation the model used before apply_codec_attention
-
-
-def set_pending(layer: Any, key: torch.Tensor, decode: bool) -> None:
-    """Called by ``FlashCodecLayer.update``: the next attention call receiving ``key`` serves ``layer``."""
-    _pending.step = (layer, key, decode)
-
-
-def _take_pending(key: torch.Tensor) -> tuple[Any, bool] | None:
-    step = getattr(_pending, "step", None)
-    if step is None or step[1] is not key:
-        return None
-    _pending.step = None
-    return step[0], step[2]
 
 
 def _delegate(module: torch.nn.Module) -> Callable:
@@ -91,22 +93,24 @@ def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     """The ``"kvcodec"`` attention implementation. ``query (B, Hq, T, D)``; returns ``(B, T, Hq, D)`` and None
     (like transformers' sdpa implementation)."""
     delegate = _delegate(module)
-    step = None if torch.compiler.is_compiling() else _take_pending(key)
-    if step is None:
-        return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer, decode = step
+    if not isinstance(key, CodecStates) or torch.compiler.is_compiling():
+        return delegate(module, query, plain(key), plain(value), attention_mask, dropout=dropout, scaling=scaling,
+                        **kwargs)
+    layer, decode = key.codec_layer, key.codec_decode
+    key, value = plain(key), plain(value)
+    layer.handed_out = False
     if not decode:
         layer.attention_bound = True
         return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     reason = _unsupported(query, attention_mask, dropout, layer, kwargs)
     if reason is not None:
         if layer.strict:
-            raise NotImplementedError(f"materialization-free decode does not support {reason} (strict=True)")
-        warnings.warn(f"materialization-free decode does not support {reason}: this step attends on the materialized "
-                      f"view", MaterializationFreeFallback, stacklevel=2)
-        key_view, value_view = layer.read_view()
+            raise NotImplementedError(f"attention on the stored form does not support {reason} (strict=True)")
+        warnings.warn(f"attention on the stored form does not support {reason}: this step attends on the decoded view",
+                      MaterializationFreeFallback, stacklevel=2)
+        key_view, value_view = layer.read_view((key, value))
         return delegate(module, query, key_view, value_view, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = codec_decode_attention(query, layer.keys_stream, layer.values_stream, attention_mask, scaling)
+    out = layer.attend(query, attention_mask, scaling, (key, value))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -139,7 +143,7 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the ``"kvcodec"`` attention implementation (see the module docstring).
 
     The model must currently use ``"sdpa"`` or ``"eager"`` (ValueError otherwise); calling it again is a no-op.
-    Layers whose cache is not a materialization-free FlashCodecLayer keep computing exactly as before.
+    Layers whose cache is not a FlashCodecLayer keep computing exactly as before.
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")

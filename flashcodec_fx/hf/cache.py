@@ -1,15 +1,17 @@
 """`FlashCodecLayer` / `FlashCodecCache`: the codec as a transformers 5.x KV cache (layer API shared by 5.17 .. 5.24).
 
 Each compressed layer owns a :class:`flashcodec_fx.cache.CodecKVCache` (K and V streams); every read and write of the
-model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns (all ``(B, H, L, D)`` in the stream dtype):
+model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns:
 
-- first fill of an empty layer (the prompt): the exact new states (static layout: zero-padded to the capacity), so
-  the prefill attends on the exact prompt; the stored (compressed) form is what every later step reads;
-- later eager steps: the stored view (dynamic: the memo, ``L`` = stored length; static: the memo, ``L`` = capacity
-  ``ceil(max_cache_len / r) * r``, positions past the length are zeros and masked), no re-decode of history;
-- under ``torch.compile``: ``torch.ops.flashcodec.read(...)`` of each stream, the pattern the compile pass rewrites;
-- ``materialization_free=True`` decode steps: the new states only; the ``"kvcodec"`` attention function
-  (:mod:`flashcodec_fx.hf.attention`) attends on the stored coefficients instead.
+- eager, attention on the stored form (the default, ``materialization_free=True``): the call's new states as
+  :class:`~flashcodec_fx.hf.attention.CodecStates`; the ``"kvcodec"`` attention function attends on the prompt
+  exactly (prefill) and on the stored form afterwards (the call's own tokens exact). If the model does not use that
+  attention function (``apply_flash_codec`` / ``apply_codec_attention`` install it), the first decode step warns
+  (``MaterializationFreeFallback``; ``strict=True`` raises) and the layer switches to the decoded view, kept as a memo;
+- eager, ``materialization_free=False``: the decoded view (a memo updated once per archived group; dynamic: ``L`` =
+  stored length, static: ``L`` = capacity, positions past the length zero and masked), the prefill's exact states;
+- under ``torch.compile``: ``torch.ops.flashcodec.read(state, spec, new)`` of each stream, the pattern the compile
+  pass rewrites into ``flashcodec::codec_attention``.
 """
 
 from __future__ import annotations
@@ -26,19 +28,22 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..cache import CodecKVCache, CodecStream
+from ..cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
 from ..codecs import Codec
-from . import attention as _attention
-from .attention import MaterializationFreeFallback
+from ..presets import with_preset
+from .attention import MaterializationFreeFallback, tag_states
 from .options import (
+    CACHE_OPTIONS,
     UNSET,
     check_cache_switches,
+    check_option_names,
     check_per_layer,
     layer_options,
     resolve_layer_codecs,
 )
 
 CODEC_LAYER_TYPES = ("full_attention",)
+_SWITCHES = ("layout", "max_cache_len", "materialization_free", "strict", "memoize", "crop")
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -54,33 +59,54 @@ def _tensor_bytes(obj: Any) -> int:
 class FlashCodecLayer(CacheLayerMixin):
     """One full-attention layer whose K and V live in codec streams.
 
-    ``key_codec``/``value_codec``: codecs sharing ``block_size``. ``layout``: ``"dynamic"`` (grows) or ``"static"``
-    (preallocated for ``max_cache_len`` tokens, compileable). ``memoize``: keep a reconstruction receiving each block's
-    decoded rows once (eager reads never re-decode); ``False`` decodes the history on every eager read (meant for
-    ``torch.compile`` and materialization-free decoding). ``materialization_free``: decode steps attend on the stored
-    coefficients through the ``"kvcodec"`` attention function; ``strict`` turns its fallbacks into errors.
+    ``key_codec``/``value_codec``: the two codecs. ``layout``: ``"dynamic"`` (grows) or ``"static"`` (preallocated for
+    ``max_cache_len`` tokens, compileable). ``materialization_free``: attend on the stored form (default); ``False``
+    attends on the decoded view. ``memoize``: keep that view as a memo (default: only when attending on the view).
+    ``strict``: the stored-form path never falls back to the view. ``crop``: see :class:`~flashcodec_fx.CodecStream`.
     """
 
     is_sliding = False
-    is_croppable = True
-    supports_early_init = False  # streams allocate on the first append
+    supports_early_init = True
 
     def __init__(self, key_codec: Codec, value_codec: Codec | None = None, layout: str = "dynamic",
-                 max_cache_len: int | None = None, memoize: bool = True, materialization_free: bool = False,
-                 strict: bool = False):
-        check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize)
+                 max_cache_len: int | None = None, memoize: bool | None = None, materialization_free: bool = True,
+                 strict: bool = False, crop: str = "exact"):
+        check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
         super().__init__()
-        self.codec_cache = CodecKVCache(key_codec, value_codec, layout, max_cache_len, memoize)
+        memoize = (not materialization_free) if memoize is None else memoize
+        self.codec_cache = CodecKVCache(key_codec, value_codec, layout, max_cache_len, memoize, crop)
         self.layout, self.max_cache_len = layout, max_cache_len
         self.is_compileable = layout == "static"
         self.materialization_free, self.strict = materialization_free, strict
-        self.attention_bound = False  # set by the "kvcodec" attention function when it serves this layer
-        self._length = 0  # eager mirror of the stored length (host int; never touched under torch.compile)
+        self.attention_bound = False  # set by the "kvcodec" attention function when it serves this layer's prefill
+        self.handed_out = False  # new states handed to attention and not consumed yet
         self._marked_static = False
 
     def __repr__(self) -> str:
         k, v = self.keys_stream.codec, self.values_stream.codec
         return f"FlashCodecLayer(keys={k!r}, values={v!r}, layout={self.layout!r})"
+
+    # transformers' CacheLayerMixin sets `keys` / `values` to None in __init__; here they are decoded views on access.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys ``(B, H, L, D)`` as attention reads them (one decode on access; never used by a decode
+        step), None while empty."""
+        return self.keys_stream.decoded() if self.keys_stream.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("FlashCodecLayer.keys is a decoded view of the codec state; it cannot be assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The stored values as attention reads them (see :attr:`keys`)."""
+        return self.values_stream.decoded() if self.values_stream.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("FlashCodecLayer.values is a decoded view of the codec state; it cannot be assigned")
 
     @property
     def keys_stream(self) -> CodecStream:
@@ -91,66 +117,89 @@ class FlashCodecLayer(CacheLayerMixin):
         return self.codec_cache.values
 
     @property
-    def block_size(self) -> int:
-        return self.keys_stream.codec.block_size
+    def capacity(self) -> int:
+        """Static layout: positions the views span (>= ``max_cache_len``)."""
+        return self.keys_stream.positions
 
     @property
-    def capacity(self) -> int:
-        """Static layout: tokens the read view spans, ``ceil(max_cache_len / r) * r``."""
-        r = self.block_size
-        return -(-self.max_cache_len // r) * r
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` can put this layer back as it was: lossless codecs, or ``crop="decode"`` (reopened tokens
+        come back as attention read them); lossy codecs crop exactly only inside their raw tail."""
+        return all(s.crop_mode == "decode" or s.exact_crop for s in (self.keys_stream, self.values_stream))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
+        """Allocate both streams for states shaped like these ``(B, H, T, D)`` (``T`` may be 0: transformers'
+        ``early_initialization``); static layouts get their whole capacity, marked as static addresses."""
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys_stream.prepare(key_states)
+        self.values_stream.prepare(value_states)
         self.is_initialized = True
+        if self.layout == "static":
+            self._mark_static()
+
+    @property
+    def batch_size(self) -> int:
+        tail = self.keys_stream.tail
+        return -1 if tail is None else tail.shape[0]
 
     def _compiled_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.codec_cache.append(key_states, value_states)
         ks, vs = self.keys_stream, self.values_stream
-        return (torch.ops.flashcodec.read(*ks.state, ks.tail, ks.length, ks.spec),
-                torch.ops.flashcodec.read(*vs.state, vs.tail, vs.length, vs.spec))
+        return (torch.ops.flashcodec.read(list(ks.state), ks.spec, key_states),
+                torch.ops.flashcodec.read(list(vs.state), vs.spec, value_states))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, keep: torch.Tensor | None = None,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``(B, H, T, D)`` keys and values; returns what attention reads (see the module docstring).
 
-        ``keep``: optional ``(B, T)`` bool, False at padding positions; those K/V are stored as zeros (the returned
-        prefill states are untouched: padding is masked there anyway).
+        ``keep``: optional ``(B, T)`` bool, False at padding positions; those K/V are stored as zeros (what the call
+        itself reads stays as given: padding is masked anyway).
         """
         if torch.compiler.is_compiling():
             return self._compiled_update(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        first_fill = self._length == 0
+        if self.handed_out:
+            raise RuntimeError("the attention function did not receive the keys this cache layer handed out at the "
+                               "previous step (the model changes K/V between cache.update and attention, or does not "
+                               "use the 'kvcodec' attention): build the cache with materialization_free=False")
+        self.codec_cache.check_new(key_states, value_states)
+        first_fill = self.get_seq_length() == 0
         if self.materialization_free and not first_fill and not self.attention_bound:
-            reason = ("materialization_free=True but the 'kvcodec' attention function did not serve this layer's "
-                      "prefill: install it with apply_codec_attention(model) (or apply_flash_codec(model, "
-                      "materialization_free=True))")
-            if self.strict:
-                raise RuntimeError(reason)
-            warnings.warn(f"{reason}; this layer decodes on the materialized view instead.", MaterializationFreeFallback,
-                          stacklevel=2)
-            self.materialization_free = False
+            self._fall_back_to_view()
         stored_k, stored_v = key_states, value_states
         if keep is not None:
             mask = keep[:, None, :, None]
-            stored_k = torch.where(mask, key_states, torch.zeros((), dtype=key_states.dtype, device=key_states.device))
-            stored_v = torch.where(mask, value_states, torch.zeros((), dtype=value_states.dtype, device=value_states.device))
-        self.codec_cache.append(stored_k, stored_v)
-        self._length += key_states.shape[2]
+            zero = torch.zeros((), dtype=key_states.dtype, device=key_states.device)
+            stored_k, stored_v = torch.where(mask, key_states, zero), torch.where(mask, value_states, zero)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys_stream.append(stored_k, checked=True)
+        self.values_stream.append(stored_v, checked=True)
         if self.layout == "static" and not self._marked_static:
-            self._mark_static()
-        if first_fill:
-            out = (key_states, value_states) if self.layout == "dynamic" else (self._pad(key_states), self._pad(value_states))
-            if self.materialization_free:
-                _attention.set_pending(self, out[0], decode=False)
-            return out
+            self._mark_static()  # after a batch reorder that reallocated
         if self.materialization_free:
-            if self.keys_stream.memo is not None:
-                self.codec_cache.release_memo()
-            _attention.set_pending(self, key_states, decode=True)
-            return key_states, value_states
+            self.handed_out = not first_fill
+            return tag_states(key_states, self, not first_fill), tag_states(value_states, self, not first_fill)
+        if first_fill:
+            if self.layout == "dynamic":
+                return key_states, value_states
+            return self._pad(key_states), self._pad(value_states)
         return self.codec_cache.read()
+
+    def _fall_back_to_view(self) -> None:
+        reason = ("this layer attends on the stored form, but the 'kvcodec' attention function did not serve its "
+                  "prefill: install it with apply_flash_codec(model) or apply_codec_attention(model)")
+        if self.strict:
+            raise RuntimeError(reason)
+        warnings.warn(f"{reason}; this layer attends on the decoded view from now on (kept as a memo)",
+                      MaterializationFreeFallback, stacklevel=3)
+        self.materialization_free = False
+        self.codec_cache.keys.start_memo()
+        self.codec_cache.values.start_memo()
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
+               new: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention of ``query (B, Hq, T, D)`` on the stored form, ``new``: this call's exact keys and values."""
+        return codec_decode_attention(query, self.keys_stream, self.values_stream, mask, scaling, new)
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         b, h, t, d = x.shape
@@ -158,64 +207,65 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def _mark_static(self) -> None:
         for stream in (self.keys_stream, self.values_stream):
-            for t in (*stream.state, stream.tail, stream.length, stream.memo):
+            for t in (*stream.state, stream.memo):
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
         self._marked_static = True
 
-    def read_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The materialized ``(B, H, L, D)`` views (memo when kept, else one decode of the history)."""
-        return self.codec_cache.read()
+    def read_view(self, new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoded ``(B, H, L, D)`` views (the memo when kept, else one decode), ``new`` read exactly."""
+        k_new, v_new = (None, None) if new is None else new
+        return self.keys_stream.read(k_new), self.values_stream.read(v_new)
 
-    def get_seq_length(self) -> int | torch.Tensor:
-        """Stored tokens: a host int (dynamic) or, like transformers' StaticLayer, the 0-dim device length tensor
-        (static, so compiled graphs do not specialize on it)."""
-        if self.layout == "static":
-            length = self.keys_stream.length
-            return 0 if length is None else length
-        return self._length
+    def get_seq_length(self) -> int:
+        """Stored tokens (a host int: the length is mirrored on the host, so nothing syncs with the device)."""
+        return self.keys_stream.get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: dynamic ``stored + query_length``; static the stream capacity."""
+        """``(kv_length, kv_offset)``: dynamic ``stored + query_length``; static the views' capacity."""
         if self.layout == "static":
             return self.capacity, 0
-        return self._length + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len if self.layout == "static" else -1
 
     def reset(self) -> None:
-        """Forget every token (the allocation is kept)."""
+        """Forget every token (dynamic: storage released, the next update may bring another batch size; static:
+        zeroed in place)."""
         self.codec_cache.reset()
-        self._length = 0
-        self.attention_bound = False
+        self.attention_bound = self.handed_out = False
+        if self.layout == "dynamic":
+            self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (transformers 5.x convention: a negative int; 0 is a no-op).
-        The cut block's archived tokens come back as the values attention read before: the view after the crop is
-        exactly the prefix of the view before it."""
+        """Drop the last ``-tokens_to_remove`` tokens (transformers 5.x: a negative int; ``max_length``-style positive
+        ints keep that many tokens; past the start empties the layer, as DynamicLayer does). See
+        :meth:`CodecStream.crop` for exactness."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove (transformers 5.x), got {tokens_to_remove}")
         if tokens_to_remove == 0 or not self.keys_stream.is_initialized:
             return
-        length = int(self.get_seq_length())
-        if length + tokens_to_remove < 0:
-            raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a layer holding {length}")
-        self.codec_cache.crop(tokens_to_remove)
-        self._length = length + tokens_to_remove
+        self.keys_stream.crop(tokens_to_remove)
+        self.values_stream.crop(tokens_to_remove)
 
     def _batch_indices(self, indices: Any) -> torch.Tensor:
-        return torch.as_tensor(indices, dtype=torch.long, device=self.keys_stream.tail.device).reshape(-1)
+        device = self.keys_stream.tail.device
+        idx = torch.as_tensor(indices, device=device)
+        if idx.dtype == torch.bool:
+            if idx.dim() != 1 or idx.shape[0] != self.batch_size:
+                raise ValueError(f"a boolean batch mask must be ({self.batch_size},), got shape {tuple(idx.shape)}")
+            return idx.nonzero().reshape(-1)
+        return idx.to(torch.long).reshape(-1)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: archive, scales, index, raw tail and memo of both streams move together."""
+        """Beam search: every state tensor of both streams moves together."""
         if self.keys_stream.is_initialized:
             self.codec_cache.index_select(self._batch_indices(beam_idx))
             self._marked_static = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (an index tensor or a ``(B,)`` bool mask)."""
         if self.keys_stream.is_initialized:
             self.codec_cache.index_select(self._batch_indices(indices))
             self._marked_static = False
@@ -230,31 +280,39 @@ class FlashCodecLayer(CacheLayerMixin):
 
     prefetch = offload
 
-    def storage_bytes(self) -> dict[str, int]:
-        """Bytes held by both streams: ``archive`` (+ ``scales``, ``index``), ``memo`` (the materialized view),
-        ``tail`` (raw open block + length), ``total``; ``archive_used``: the filled blocks' data + scales + index
-        (not added into ``total``)."""
+    def storage_breakdown(self) -> dict[str, int]:
+        """Bytes held by both streams, by part (see :meth:`CodecStream.storage_breakdown`)."""
+        return self.codec_cache.storage_breakdown()
+
+    def storage_bytes(self) -> int:
+        """Every byte both streams hold."""
         return self.codec_cache.storage_bytes()
+
+    def stored_bits(self) -> int:
+        return self.keys_stream.stored_bits() + self.values_stream.stored_bits()
+
+    def cached_values(self) -> int:
+        """Values the stored tokens stand for (K and V): ``2 * B * H * L * D``."""
+        tail = self.keys_stream.tail
+        return 0 if tail is None else 2 * tail[..., 0, :].numel() * self.get_seq_length()
 
     def raw_equivalent_bytes(self) -> int:
         """Bytes the stored tokens would take uncompressed (K and V in the stream dtype, no padding to capacity)."""
-        total = 0
-        for stream in (self.keys_stream, self.values_stream):
-            if stream.tail is not None:
-                b, h, _, d = stream.tail.shape
-                total += b * h * d * int(stream.get_seq_length()) * stream.tail.element_size()
-        return total
+        tail = self.keys_stream.tail
+        return 0 if tail is None else self.cached_values() * tail.element_size()
 
 
 class FlashCodecCache(Cache):
     """A transformers ``Cache`` whose full-attention layers store K and V through the flashcodec codecs.
 
-    Codec options (see docs/hf.md): ``mode`` ``"jpeg"`` (default) or ``"png"``; ``block_size`` (8); jpeg
-    ``keep_freqs`` (all) and ``quant_bits`` (8, ``None`` = unquantized); png ``keep_ratio`` (1.0 = exact);
-    ``key_options`` / ``value_options``: dicts of the same options for one stream only. ``per_layer``:
-    ``{layer_idx: options dict | None}`` overrides (``None`` keeps the layer native, uncompressed).
-    Cache options: ``layout`` ``"dynamic"`` / ``"static"`` (needs ``max_cache_len``), ``memoize``,
-    ``materialization_free``, ``strict``.
+    ``preset``: a name from ``flashcodec_fx.PRESETS`` (``"int8"``, ``"4bit"``, ``"3bit"``, ...); codec options given
+    with it override it. Codec options (see docs/hf.md): ``mode`` ``"jpeg"`` (default) or ``"png"``; ``block_size``
+    (8); jpeg ``keep_freqs`` (all), ``quant_bits`` (8; an int, a per-frequency table, or ``None``: unquantized),
+    ``levels``, ``scale_axis``, ``group``, ``scale_search``, ``rotate``, ``center``; png ``keep_ratio`` (1.0 = exact);
+    ``sinks`` / ``window`` (raw first / newest tokens); ``key_options`` / ``value_options``: dicts of the same options
+    for one stream only. ``per_layer``: ``{layer_idx: options dict | None}`` overrides (``None`` keeps the layer
+    native, uncompressed). Cache options: ``layout`` ``"dynamic"`` / ``"static"`` (needs ``max_cache_len``),
+    ``materialization_free``, ``memoize``, ``strict``, ``crop``.
 
     Layers: with ``config`` (or :meth:`from_config`), one per model layer: codec layers on full-attention layers,
     every other layer type (sliding, chunked, linear attention, ...) keeps its native transformers layer. With
@@ -263,18 +321,23 @@ class FlashCodecCache(Cache):
     """
 
     def __init__(self, mode: str = UNSET, block_size: int = UNSET, keep_freqs: int | None = UNSET,
-                 quant_bits: int | None = UNSET, keep_ratio: float = UNSET, *, key_options: dict | None = None,
-                 value_options: dict | None = None, layout: str = "dynamic", max_cache_len: int | None = None,
-                 per_layer: dict[int, dict | None] | None = None, materialization_free: bool = False,
-                 strict: bool = False, memoize: bool = True, config: Any = None, num_layers: int | None = None):
-        check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize)
-        codec_options = {"mode": mode, "block_size": block_size, "keep_freqs": keep_freqs, "quant_bits": quant_bits,
-                         "keep_ratio": keep_ratio, "key_options": key_options, "value_options": value_options}
-        codec_options = {k: v for k, v in codec_options.items() if v is not UNSET}
+                 quant_bits: int | None = UNSET, keep_ratio: float = UNSET, *, preset: str | None = None,
+                 key_options: dict | None = None, value_options: dict | None = None, layout: str = "dynamic",
+                 max_cache_len: int | None = None, per_layer: dict[int, dict | None] | None = None,
+                 materialization_free: bool = True, strict: bool = False, memoize: bool | None = None,
+                 crop: str = "exact", config: Any = None, num_layers: int | None = None, **codec_options: Any):
+        check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
+        check_option_names(codec_options, CACHE_OPTIONS)
+        given = {"mode": mode, "block_size": block_size, "keep_freqs": keep_freqs, "quant_bits": quant_bits,
+                 "keep_ratio": keep_ratio, **codec_options}
+        given = {k: v for k, v in given.items() if v is not UNSET}
+        for name, value in (("key_options", key_options), ("value_options", value_options)):
+            if value is not None:
+                given[name] = value
+        codec_options = with_preset(preset, given)
         overrides = check_per_layer(per_layer)
-        default_codecs = resolve_layer_codecs(codec_options)
         layer_kwargs = dict(layout=layout, max_cache_len=max_cache_len, memoize=memoize,
-                            materialization_free=materialization_free, strict=strict)
+                            materialization_free=materialization_free, strict=strict, crop=crop)
         if config is not None and num_layers is not None:
             raise ValueError("pass either config or num_layers, not both")
         if config is not None:
@@ -288,12 +351,14 @@ class FlashCodecCache(Cache):
             if overrides:
                 raise ValueError("per_layer needs the layer count: use FlashCodecCache.from_config(config, per_layer=...) "
                                  "or pass num_layers=")
+        resolve_layer_codecs(codec_options)  # every option checked before anything is built
 
         self.options = {**codec_options, "per_layer": overrides, **layer_kwargs}
         self._padding_mask: torch.Tensor | None = None
         if layer_types is None:
             def replicate() -> FlashCodecLayer:
-                return FlashCodecLayer(default_codecs.key, default_codecs.value, **layer_kwargs)
+                codecs = resolve_layer_codecs(codec_options, layer_idx=len(self.layers))
+                return FlashCodecLayer(codecs.key, codecs.value, **layer_kwargs)
 
             super().__init__(layer_class_to_replicate=replicate)
             return
@@ -306,9 +371,8 @@ class FlashCodecCache(Cache):
         layers = []
         for idx, (kind, kwargs) in enumerate(zip(layer_types, native_kwargs, strict=True)):
             if kind in CODEC_LAYER_TYPES and not (idx in overrides and overrides[idx] is None):
-                codecs = default_codecs
-                if idx in overrides:
-                    codecs = resolve_layer_codecs(layer_options(codec_options, overrides[idx]), where=f"per_layer[{idx}]")
+                options = layer_options(codec_options, overrides.get(idx))
+                codecs = resolve_layer_codecs(options, where=f"per_layer[{idx}]" if idx in overrides else "", layer_idx=idx)
                 layers.append(FlashCodecLayer(codecs.key, codecs.value, **layer_kwargs))
             elif layout == "static":
                 layers.append(STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kwargs))
@@ -319,7 +383,7 @@ class FlashCodecCache(Cache):
     @classmethod
     def from_config(cls, config: Any, **options: Any) -> FlashCodecCache:
         """One layer per model layer of ``config`` (its decoder text config): codec layers on full-attention layers,
-        native transformers layers elsewhere. ``options``: as for the constructor."""
+        native transformers layers elsewhere. ``options``: as for the constructor (``preset=`` included)."""
         if config is None:
             raise ValueError("config must be a transformers PreTrainedConfig, got None")
         return cls(config=config, **options)
@@ -342,7 +406,7 @@ class FlashCodecCache(Cache):
 
     def _keep_mask(self, layer: FlashCodecLayer, key_states: torch.Tensor) -> torch.Tensor | None:
         mask = self._padding_mask
-        start, t = layer._length, key_states.shape[2]
+        start, t = layer.get_seq_length(), key_states.shape[2]
         if mask is None or start >= mask.shape[1]:
             return None
         if mask.shape[0] != key_states.shape[0]:
@@ -362,28 +426,36 @@ class FlashCodecCache(Cache):
             return layer.update(key_states, value_states, *args, keep=self._keep_mask(layer, key_states), **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def storage_bytes(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
-        """Every byte the cache holds, by part, summed over layers:
-
-        ``archive`` / ``scales`` / ``index``: the compressed blocks (allocated capacity; ``archive_used``: filled
-        blocks only), ``memo``: the materialized view kept for eager reads (0 when released or not memoized),
-        ``tail``: the raw open blocks (+ lengths), ``native``: tensors of the layers without a codec,
-        ``total``: all of the above. ``raw_equivalent``: what the codec layers' stored tokens would take
-        uncompressed (not part of ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead.
-        """
+    def storage_breakdown(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
+        """Every byte the cache holds, by part, summed over layers: the codec parts of
+        :meth:`flashcodec_fx.CodecStream.storage_breakdown` (``archive``, ``scales``, ``sinks``, ``tail``, ``mean``,
+        ``memo``; ``archive_used``: filled groups only, not in ``total``), ``native``: tensors of the layers without a
+        codec, ``total``. ``raw_equivalent``: what the codec layers' stored tokens would take uncompressed (not in
+        ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead."""
         rows = {}
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, FlashCodecLayer):
-                row = dict(layer.storage_bytes(), native=0, raw_equivalent=layer.raw_equivalent_bytes())
+                row = dict(layer.storage_breakdown(), native=0, raw_equivalent=layer.raw_equivalent_bytes())
             else:
                 native = _tensor_bytes([v for k, v in vars(layer).items() if k != "device"])
-                row = {"archive": 0, "archive_used": 0, "scales": 0, "index": 0, "tail": 0, "memo": 0, "native": native,
-                       "total": native, "raw_equivalent": 0}
+                row = {**dict.fromkeys(("archive", "archive_used", "scales", "sinks", "tail", "mean", "memo",
+                                        "raw_equivalent"), 0), "native": native, "total": native}
             rows[idx] = row
         if per_layer:
             return rows
-        parts = ("archive", "archive_used", "scales", "index", "tail", "memo", "native", "total", "raw_equivalent")
-        return {part: sum(row[part] for row in rows.values()) for part in parts}
+        parts = next(iter(rows.values())).keys() if rows else ("total",)
+        return {part: sum(row.get(part, 0) for row in rows.values()) for part in parts}
+
+    def storage_bytes(self) -> int:
+        """Every byte the cache holds (codec layers and native layers; see :meth:`storage_breakdown`)."""
+        return self.storage_breakdown()["total"]
+
+    def bits_per_value(self) -> float:
+        """Stored bits per cached K/V value of the codec layers, as stored: filled archive groups with their scales
+        and zero points, raw sinks and tail rows, the mean; no unused capacity, no memo. A bf16 raw cache is 16."""
+        layers = [layer for layer in self.layers if isinstance(layer, FlashCodecLayer)]
+        bits = sum(layer.stored_bits() for layer in layers)
+        return bits / max(1, sum(layer.cached_values() for layer in layers))
 
 
 def _layer_types(config: Any) -> tuple[list[str], list[dict]]:
@@ -392,3 +464,6 @@ def _layer_types(config: Any) -> tuple[list[str], list[dict]]:
     if isinstance(kwargs, dict):  # transformers < 5.2x: one kwargs dict shared by all layers
         kwargs = [kwargs] * len(layer_types)
     return list(layer_types), list(kwargs)
+
+
+__all__ = ["CODEC_LAYER_TYPES", "CodecOverflowError", "FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback"]

@@ -10,19 +10,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache import LAYOUTS
+from ..cache import CROP_MODES, LAYOUTS
 from ..codecs import Codec, make_codec
 
 MODES = ("jpeg", "png")
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<default>"})()
 
 # Codec options, with the modes they apply to and their defaults (jpeg: all coefficients, int8; png: exact).
-CODEC_OPTIONS = {"mode": MODES, "block_size": MODES, "keep_freqs": ("jpeg",), "quant_bits": ("jpeg",),
-                 "keep_ratio": ("png",)}
-DEFAULTS = {"mode": "jpeg", "block_size": 8, "keep_freqs": None, "quant_bits": 8, "keep_ratio": 1.0}
+_JPEG_ONLY = ("keep_freqs", "quant_bits", "levels", "scale_axis", "group", "scale_search", "rotate", "center")
+CODEC_OPTIONS = {"mode": MODES, "block_size": MODES, **dict.fromkeys(_JPEG_ONLY, ("jpeg",)), "keep_ratio": ("png",),
+                 "sinks": MODES, "window": MODES}
+DEFAULTS = {"mode": "jpeg", "block_size": 8, "keep_freqs": None, "quant_bits": 8, "levels": None, "scale_axis": "token",
+            "group": None, "scale_search": False, "rotate": None, "center": False, "keep_ratio": 1.0, "sinks": 0,
+            "window": 0}
 STREAM_OPTIONS = ("key_options", "value_options")
 LAYER_OPTIONS = (*CODEC_OPTIONS, *STREAM_OPTIONS)
-CACHE_OPTIONS = (*LAYER_OPTIONS, "layout", "max_cache_len", "per_layer", "materialization_free", "strict", "memoize")
+CACHE_OPTIONS = (*LAYER_OPTIONS, "preset", "layout", "max_cache_len", "per_layer", "materialization_free", "strict",
+                 "memoize", "crop")
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,9 @@ def _check_stream_dict(name: str, value: Any) -> dict:
     return dict(value)
 
 
-def _build_codec(stream: str, shared: dict, own: dict) -> Codec:
-    """Codec of one stream: ``own`` (from key_options/value_options) overrides ``shared``; options must fit the mode."""
+def _build_codec(stream: str, shared: dict, own: dict, layer_idx: int) -> Codec:
+    """Codec of one stream: ``own`` (from key_options/value_options) overrides ``shared``; options must fit the mode.
+    ``rotate=True`` becomes the seed ``layer_idx`` (a fixed rotation per layer, reproducible from the spec)."""
     mode = own.get("mode", shared.get("mode", DEFAULTS["mode"]))
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}" + (f" (in {stream}_options)" if "mode" in own else ""))
@@ -59,11 +64,14 @@ def _build_codec(stream: str, shared: dict, own: dict) -> Codec:
         if name == "mode" or mode not in CODEC_OPTIONS[name]:
             continue
         kwargs[name] = merged.get(name, DEFAULTS[name])
+    if kwargs.get("rotate") is True:
+        kwargs["rotate"] = layer_idx
     return make_codec(mode, **kwargs)
 
 
-def resolve_layer_codecs(options: Mapping[str, Any], where: str = "") -> LayerCodecs:
-    """``options``: any of ``LAYER_OPTIONS`` (absent = default). Returns the key and value codecs.
+def resolve_layer_codecs(options: Mapping[str, Any], where: str = "", layer_idx: int = 0) -> LayerCodecs:
+    """``options``: any of ``LAYER_OPTIONS`` (absent = default). Returns the key and value codecs of layer
+    ``layer_idx`` (it seeds ``rotate=True``).
 
     A shared option that fits neither stream's mode (e.g. ``keep_ratio`` with ``mode="jpeg"``) raises.
     """
@@ -74,8 +82,8 @@ def resolve_layer_codecs(options: Mapping[str, Any], where: str = "") -> LayerCo
     shared = {k: v for k, v in options.items() if k in CODEC_OPTIONS and v is not UNSET}
     own = {s: _check_stream_dict(s, options.get(s)) for s in STREAM_OPTIONS}
     try:
-        key = _build_codec("key", shared, own["key_options"])
-        value = _build_codec("value", shared, own["value_options"])
+        key = _build_codec("key", shared, own["key_options"], layer_idx)
+        value = _build_codec("value", shared, own["value_options"], layer_idx)
     except (ValueError, TypeError) as err:
         raise type(err)(f"{prefix}{err}") from None
     modes = {key.mode, value.mode}
@@ -83,8 +91,6 @@ def resolve_layer_codecs(options: Mapping[str, Any], where: str = "") -> LayerCo
         if name != "mode" and not any(_mode_name(m) in CODEC_OPTIONS[name] for m in modes):
             raise ValueError(f"{prefix}option {name!r} applies to mode {CODEC_OPTIONS[name]} only; "
                              f"this layer uses {sorted(_mode_name(m) for m in modes)}")
-    if key.block_size != value.block_size:
-        raise ValueError(f"{prefix}key and value codecs must share block_size, got {key.block_size} and {value.block_size}")
     return LayerCodecs(key, value)
 
 
@@ -92,7 +98,8 @@ def _mode_name(mode: int) -> str:
     return MODES[mode]
 
 
-def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: Any, strict: Any, memoize: Any) -> None:
+def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: Any, strict: Any, memoize: Any,
+                         crop: Any = "exact") -> None:
     """Validate the cache-wide options."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -102,11 +109,18 @@ def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: 
     elif max_cache_len is not None:
         raise ValueError(f"max_cache_len applies to layout='static' only, got max_cache_len={max_cache_len!r} with "
                          f"layout={layout!r}")
-    for name, value in (("materialization_free", materialization_free), ("strict", strict), ("memoize", memoize)):
+    for name, value in (("materialization_free", materialization_free), ("strict", strict)):
         if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    if memoize is not None and not isinstance(memoize, bool):
+        raise TypeError(f"memoize must be None (automatic) or a bool, got {type(memoize).__name__} {memoize!r}")
     if strict and not materialization_free:
         raise ValueError("strict=True only applies with materialization_free=True (it turns its fallbacks into errors)")
+    if memoize and materialization_free:
+        raise ValueError("memoize=True keeps a decoded view that attention on the stored form never reads: set "
+                         "materialization_free=False to attend on the view, or leave memoize unset")
+    if crop not in CROP_MODES:
+        raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
 
 
 def check_per_layer(per_layer: Any) -> dict[int, dict | None]:

@@ -60,7 +60,12 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
     model_kwargs, max_cache_length = bound.arguments["model_kwargs"], bound.arguments["max_cache_length"]
     generation_config = bound.arguments["generation_config"]
     install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.passes.generate
-    if options.get("materialization_free"):
+    wanted = getattr(generation_config, "cache_implementation", None)
+    if wanted not in (None, "dynamic", "static") and not _user_cache(bound.arguments["model_kwargs"]):
+        raise ValueError(f"flashcodec_fx replaces transformers' default dynamic and static caches; this generate() call "
+                         f"asked for cache_implementation={wanted!r}: pass a FlashCodecCache or remove the codec "
+                         f"(remove_flash_codec)")
+    if options.get("materialization_free", True):
         apply_codec_attention(model)
     native(*args, **kwargs)
     name = next((k for k in ("cache", "past_key_values") if isinstance(model_kwargs.get(k), Cache)), None)
@@ -76,6 +81,10 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
         cache.set_padding_mask(model_kwargs.get("attention_mask"))
 
 
+def _user_cache(model_kwargs: dict) -> bool:
+    return any(isinstance(model_kwargs.get(k), Cache) for k in ("cache", "past_key_values"))
+
+
 def _check_model(model: Any) -> None:
     if not hasattr(model, METHOD) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers generative model (GenerationMixin), got {type(model).__name__}")
@@ -86,7 +95,8 @@ def _check_model(model: Any) -> None:
 def apply_flash_codec(model: Any, **options: Any) -> Any:
     """Every later ``model.generate()`` defaults to a FlashCodecCache built with ``options`` (see FlashCodecCache).
 
-    ``materialization_free=True`` also switches the model to the ``"kvcodec"`` attention implementation.
+    ``preset=NAME`` picks a preset (``flashcodec_fx.PRESETS``); other options override it. Attention runs on the
+    stored form (the model switches to the ``"kvcodec"`` attention implementation) unless ``materialization_free=False``.
     ``compile=True`` (or a dict of ``flashcodec_fx.backend`` options, ``mode``, ``dynamic``) decodes through
     ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.passes.generate``).
     Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
@@ -99,9 +109,9 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
         own = vars(model).get(METHOD)
         native = own if own is not None else types.MethodType(_class_native(type(model)), model)
         state = {"own": own, "native": native}
-    if options.get("materialization_free"):
+    if options.get("materialization_free", True):
         apply_codec_attention(model)
-    elif state.get("options", {}).get("materialization_free"):
+    elif state.get("options", {}).get("materialization_free", True):
         remove_codec_attention(model)
     state["options"], state["compile"] = options, compiled
 

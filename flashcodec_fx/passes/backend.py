@@ -16,22 +16,22 @@ import torch
 
 from .sdpa_over_cache import SDPAOverCachePass
 
-OWN_OPTIONS = ("strict", "debug", "lower", "inductor")
+OWN_OPTIONS = ("strict", "debug", "inductor")
 
 
 class FlashCodecBackend:
     """A configured backend (callable as a torch.compile backend). ``pass_`` is the installed
     :class:`SDPAOverCachePass`; its ``reports`` say what each compiled graph got."""
 
-    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto",
-                 inductor: bool = True, mode: str | None = None, options: dict | None = None):
+    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, inductor: bool = True,
+                 mode: str | None = None, options: dict | None = None):
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict of Inductor config values, got {type(options).__name__}")
         if mode is not None and not isinstance(mode, str):
             raise TypeError(f"mode must be a torch.compile mode string, got {type(mode).__name__}")
         if not isinstance(inductor, bool):
             raise TypeError(f"inductor must be a bool, got {type(inductor).__name__}")
-        self.pass_ = SDPAOverCachePass(strict=strict, debug=debug, lower=lower)
+        self.pass_ = SDPAOverCachePass(strict=strict, debug=debug)
         self.inductor = inductor
         self.mode, self.options = mode, dict(options or {})
         self.__name__ = "flashcodec"
@@ -56,8 +56,7 @@ class FlashCodecBackend:
 
         options = dict(options or {})
         own = {key: options.pop(key) for key in OWN_OPTIONS if key in options}
-        mine = {"strict": self.pass_.strict, "debug": self.pass_.debug, "lower": self.pass_.lower,
-                "inductor": self.inductor}
+        mine = {"strict": self.pass_.strict, "debug": self.pass_.debug, "inductor": self.inductor}
         target = self if not own else FlashCodecBackend(**{**mine, **own}, mode=self.mode, options=self.options)
         if not target.inductor:
             return target._pass_only(gm, example_inputs)
@@ -82,18 +81,17 @@ class FlashCodecBackend:
         return self
 
 
-def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto",
-            inductor: bool = True, mode: str | None = None, options: dict | None = None) -> FlashCodecBackend:
+def backend(strict: bool = False, debug: bool | str | os.PathLike | None = None, inductor: bool = True,
+            mode: str | None = None, options: dict | None = None) -> FlashCodecBackend:
     """A configured ``flashcodec`` backend: ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))``.
 
     ``strict``: raise if any decoded KV view remains in a compiled graph (materialization-free guarantee).
-    ``debug``: dump each graph before/after the pass (True: log; a path: files there). ``lower``: "auto" (= "op":
-    keep the custom op and its kernel on every device), "op", "inline" (an Inductor-fusable codec attention).
+    ``debug``: dump each graph before/after the pass (True: log; a path: files there).
     ``inductor=False``: run the pass on the AOT (functionalized, Inductor-decomposed) graph and execute it eagerly,
     without code generation (quick checks). ``mode``/``options``:
     Inductor's, as for ``torch.compile(backend="inductor")``.
     """
-    return FlashCodecBackend(strict=strict, debug=debug, lower=lower, inductor=inductor, mode=mode, options=options)
+    return FlashCodecBackend(strict=strict, debug=debug, inductor=inductor, mode=mode, options=options)
 
 
 flashcodec_backend = FlashCodecBackend()

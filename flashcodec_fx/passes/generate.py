@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-BACKEND_KEYS = ("strict", "debug", "lower", "inductor", "options")
+BACKEND_KEYS = ("strict", "debug", "inductor", "options")
 COMPILE_KEYS = (*BACKEND_KEYS, "mode", "dynamic")
 
 

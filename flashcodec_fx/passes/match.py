@@ -170,6 +170,13 @@ def trace_kv(node: Node) -> KVSource:
         raise NoMatch(f"{node.name} ({node.target}) between flashcodec::read and attention is not a known GQA/view op")
 
 
+def read_args(read: Node) -> tuple[list, str, Node | None]:
+    """``(state nodes, spec, new tokens node or None)`` of a ``flashcodec::read`` node."""
+    args = list(read.args) + [None] * (3 - len(read.args))
+    new = read.kwargs.get("new", args[2])
+    return list(args[0]), read.kwargs.get("spec", args[1]), new
+
+
 def _reads_codec(node: Node, budget: int = 64) -> bool:
     """Whether a ``flashcodec::read``/``decode`` is among the first ``budget`` ancestors of ``node``."""
     seen, todo = set(), [node]

@@ -14,7 +14,6 @@ together, as ``CodecKVCache`` does): the key stream's ``length`` is used for bot
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -24,16 +23,14 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.flashcodec)
-from . import lowering, match
+from . import match
 from .match import DECODE, READ, NoMatch, NotCodec, SDPACall, bind_sdpa, trace_kv
 
 log = logging.getLogger(__name__)
 CODEC_ATTENTION = torch.ops.flashcodec.codec_attention.default
 DEBUG_ENV = "FLASHCODEC_FX_DEBUG_DIR"
-LOWERINGS = ("auto", "op", "inline")
 
 
 class MaterializationError(RuntimeError):
@@ -51,39 +48,31 @@ class PassReport:
     remaining_views: list[str] = field(default_factory=list)
     graph_before: str | None = None
     graph_after: str | None = None
-    graph_lowered: str | None = None
-    inlined: int = 0
 
 
 class SDPAOverCachePass(CustomGraphPass):
     """Inductor post-grad pass. ``strict``: raise :class:`MaterializationError` if any ``flashcodec::read`` /
     ``flashcodec::decode`` view (or the append's memo) still feeds the graph after the rewrite.
     ``debug``: True logs the graph before and after (logger ``flashcodec_fx.passes``), a path writes
-    ``<path>/graph_<n>_{before,after,lowered}.txt``; the environment variable ``FLASHCODEC_FX_DEBUG_DIR`` does the same.
-    ``lower``: how each inserted ``codec_attention`` runs: "op" keeps the custom op (its CUDA/Triton kernel or the
-    eager reference), "inline" replaces it by :func:`lowering.codec_attention_fused` for Inductor to fuse, "auto"
-    (default) keeps the op on every device: on SmolLM2-135M (30 layers, 1k context, CPU) the inlined form measured
-    9x slower per step than the op (benchmarks/results/e2e_cpu_smollm2{_inline,}.json).
+    ``<path>/graph_<n>_{before,after}.txt``; the environment variable ``FLASHCODEC_FX_DEBUG_DIR`` does the same.
+    Each inserted ``codec_attention`` stays a custom op: its fast kernel (Triton on CUDA, C++ on CPU) runs.
     Debugging disables Inductor's FX graph cache for the graphs this pass sees (``uuid() is None``), so every
     compile dumps. ``reports`` keeps a :class:`PassReport` per run (not on FX graph cache hits)."""
 
-    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, lower: str = "auto"):
+    def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None):
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
-        if lower not in LOWERINGS:
-            raise ValueError(f"lower must be one of {LOWERINGS}, got {lower!r}")
         if debug is None:
             debug = os.environ.get(DEBUG_ENV) or False
         if not isinstance(debug, (bool, str, os.PathLike)):
             raise TypeError(f"debug must be a bool or a directory path, got {type(debug).__name__}")
-        self.strict, self.debug, self.lower = strict, debug, lower
+        self.strict, self.debug = strict, debug
         self.reports: list[PassReport] = []
 
     def uuid(self) -> bytes | None:
         if self.debug:
             return None
-        return get_hash_for_files((__file__, match.__file__, lowering.__file__),
-                                  extra=f"strict={self.strict},lower={self.lower}")
+        return get_hash_for_files((__file__, match.__file__), extra=f"strict={self.strict}")
 
     def __call__(self, graph: Graph) -> None:
         report = PassReport()
@@ -102,12 +91,6 @@ class SDPAOverCachePass(CustomGraphPass):
         report.remaining_views = _remaining_views(graph, report.skipped)
         if self.debug:
             report.graph_after = str(graph)
-        for node in list(graph.find_nodes(op="call_function", target=CODEC_ATTENTION)):
-            if self.lower == "inline":
-                _inline(graph, node)
-                report.inlined += 1
-        if self.debug:
-            report.graph_lowered = str(graph)
             self._dump(report)
         self.reports.append(report)
         if self.strict and report.remaining_views:
@@ -119,14 +102,13 @@ class SDPAOverCachePass(CustomGraphPass):
     def _dump(self, report: PassReport) -> None:
         n = len(self.reports)
         if isinstance(self.debug, bool):
-            log.warning("flashcodec pass graph %d before:\n%s\nafter (%d rewritten, skipped %s):\n%s\nlowered:\n%s", n,
-                        report.graph_before, report.rewritten, report.skipped, report.graph_after, report.graph_lowered)
+            log.warning("flashcodec pass graph %d before:\n%s\nafter (%d rewritten, skipped %s):\n%s", n,
+                        report.graph_before, report.rewritten, report.skipped, report.graph_after)
             return
         folder = Path(self.debug)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"graph_{n}_before.txt").write_text(report.graph_before)
         (folder / f"graph_{n}_after.txt").write_text(report.graph_after)
-        (folder / f"graph_{n}_lowered.txt").write_text(report.graph_lowered)
 
 
 def _remaining_views(graph: Graph, skipped: list[str]) -> list[str]:
@@ -150,19 +132,18 @@ def _rewrite(graph: Graph, call: SDPACall) -> None:
         raise NoMatch(f"shapes q {(b, hq, t, d)}, k {match._shape(k_read)}, v {match._shape(v_read)} differ in B, H_kv or D")
     if k_src.repeat != v_src.repeat or hq % (hkv * k_src.repeat):
         raise NoMatch(f"GQA: query heads {hq}, kv heads {hkv}, repeats k={k_src.repeat} v={v_src.repeat}")
-    spec_k, spec_v = k_read.args[5], v_read.args[5]
-    if spec_k[1] != spec_v[1]:
-        raise NoMatch(f"key and value block sizes differ ({spec_k[1]} vs {spec_v[1]})")
+    (k_state, spec_k, k_new), (v_state, spec_v, v_new) = match.read_args(k_read), match.read_args(v_read)
+    if (k_new is None) != (v_new is None):
+        raise NoMatch("only one of the key / value reads carries the call's new tokens")
     fake_mode = detect_fake_mode([n.meta["val"] for n in (call.query, k_read, v_read)])
     if fake_mode is None:
         raise NoMatch("the graph carries no fake-tensor metadata (run the pass on a traced / post-grad graph)")
     with graph.inserting_before(call.node):
         mask = _mask_4d(graph, call.mask, fake_mode)
-        args = (call.query, *k_read.args[:4], *v_read.args[:4], k_read.args[4], list(spec_k), list(spec_v), mask,
-                call.scale)
+        args = (call.query, list(k_state), list(v_state), spec_k, spec_v, k_new, v_new, mask, call.scale)
         new = graph.call_function(CODEC_ATTENTION, args)
         with fake_mode:
-            new.meta["val"] = CODEC_ATTENTION(*(a.meta["val"] if isinstance(a, Node) else a for a in args))
+            new.meta["val"] = CODEC_ATTENTION(*(_meta(a) for a in args))
     new.meta["stack_trace"] = call.node.meta.get("stack_trace")
     call.output.replace_all_uses_with(new)
     dead = [call.output, *call.unused_outputs, call.node] if call.output is not call.node else [call.node]
@@ -189,25 +170,9 @@ def _mask_4d(graph: Graph, mask: Node | None, fake_mode) -> Node | None:
     return node
 
 
-def _inline(graph: Graph, node: Node) -> None:
-    """Replace one ``codec_attention`` node by the traced :func:`lowering.codec_attention_fused` (ATen ops only)."""
-    tensor_at = [i for i, a in enumerate(node.args) if isinstance(a, Node)]
-
-    def fused(*tensors):
-        args = list(node.args)
-        for i, tensor in zip(tensor_at, tensors, strict=True):
-            args[i] = tensor
-        return lowering.codec_attention_fused(*args)
-
-    from torch._inductor.decomposition import select_decomp_table
-
-    vals = [node.args[i].meta["val"] for i in tensor_at]
-    with detect_fake_mode(vals) or contextlib.nullcontext():
-        sub = make_fx(fused, decomposition_table=select_decomp_table())(*vals)  # the ops Inductor lowers post-grad
-    if any(n.op == "get_attr" for n in sub.graph.nodes):
-        raise RuntimeError("flashcodec: the inlined codec_attention traced a tensor constant (lowering bug)")
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    with graph.inserting_before(node):
-        out = graph.graph_copy(sub.graph, dict(zip(placeholders, [node.args[i] for i in tensor_at], strict=True)))
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
+def _meta(arg):
+    if isinstance(arg, Node):
+        return arg.meta["val"]
+    if isinstance(arg, list):
+        return [_meta(a) for a in arg]
+    return arg
