@@ -61,7 +61,8 @@ class CodecStream:
         self.positions = max_length if positions is None else positions
         self.state: StreamState | None = None
         self.memo: torch.Tensor | None = None
-        self._host_length = 0  # eager mirror of the device length: drives growth and bound checks
+        self._host_length = 0  # host mirror of the device length: drives growth and bound checks
+        self._stale = False  # a compiled append ran: the mirror is refreshed (one sync) the next time it is read
 
     @property
     def spec(self) -> str:
@@ -87,7 +88,8 @@ class CodecStream:
     @property
     def archived_tokens(self) -> int:
         """Tokens held by the sinks and the archive (host mirror)."""
-        return min(self._host_length, self._archived_end(self._host_length))
+        n = self.get_seq_length()
+        return min(n, self._archived_end(n))
 
     @property
     def exact_crop(self) -> bool:
@@ -140,7 +142,7 @@ class CodecStream:
             if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.state.tail.dtype:
                 raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.state.tail.dtype}, got {x.dtype} "
                                  f"{tuple(x.shape)}")
-        if self.layout == "static" and self._host_length + x.shape[2] > self.max_length:
+        if self.layout == "static" and self.get_seq_length() + x.shape[2] > self.max_length:
             raise CodecOverflowError(f"static cache holds max_length={self.max_length} tokens; "
                                      f"{self._host_length} stored + {x.shape[2]} new exceeds it")
 
@@ -160,7 +162,9 @@ class CodecStream:
                     grown *= 2
                 self._grow(grown)
         torch.ops.flashcodec.append(list(self.state), x.contiguous(), self.spec, self.memo)
-        if not compiling:
+        if compiling:
+            self._stale = True  # a side effect Dynamo replays after the graph; never read in compiled code
+        else:
             self._host_length += t
 
     def read(self, new: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,9 +180,13 @@ class CodecStream:
             view = self.memo
         else:
             view = torch.ops.flashcodec.read(list(self.state), self.spec, new)
-        return view if self.layout == "static" else view[:, :, : self._host_length]
+        return view if self.layout == "static" else view[:, :, : self.get_seq_length()]
 
     def get_seq_length(self) -> int:
+        """Stored tokens, a host int: the mirror kept by eager appends, refreshed from the device length (one sync,
+        outside any decode step) after compiled appends."""
+        if self._stale and not torch.compiler.is_compiling():
+            self._host_length, self._stale = int(self.state.length), False
         return self._host_length
 
     def crop(self, n: int) -> None:
@@ -188,7 +196,7 @@ class CodecStream:
         ``crop="decode"``; otherwise it raises (nothing changes)."""
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
-        length = self._host_length
+        length = self.get_seq_length()
         keep = max(0, length + n) if n < 0 else min(n, length)
         if self.state is None or keep == length:
             return
@@ -252,7 +260,7 @@ class CodecStream:
             for t in (*self.state, self.memo):
                 if t is not None:
                     t.zero_()
-        self._host_length = 0
+        self._host_length, self._stale = 0, False
 
     def release_memo(self) -> None:
         """Drop the memoized view (attention on the stored form never reads it)."""
@@ -289,7 +297,7 @@ class CodecStream:
         and tail rows holding tokens (in the stream dtype), and the mean; no unused capacity, no memo."""
         if self.state is None:
             return 0
-        st, codec, n = self.state, self.codec, self._host_length
+        st, codec, n = self.state, self.codec, self.get_seq_length()
         d, item = st.tail.shape[3], st.tail.element_size()
         lead = st.tail.shape[0] * st.tail.shape[1]
         archived = self.archived_tokens
@@ -300,7 +308,7 @@ class CodecStream:
     def decoded(self) -> torch.Tensor:
         """``(B, H, L, D)``: the stored tokens as attention reads them (one decode; for inspection, never used by a
         decode step)."""
-        return self.read()[:, :, : self._host_length]
+        return self.read()[:, :, : self.get_seq_length()]
 
 
 def static_positions(key_codec: Codec, value_codec: Codec, max_length: int) -> int:

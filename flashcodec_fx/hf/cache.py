@@ -162,7 +162,7 @@ class FlashCodecLayer(CacheLayerMixin):
                                "previous step (the model changes K/V between cache.update and attention, or does not "
                                "use the 'kvcodec' attention): build the cache with materialization_free=False")
         self.codec_cache.check_new(key_states, value_states)
-        first_fill = self.get_seq_length() == 0
+        first_fill = self.keys_stream.get_seq_length() == 0
         if self.materialization_free and not first_fill and not self.attention_bound:
             self._fall_back_to_view()
         stored_k, stored_v = key_states, value_states
@@ -217,15 +217,19 @@ class FlashCodecLayer(CacheLayerMixin):
         k_new, v_new = (None, None) if new is None else new
         return self.keys_stream.read(k_new), self.values_stream.read(v_new)
 
-    def get_seq_length(self) -> int:
-        """Stored tokens (a host int: the length is mirrored on the host, so nothing syncs with the device)."""
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Stored tokens: a host int (dynamic; mirrored on the host, no sync) or, like transformers' StaticLayer, the
+        0-dim device length tensor (static: compiled decode steps must not specialize on it)."""
+        if self.layout == "static":
+            length = self.keys_stream.length
+            return 0 if length is None else length
         return self.keys_stream.get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: dynamic ``stored + query_length``; static the views' capacity."""
         if self.layout == "static":
             return self.capacity, 0
-        return self.get_seq_length() + query_length, 0
+        return self.keys_stream.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len if self.layout == "static" else -1
@@ -294,7 +298,7 @@ class FlashCodecLayer(CacheLayerMixin):
     def cached_values(self) -> int:
         """Values the stored tokens stand for (K and V): ``2 * B * H * L * D``."""
         tail = self.keys_stream.tail
-        return 0 if tail is None else 2 * tail[..., 0, :].numel() * self.get_seq_length()
+        return 0 if tail is None else 2 * tail[..., 0, :].numel() * self.keys_stream.get_seq_length()
 
     def raw_equivalent_bytes(self) -> int:
         """Bytes the stored tokens would take uncompressed (K and V in the stream dtype, no padding to capacity)."""
@@ -406,7 +410,7 @@ class FlashCodecCache(Cache):
 
     def _keep_mask(self, layer: FlashCodecLayer, key_states: torch.Tensor) -> torch.Tensor | None:
         mask = self._padding_mask
-        start, t = layer.get_seq_length(), key_states.shape[2]
+        start, t = layer.keys_stream.get_seq_length(), key_states.shape[2]
         if mask is None or start >= mask.shape[1]:
             return None
         if mask.shape[0] != key_states.shape[0]:
