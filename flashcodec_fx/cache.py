@@ -17,7 +17,7 @@ import torch
 
 from . import ops
 from .codecs import Codec, Encoded, make_codec
-from .ops.state import StreamState, capacity
+from .ops.state import StreamState, advance, capacity
 
 LAYOUTS = ("dynamic", "static")
 CROP_MODES = ("exact", "decode")
@@ -61,7 +61,8 @@ class CodecStream:
         self.positions = max_length if positions is None else positions
         self.state: StreamState | None = None
         self.memo: torch.Tensor | None = None
-        self._host_length = 0  # host mirror of the device length: drives growth and bound checks
+        self._host_length = 0  # host mirrors of the device length and archive end: growth, bounds, crop, accounting
+        self._host_start = codec.sinks
         self._stale = False  # a compiled append ran: the mirror is refreshed (one sync) the next time it is read
 
     @property
@@ -89,7 +90,7 @@ class CodecStream:
     def archived_tokens(self) -> int:
         """Tokens held by the sinks and the archive (host mirror)."""
         n = self.get_seq_length()
-        return min(n, self._archived_end(n))
+        return min(n, self._host_start)
 
     @property
     def exact_crop(self) -> bool:
@@ -165,6 +166,7 @@ class CodecStream:
         if compiling:
             self._stale = True  # a side effect Dynamo replays after the graph; never read in compiled code
         else:
+            self._host_start = advance(self.codec, self._host_start, self._host_length + t)
             self._host_length += t
 
     def read(self, new: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,35 +188,38 @@ class CodecStream:
         """Stored tokens, a host int: the mirror kept by eager appends, refreshed from the device length (one sync,
         outside any decode step) after compiled appends."""
         if self._stale and not torch.compiler.is_compiling():
-            self._host_length, self._stale = int(self.state.length), False
+            self._host_length, self._host_start, self._stale = int(self.state.length), int(self.state.start), False
         return self._host_length
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` tokens (``n < 0`` drops ``-n``; past the start empties the stream, as transformers'
-        DynamicLayer does). Tokens left in the raw tail are kept exactly. A crop that reopens archived groups gives
-        their kept tokens back into the tail as the values attention read, when the codec is exact or
-        ``crop="decode"``; otherwise it raises (nothing changes)."""
+        DynamicLayer does). A crop inside the raw tail (at least the window deep, once the window is filled), or to a
+        group boundary (any depth for per-token codecs), is an exact rollback: crop + re-append of the same tokens
+        equals never cropping, bitwise. A crop inside an archived group reopens it: its kept tokens come back into the
+        tail as the values attention read, when the codec is exact or ``crop="decode"``; otherwise it raises and
+        nothing changes."""
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
         length = self.get_seq_length()
         keep = max(0, length + n) if n < 0 else min(n, length)
         if self.state is None or keep == length:
             return
-        codec, st = self.codec, self.state
-        old_start, new_start = self._archived_end(length), self._archived_end(keep)
-        reopen = new_start < old_start and keep > new_start
-        if reopen and self.crop_mode == "exact" and not self.exact_crop:
-            raise ValueError(f"crop to {keep} tokens would reopen archived tokens {new_start}..{min(old_start, keep) - 1} "
-                             f"of a lossy codec, which cannot give them back exactly; crop at most "
-                             f"{length - max(old_start, codec.sinks)} tokens here, or build the cache with crop='decode'")
-        rows = torch.zeros_like(st.tail)
-        kept = max(0, keep - new_start)
-        source = self.read() if reopen else None
-        if source is not None:
-            rows[:, :, :kept] = source[:, :, new_start:keep]
+        codec, st, start = self.codec, self.state, self._host_start
+        if keep >= start:  # inside the tail: drop raw rows
+            st.tail[:, :, keep - start:].zero_()
         else:
-            rows[:, :, :kept] = st.tail[:, :, new_start - old_start: new_start - old_start + kept]
-        st.tail.copy_(rows)
+            reopened = codec.sinks + max(0, keep - codec.sinks) // codec.group * codec.group
+            if keep > reopened and self.crop_mode == "exact" and not self.exact_crop:
+                raise ValueError(f"crop to {keep} tokens would reopen archived tokens {reopened}..{keep - 1} of a lossy "
+                                 f"codec, which cannot give them back exactly; crop at most "
+                                 f"{length - max(start, min(length, codec.sinks))} tokens here, or build the cache "
+                                 f"with crop='decode'")
+            rows = torch.zeros_like(st.tail)
+            if keep > reopened:
+                rows[:, :, : keep - reopened] = self.read()[:, :, reopened:keep]
+            st.tail.copy_(rows)
+            st.start.fill_(reopened)
+            self._host_start = reopened
         if keep < codec.sinks:
             st.sink[:, :, keep:].zero_()
         if codec.center and keep <= codec.sinks:
@@ -224,30 +229,25 @@ class CodecStream:
         st.length.fill_(keep)
         self._host_length = keep
 
-    def _archived_end(self, length: int) -> int:
-        """Host twin of ``ops.archived_end`` for a host length."""
-        c = self.codec
-        return c.sinks + max(0, length - c.sinks - c.window) // c.group * c.group
-
     def index_select(self, indices: torch.Tensor) -> None:
         """Reorder / select along batch (beam search): every state tensor and the memo move together. A static
         layout keeps its buffers (in-place permutation) when the batch size does not change."""
         if self.state is None:
             return
         indices = indices.to(self.state.tail.device)
-        tensors = [t for t in (*self.state[:7], self.memo) if t is not None]
+        tensors = [t for t in (*self.state[:7], self.memo) if t is not None]  # every batched tensor
         if self.layout == "static" and indices.shape[0] == self.state.tail.shape[0]:
             for t in tensors:  # same batch size (beam reorder): stable addresses for CUDA graphs
                 t.copy_(t.index_select(0, indices))
             return
-        self.state = StreamState(*(t.index_select(0, indices) for t in self.state[:7]), self.state.length)
+        self.state = StreamState(*(t.index_select(0, indices) for t in self.state[:7]), *self.state[7:])
         if self.memo is not None:
             self.memo = self.memo.index_select(0, indices)
 
     def repeat_interleave(self, repeats: int) -> None:
         if self.state is None:
             return
-        self.state = StreamState(*(t.repeat_interleave(repeats, dim=0) for t in self.state[:7]), self.state.length)
+        self.state = StreamState(*(t.repeat_interleave(repeats, dim=0) for t in self.state[:7]), *self.state[7:])
         if self.memo is not None:
             self.memo = self.memo.repeat_interleave(repeats, dim=0)
 
@@ -260,7 +260,8 @@ class CodecStream:
             for t in (*self.state, self.memo):
                 if t is not None:
                     t.zero_()
-        self._host_length, self._stale = 0, False
+            self.state.start.fill_(self.codec.sinks)
+        self._host_length, self._host_start, self._stale = 0, self.codec.sinks, False
 
     def release_memo(self) -> None:
         """Drop the memoized view (attention on the stored form never reads it)."""
@@ -280,7 +281,7 @@ class CodecStream:
             return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, "archive_used": 0}
         st = self.state
         nbytes = {"archive": st.data.nbytes, "scales": st.scale.nbytes + st.zero.nbytes + st.index.nbytes,
-                  "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes, "mean": st.mean.nbytes,
+                  "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes + st.start.nbytes, "mean": st.mean.nbytes,
                   "memo": 0 if self.memo is None else self.memo.nbytes}
         nbytes["total"] = sum(nbytes.values())
         groups = max(0, self.archived_tokens - self.codec.sinks) // self.codec.group

@@ -9,7 +9,7 @@ from .append import append, completable_groups
 from .attention import codec_attention
 from .blocks import decode, encode
 from .read import read
-from .state import StreamState, archived_end, capacity, empty_state
+from .state import StreamState, advance, capacity, empty_state
 
-__all__ = ["StreamState", "append", "archived_end", "capacity", "codec_attention", "completable_groups", "decode",
+__all__ = ["StreamState", "append", "advance", "capacity", "codec_attention", "completable_groups", "decode",
            "empty_state", "encode", "read"]

@@ -5,10 +5,11 @@ launch sequence every time (no host sync, capturable in a CUDA graph, compileabl
 
 1. tokens at positions below ``sinks`` are written to the sink rows;
 2. the first append that reaches past the sinks sets the per-channel mean (``center``): the mean of its non-sink tokens;
-3. the tail and the non-sink new tokens form a work buffer (row ``i`` = position ``archived_end(length) + i``); its
-   first ``completable_groups(T, G)`` groups are encoded, and the ones that are complete and older than the window
-   are written to their archive slots;
-4. the rows after the newly archived groups become the tail (zeros past the new length); ``length += T``.
+3. the tail and the non-sink new tokens form a work buffer (row ``i`` = position ``start + i``); its first
+   ``completable_groups(T, G)`` groups are encoded, and the ones :func:`~flashcodec_fx.ops.state.advance` moves out of
+   the tail (the window stays raw) are written to their archive slots;
+4. the rows after the newly archived groups become the tail (zeros past the new length); ``start`` moves past the
+   archived groups; ``length += T``.
 
 ``memo`` (optional, ``(B, H, capacity, D)`` stream dtype): the view attention reads, kept up to date: new tokens are
 written raw at their positions, newly archived groups as their decoded values.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import Codec
-from .state import StreamState, archived_end, capacity, check_state, spec_codec
+from .state import StreamState, advance, capacity, check_state, spec_codec
 
 
 def completable_groups(new_tokens: int, group: int) -> int:
@@ -96,7 +97,7 @@ def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, me
         _write_sinks(codec, st, new)
     if codec.center:
         _set_mean(st, codec, new)
-    start = archived_end(codec, st.length)
+    start = st.start.clone()
     rows = torch.arange(codec.tail_capacity + t, device=dev)
     token = start + rows - st.length
     is_new = (token >= 0) & (token < t)
@@ -104,12 +105,13 @@ def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, me
     work = torch.where(is_new.view(1, 1, -1, 1), new.index_select(2, token.clamp(0, t - 1)), old)
     if memo is not None:
         memo.index_copy_(2, st.length + torch.arange(t, device=dev), new)
-    new_start = archived_end(codec, end)
+    new_start = advance(codec, start, end)
     _write_groups(codec, st, work, start, new_start, memo)
     shift = new_start - start + torch.arange(codec.tail_capacity, device=dev)
     tail = work.index_select(2, shift.clamp(max=work.shape[2] - 1))
     st.tail.copy_(torch.where((new_start + torch.arange(codec.tail_capacity, device=dev) < end).view(1, 1, -1, 1),
                               tail, torch.zeros((), dtype=tail.dtype, device=dev)))
+    st.start.copy_(new_start)
     st.length.add_(t)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..codecs import Codec, Encoded
 from .read import check_new
-from .state import StreamState, archived_end, check_state, spec_codec
+from .state import StreamState, check_state, spec_codec
 
 
 def _check_mask(mask: torch.Tensor | None, b: int, hq: int, t: int) -> None:
@@ -58,9 +58,8 @@ def slot_positions(codec: Codec, st: StreamState, new_tokens: int) -> tuple[torc
     """Position and validity of every slot of a stream: sinks, archive, tail, then the ``new_tokens`` of this call.
 
     Stored slots count only below ``length - new_tokens`` (the new tokens are read exactly from the call instead)."""
-    dev, length = st.tail.device, st.length
+    dev, length, start = st.tail.device, st.length, st.start
     stored_end = length - new_tokens
-    start = archived_end(codec, length)
     sinks = torch.arange(codec.sinks, device=dev)
     archive = codec.sinks + torch.arange(st.data.shape[2] * codec.group, device=dev)
     tail = start + torch.arange(codec.tail_capacity, device=dev)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import Encoded
-from .state import archived_end, capacity, check_state, spec_codec
+from .state import StreamState, capacity, check_state, spec_codec
 
 
 def check_new(name: str, state, new: torch.Tensor | None) -> None:
@@ -31,7 +31,7 @@ def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | Non
     archive = codec.decode(Encoded(*st[:4]), st.tail.dtype, st.mean)
     view = torch.cat([st.sink, archive], dim=2)
     pos = torch.arange(capacity(codec, st), device=dev)
-    start = archived_end(codec, length)
+    start = st.start
     in_tail = (pos >= start) & (pos < length)
     tail_rows = st.tail.index_select(2, (pos - start).clamp(0, codec.tail_capacity - 1))
     view = torch.where(in_tail[:, None], tail_rows, view)
@@ -52,5 +52,6 @@ def read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) 
 @read.register_fake
 def _(state, spec, new=None):
     codec = spec_codec("spec", spec)
-    b, h, _, d = state[6].shape
-    return state[6].new_empty(b, h, capacity(codec, state), d)
+    tail = StreamState(*state).tail
+    b, h, _, d = tail.shape
+    return tail.new_empty(b, h, capacity(codec, state), d)

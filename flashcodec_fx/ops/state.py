@@ -11,11 +11,14 @@ mean       ``(B, H, D)`` fp32, or ``(B, H, 0)``         per-channel center (code
 sink       ``(B, H, sinks, D)`` stream dtype            raw first tokens
 tail       ``(B, H, window + G, D)`` stream dtype       raw tokens between the archive and the length
 length     ``()`` int64                                 tokens stored, on the device
+start      ``()`` int64                                 end of the archive: the position of tail row 0 (>= sinks)
 =========  ===========================================  ===========================================================
 
-Positions (all derived from ``length`` on the device, never read on the host): sinks hold ``0 .. sinks - 1``; archive
-group ``n`` holds ``sinks + n * G ..``; the archive ends at ``archived_end(length)``; tail row ``i`` holds position
-``archived_end(length) + i``. A stream's *capacity* in positions is ``sinks + NG * G``.
+Positions (all on the device, never read on the host): sinks hold ``0 .. sinks - 1``; archive group ``n`` holds
+``sinks + n * G ..``; the archive holds ``sinks .. start - 1``; tail row ``i`` holds position ``start + i`` for
+``start + i < length``. An append archives the oldest tail group while the tail holds at least ``window + G`` tokens
+(:func:`advance`), so the tail keeps the window raw; a crop that stays inside the tail moves only ``length`` (an exact
+rollback). A stream's *capacity* in positions is ``sinks + NG * G``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class StreamState(NamedTuple):
     sink: torch.Tensor
     tail: torch.Tensor
     length: torch.Tensor
+    start: torch.Tensor
 
 
 def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int, dtype: torch.dtype,
@@ -49,6 +53,7 @@ def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int
         torch.zeros(batch, heads, codec.sinks, head_dim, dtype=dtype, device=device),
         torch.zeros(batch, heads, codec.tail_capacity, head_dim, dtype=dtype, device=device),
         torch.zeros((), dtype=torch.int64, device=device),
+        torch.full((), codec.sinks, dtype=torch.int64, device=device),
     )
 
 
@@ -57,11 +62,14 @@ def capacity(codec: Codec, state) -> int:
     return codec.sinks + state[0].shape[2] * codec.group
 
 
-def archived_end(codec: Codec, length: torch.Tensor) -> torch.Tensor:
-    """First position not in the archive (or the sinks) when ``length`` tokens are stored: groups archive once they
-    are complete and older than the window."""
-    behind = (length - codec.sinks - codec.window).clamp_min(0)
-    return codec.sinks + torch.div(behind, codec.group, rounding_mode="floor") * codec.group
+def advance(codec: Codec, start, end):
+    """The archive's end after appending up to ``end`` tokens to an archive ending at ``start``: whole groups move
+    from the tail into the archive while the tail would hold ``window + G`` tokens or more. Works on 0-dim tensors
+    (the ops) and on host ints (the cache's mirror) alike."""
+    behind = end - start - codec.window
+    if isinstance(behind, torch.Tensor):
+        return start + torch.div(behind.clamp_min(0), codec.group, rounding_mode="floor") * codec.group
+    return start + max(0, behind) // codec.group * codec.group
 
 
 def spec_codec(name: str, spec: str) -> Codec:
@@ -74,7 +82,8 @@ def spec_codec(name: str, spec: str) -> Codec:
 def check_state(name: str, codec: Codec, state) -> StreamState:
     """Check one stream's state against its codec (shapes and dtypes as in the module docstring)."""
     if len(state) != len(StreamState._fields):
-        raise ValueError(f"{name} must hold the {len(StreamState._fields)} tensors {StreamState._fields}, got {len(state)}")
+        raise ValueError(f"{name} must hold the {len(StreamState._fields)} tensors {StreamState._fields}, got "
+                         f"{len(state)}")
     state = StreamState(*state)
     if state.tail.dim() != 4:
         raise ValueError(f"{name}.tail must be (B, H, window + G, D), got shape {tuple(state.tail.shape)}")
@@ -95,7 +104,8 @@ def check_state(name: str, codec: Codec, state) -> StreamState:
         t = getattr(state, field)
         if tuple(t.shape) != want or t.dtype != want_dtype:
             raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
-    if state.length.dim() != 0 or state.length.dtype != torch.int64:
-        raise ValueError(f"{name}.length must be a 0-dim int64 tensor, got {state.length.dtype} of shape "
-                         f"{tuple(state.length.shape)}")
+    for field in ("length", "start"):
+        t = getattr(state, field)
+        if t.dim() != 0 or t.dtype != torch.int64:
+            raise ValueError(f"{name}.{field} must be a 0-dim int64 tensor, got {t.dtype} of shape {tuple(t.shape)}")
     return state
