@@ -176,13 +176,14 @@ class FlashCodecLayer(CacheLayerMixin):
         self.values_stream.append(stored_v, checked=True)
         if self.layout == "static" and not self._marked_static:
             self._mark_static()  # after a batch reorder that reallocated
+        if first_fill:  # the prompt attends on its exact states (static: padded to the views' capacity)
+            out = (key_states, value_states) if self.layout == "dynamic" else (self._pad(key_states),
+                                                                                self._pad(value_states))
+            return (tag_states(out[0], self, False), tag_states(out[1], self, False)) if self.materialization_free \
+                else out
         if self.materialization_free:
-            self.handed_out = not first_fill
-            return tag_states(key_states, self, not first_fill), tag_states(value_states, self, not first_fill)
-        if first_fill:
-            if self.layout == "dynamic":
-                return key_states, value_states
-            return self._pad(key_states), self._pad(value_states)
+            self.handed_out = True
+            return tag_states(key_states, self, True), tag_states(value_states, self, True)
         return self.codec_cache.read()
 
     def _fall_back_to_view(self) -> None:

@@ -12,6 +12,7 @@ from conftest import cache_kwargs, tiny_model, tiny_prompt  # noqa: E402
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
+from flashcodec_fx.hf.attention import CodecStates  # noqa: E402
 
 B, H, D = 3, 2, 16
 
@@ -21,9 +22,10 @@ def _states(t: int, seed: int, dtype=torch.float32):
     return (torch.randn(B, H, t, D, generator=gen).to(dtype), torch.randn(B, H, t, D, generator=gen).to(dtype))
 
 
-def _layer(mode="jpeg", layout="dynamic", max_cache_len=None, **codec):
+def _layer(mode="jpeg", layout="dynamic", max_cache_len=None, view=True, crop="exact", **codec):
+    """A layer attending on the decoded view (``view=True``, the materialized path) or on the stored form."""
     kc = make_codec(mode, block_size=8, **codec)
-    return FlashCodecLayer(kc, kc, layout=layout, max_cache_len=max_cache_len)
+    return FlashCodecLayer(kc, kc, layout=layout, max_cache_len=max_cache_len, materialization_free=not view, crop=crop)
 
 
 def _filled(layer, prompt=13, steps=8, seed=0, dtype=torch.float32):
@@ -33,6 +35,22 @@ def _filled(layer, prompt=13, steps=8, seed=0, dtype=torch.float32):
     for i in range(prompt, prompt + steps):
         layer.update(ks[:, :, i: i + 1], vs[:, :, i: i + 1])
     return ks, vs
+
+
+def test_stored_form_layer_hands_attention_its_states():
+    """Default layers return the call's exact states tagged with the layer (the kvcodec attention reads the tag)."""
+    layer = _layer(view=False, quant_bits=8)
+    k, v = _states(13, 0)
+    out_k, out_v = layer.update(k, v)
+    assert isinstance(out_k, CodecStates) and out_k.codec_layer is layer and not out_k.codec_decode
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+    assert layer.keys_stream.memo is None  # nothing but the stored form is kept
+    layer.attention_bound = True  # what the kvcodec attention does when it serves the prefill
+    nk, nv = _states(1, 1)
+    out_k, _ = layer.update(nk, nv)
+    assert out_k.codec_decode and torch.equal(out_k, nk) and layer.handed_out
+    with pytest.raises(RuntimeError, match="did not receive the keys"):
+        layer.update(nk, nv)  # nobody consumed the last hand-off: a wrong answer would follow, so it raises
 
 
 def test_prefill_returns_exact_states_then_the_stored_view():
@@ -64,13 +82,14 @@ def test_static_layout_pads_to_capacity_and_keeps_a_device_length():
     assert isinstance(length, torch.Tensor) and int(length) == 13
     view_k, _ = layer.update(*_states(1, 1))
     assert view_k.shape == (B, H, 24, D) and int(layer.get_seq_length()) == 14
-    with pytest.raises(ValueError, match="max_length=20"):
+    with pytest.raises(IndexError, match="max_length=20"):  # as transformers' StaticCache (and a ValueError)
         layer.update(*_states(7, 2))
 
 
 @pytest.mark.parametrize("layout", ["dynamic", "static"])
 def test_crop_gives_back_exactly_the_prefix_of_the_view(layout):
-    layer = _layer(keep_freqs=4, quant_bits=8, layout=layout, max_cache_len=32 if layout == "static" else None)
+    layer = _layer(keep_freqs=4, quant_bits=8, layout=layout, max_cache_len=32 if layout == "static" else None,
+                   crop="decode")
     _filled(layer)
     before_k, before_v = (t.clone() for t in layer.read_view())
     layer.crop(0)
@@ -79,10 +98,19 @@ def test_crop_gives_back_exactly_the_prefix_of_the_view(layout):
     after_k, after_v = layer.read_view()
     assert int(layer.get_seq_length()) == 15
     assert torch.equal(after_k[:, :, :15], before_k[:, :, :15]) and torch.equal(after_v[:, :, :15], before_v[:, :, :15])
-    with pytest.raises(ValueError, match="negative"):
-        layer.crop(3)
-    with pytest.raises(ValueError, match="cannot remove"):
-        layer.crop(-16)
+    layer.crop(-16)  # past the start: empty, as DynamicLayer
+    assert int(layer.get_seq_length()) == 0 and layer.keys.shape[2] == 0
+
+
+def test_lossy_layer_is_not_croppable_unless_asked():
+    exact, decode = _layer(quant_bits=8), _layer(quant_bits=8, crop="decode")
+    png = _layer("png")
+    for layer in (exact, decode, png):
+        _filled(layer, dtype=torch.bfloat16)
+    assert not exact.is_croppable and decode.is_croppable and png.is_croppable
+    exact.crop(-5)  # inside the raw tail: allowed and exact
+    with pytest.raises(ValueError, match="reopen archived tokens"):
+        exact.crop(-3)
 
 
 def test_beam_reorder_and_batch_ops_move_every_tensor_together():
@@ -113,18 +141,22 @@ def test_reset_forgets_tokens_and_prefill_is_exact_again():
     assert layer.update(k, v)[0] is k and layer.get_seq_length() == 5
 
 
-def test_storage_bytes_counts_every_part():
-    cache = fx.FlashCodecCache(num_layers=2, mode="jpeg", quant_bits=8)
+@pytest.mark.parametrize("view", [True, False])
+def test_storage_counts_every_part(view):
+    cache = fx.FlashCodecCache(num_layers=2, mode="jpeg", quant_bits=8, materialization_free=not view)
     for idx in range(2):
         ks, vs = _states(21, idx)
         cache.update(ks, vs, idx)
-    total = cache.storage_bytes()
-    parts = ("archive", "scales", "index", "tail", "memo", "native")
-    assert total["total"] == sum(total[p] for p in parts) and total["memo"] > 0 and total["native"] == 0
+    total = cache.storage_breakdown()
+    parts = ("archive", "scales", "sinks", "tail", "mean", "memo", "native")
+    assert cache.storage_bytes() == total["total"] == sum(total[p] for p in parts) and total["native"] == 0
+    assert (total["memo"] > 0) == view  # the stored-form path keeps no decoded view
     assert total["raw_equivalent"] == 2 * 2 * B * H * 21 * D * 4
     assert 0 < total["archive_used"] < total["raw_equivalent"]
-    per_layer = cache.storage_bytes(per_layer=True)
+    per_layer = cache.storage_breakdown(per_layer=True)
     assert sorted(per_layer) == [0, 1] and sum(r["total"] for r in per_layer.values()) == total["total"]
+    # 16 tokens in full int8 groups (8 + 16 * 8 / 16 bits at D=16), 5 raw fp32 tokens
+    assert cache.bits_per_value() == pytest.approx((16 * 9 + 5 * 32) / 21)
 
 
 def test_padding_positions_are_stored_as_zeros():

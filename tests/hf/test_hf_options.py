@@ -15,19 +15,28 @@ from flashcodec_fx.codecs import JPEGCodec, PNGCodec  # noqa: E402
 
 @pytest.mark.parametrize(("options", "message"), [
     (dict(mode="gif"), "mode must be one of"),
-    (dict(block_size=1), "block_size"),
+    (dict(block_size=0), "block_size"),
     (dict(keep_freqs=9), "keep_freqs"),
-    (dict(quant_bits=4), "quant_bits"),
+    (dict(quant_bits=9), "quant_bits"),
+    (dict(quant_bits=(8, 8)), "one entry per kept frequency"),
+    (dict(quant_bits=2, levels="fancy"), "levels must be one of"),
+    (dict(quant_bits=2, scale_axis="row"), "scale_axis must be one of"),
+    (dict(quant_bits=2, scale_axis="channel", group=12), "group must be a multiple"),
+    (dict(quant_bits=None, levels="lloyd"), "set quant_bits too"),
+    (dict(sinks=-1), "sinks must be >= 0"),
+    (dict(preset="2bit"), "preset must be one of"),
+    (dict(memoize=True), "memoize=True keeps a decoded view"),
+    (dict(crop="lossy"), "crop must be one of"),
     (dict(mode="png", keep_ratio=0.0), "keep_ratio"),
     (dict(keep_ratio=0.5), "keep_ratio"),  # png option with the default jpeg mode
     (dict(mode="png", quant_bits=8), "quant_bits"),
     (dict(layout="paged"), "layout must be one of"),
     (dict(layout="static"), "max_cache_len"),
     (dict(max_cache_len=64), "max_cache_len applies to layout='static'"),
-    (dict(strict=True), "strict=True only applies"),
+    (dict(strict=True, materialization_free=False), "strict=True only applies"),
     (dict(key_options={"bits": 8}), "key_options: unknown option"),
     (dict(value_options={"mode": "png", "quant_bits": 8}), "value_options: option 'quant_bits'"),
-    (dict(key_options={"block_size": 16}), "share block_size"),
+    (dict(layout="static", max_cache_len=64, key_options={"sinks": 4}), "same sinks"),
     (dict(per_layer={-1: {}}), "per_layer keys"),
 ])
 def test_bad_options_raise_value_error(options, message):
