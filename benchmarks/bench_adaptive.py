@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_ppl import CORPUS, windows
+from common import write_result
+
+from flashcodec_fx.evaluate import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "demo"))
-
-from bench_ppl import CORPUS, windows  # noqa: E402
-from common import write_result  # noqa: E402
-from kv_eval import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced  # noqa: E402
-
 BLOCK = 8
 LADDER = (1, 2, 4, 8)  # keep_freqs rungs; the last one is taken as lossless-enough (damage 0)
 UNIFORM_BUDGETS = (2, 3, 4, 6)  # uniform keep_freqs whose storage the adaptive allocation must not exceed

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
 from transformers.cache_utils import Cache, DynamicLayer
 
+from flashcodec_fx.evaluate import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "demo"))
-
-from common import write_result  # noqa: E402
-from kv_eval import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced  # noqa: E402
-
 CORPUS = HERE / "data" / "corpus.txt"
 KIVI_GROUP = 32
 COLUMNS = [("tier", "tier", "s"), ("KV bytes", "kv_bytes", ",d"), ("vs raw", "kv_ratio", ".3f"),
