@@ -131,8 +131,16 @@ class CodecStream:
         return view if self.layout == "static" else view[:, :, : self._host_length]
 
     def get_seq_length(self) -> int:
+        """Stored tokens. Static: the device length (one host sync); raises when appends overflowed ``max_length``
+        (a compiled step skips the host check; the append op never writes past the capacity and records the
+        overflow in the length)."""
         if self.layout == "static" and self.length is not None and not torch.compiler.is_compiling():
-            return int(self.length)
+            length = int(self.length)
+            if length > self.max_length:
+                raise RuntimeError(f"static stream overflow: {length} tokens were appended but max_length="
+                                   f"{self.max_length}; tokens past the capacity were dropped. Guard the length in "
+                                   f"the caller of a compiled step, or reset() the stream")
+            return length
         return self._host_length
 
     def crop(self, n: int) -> None:

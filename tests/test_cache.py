@@ -302,6 +302,25 @@ def test_static_overflow_is_rejected_before_any_state_change(fresh):
     assert stream.get_seq_length() == (5 if fresh else 20)
 
 
+def test_static_overflow_in_a_compiled_step_is_observable():
+    """A compiled step skips the host length check: the append op drops what lies past the capacity, keeps every
+    stored block intact, and the next host-side length query raises instead of returning a wrong length."""
+    stream = CodecStream(TIERS["jpeg-int8"], "static", max_length=20)
+    stream.append(torch.randn(1, 2, 18, 4))
+    archived = [t.clone() for t in stream.state]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(x):
+        stream.append(x)
+
+    step(torch.randn(1, 2, 9, 4))  # 27 > max_length = 20 (capacity 24)
+    assert int(stream.length) == 27
+    for now, then in zip(stream.state, archived, strict=True):
+        assert torch.equal(now[:, :, :2], then[:, :, :2])  # the blocks stored before are untouched
+    with pytest.raises(RuntimeError, match="max_length=20"):
+        stream.get_seq_length()
+
+
 def test_cache_append_rejects_mismatched_keys_and_values_before_any_change():
     cache = CodecKVCache(TIERS["jpeg"], TIERS["png"], layout="static", max_length=12)
     cache.append(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))

@@ -13,8 +13,25 @@ from ._validate import check_append_args
 
 
 def touched_blocks(new_tokens: int, block_size: int) -> int:
-    """Upper bound on the blocks that ``new_tokens`` appended at any offset can touch."""
-    return new_tokens // block_size + 2
+    """Most blocks that ``new_tokens >= 1`` appended at any offset ``0 <= off < r`` can touch: positions
+    ``off .. off + T - 1`` span ``(off + T - 1) // r + 1`` blocks, largest at ``off = r - 1``."""
+    return (new_tokens + block_size - 2) // block_size + 1
+
+
+def _write_blocks(store: torch.Tensor, blocks: torch.Tensor, write: torch.Tensor, first: torch.Tensor) -> None:
+    """``store[:, :, first + j] = blocks[:, :, j]`` where ``write[j]``, in place; every other block is unchanged.
+
+    ``store (B, H, NB, ...)``, ``blocks (B, H, nblk, ...)``, ``write (nblk,)`` bool (false wherever
+    ``first + j >= NB``). One ``index_copy_`` of fixed shape: unwritten entries rewrite block ``home`` with its
+    own value (``home = first`` when block 0 is written, so no slot gets two different values)."""
+    if store.shape[2] == 0:
+        return
+    nblk = blocks.shape[2]
+    home = first.clamp(max=store.shape[2] - 1)
+    slots = torch.where(write, first + torch.arange(nblk, device=first.device), home)
+    keep = torch.where(write[0], blocks[:, :, 0], store.index_select(2, home[None])[:, :, 0])
+    pick = write.view(1, 1, nblk, *[1] * (blocks.dim() - 3))
+    store.index_copy_(2, slots, torch.where(pick, blocks, keep.unsqueeze(2)))
 
 
 @torch.library.custom_op("flashcodec::append", mutates_args=("data", "scale", "index", "tail", "length", "memo"))
@@ -25,40 +42,38 @@ def append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: t
     State (mutated): ``data/scale/index`` the archive ``(B, H, NB, ...)``, ``tail (B, H, r, D)`` raw tokens of
     the open block, ``length`` 0-dim int64. ``memo`` (optional, ``(B, H, NB * r, D)`` stream dtype) receives
     the decoded rows of each newly archived block and the raw rows of the open block, so reads never
-    re-decode history. The caller guarantees ``length + T <= NB * r``.
+    re-decode history.
+
+    Overflow: blocks past the capacity ``NB`` are never written (archive and memo); the tail and ``length``
+    still advance, so ``length > NB * r`` after the call is the device-side record that tokens were dropped
+    (``CodecStream`` checks it on the host, outside the decode step).
     """
     codec = check_append_args(data, scale, index, tail, length, new, spec, memo)
     b, h, t, d = new.shape
     r = codec.block_size
     nblk = touched_blocks(t, r)
     dev = new.device
+    capacity = data.shape[2]
     first = torch.div(length, r, rounding_mode="floor")
-    work = new.new_zeros(b, h, nblk * r, d)
+    work = new.new_zeros(b, h, (nblk + 1) * r, d)  # one zero block past the touched ones: the new tail when T ends one
     work[:, :, :r] = tail
     work.index_copy_(2, length % r + torch.arange(t, device=dev), new)
-    enc = codec.encode(work)
+    enc = codec.encode(work[:, :, : nblk * r])
 
     j = torch.arange(nblk, device=dev)
     end = length + t
     complete = (first + j + 1) * r <= end
-    slots = torch.where(complete, first + j, first)
+    inside = first + j < capacity  # nothing is written past the capacity: see the docstring (overflow)
     for store, fresh in zip((data, scale, index), enc, strict=True):
-        keep = torch.where(complete[0], fresh[:, :, 0], store.index_select(2, first[None])[:, :, 0])
-        pick = complete.view(1, 1, nblk, *[1] * (fresh.dim() - 3))
-        store.index_copy_(2, slots, torch.where(pick, fresh, keep.unsqueeze(2)))
+        _write_blocks(store, fresh, complete & inside, first)
 
     last = torch.div(end, r, rounding_mode="floor") - first
     if memo is not None:
         rows = codec.decode(Encoded(*enc), tail.dtype).view(b, h, nblk, r, d)
-        raw = work.view(b, h, nblk, r, d)
+        raw = work[:, :, : nblk * r].view(b, h, nblk, r, d)
         open_block = (j == last) & (end % r != 0)
         value = torch.where(complete.view(1, 1, nblk, 1, 1), rows, raw)
-        first_value = torch.where(complete[0] | open_block[0], value[:, :, 0], memo.view(b, h, -1, r, d)
-                                  .index_select(2, first[None])[:, :, 0])
-        use = (complete | open_block).view(1, 1, nblk, 1, 1)
-        value = torch.where(use, value, first_value.unsqueeze(2))
-        mslots = torch.where(complete | open_block, first + j, first)
-        memo.view(b, h, -1, r, d).index_copy_(2, mslots, value)
+        _write_blocks(memo.view(b, h, capacity, r, d), value, (complete | open_block) & inside, first)
     tail.copy_(work.index_select(2, last * r + torch.arange(r, device=dev)))
     length.add_(t)
 

@@ -52,13 +52,14 @@ def _archive_kernel(data_ptr, scale_ptr, index_ptr, tail_ptr, len_ptr, new_ptr, 
         x_prev = _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w - 1, d, off, T, r, D)
     one = tl.zeros((1, 1), tl.int64)
     complete = (first + j + 1) * r + one <= end
-    rows = archive_block(x, x_prev, i, d, bh * NB + first + j, complete, an_ptr, syn_ptr, data_ptr, scale_ptr,
+    inside = first + j + one < NB  # never past the capacity: length > NB * r records the overflow
+    rows = archive_block(x, x_prev, i, d, bh * NB + first + j, complete & inside, an_ptr, syn_ptr, data_ptr, scale_ptr,
                          index_ptr, r, D, XR, KR, MODE, R, QMAX, KEPT)
     if HAS_MEMO:
         is_open = (j + one == end // r - first) & (end % r + one != 0)
         rows = tl.where(complete, rows, x)
         tl.store(memo_ptr + bh * (NB * r * D) + ((first + j) * r + i) * D + d, rows.to(memo_ptr.dtype.element_ty),
-                 mask=(complete | is_open) & (i < r) & (d < D))
+                 mask=(complete | is_open) & inside & (i < r) & (d < D))
 
 
 @triton.jit

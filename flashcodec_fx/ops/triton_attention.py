@@ -75,7 +75,7 @@ def _split_kernel(
     q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + t[:, None] * sqt + dd[None, :],
                 mask=row_ok[:, None] & (dd[None, :] < D), other=0.0).to(DOT_T)
     length = tl.load(len_ptr)
-    n_arch = length // r
+    n_arch = tl.minimum(length // r, NB)  # an overflowed append (length > NB * r) archived only NB blocks
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DP), tl.float32)
@@ -119,7 +119,7 @@ def _split_kernel(
             acc += tl.dot(pc.to(DOT_T), sv.to(DOT_T), input_precision=PREC_S)
     else:
         i = tl.arange(0, TP)
-        start = n_arch * r
+        start = length // r * r
         ok = (i < r) & (start + i < length)
         kt_t = tl.load(kt_ptr + bh * (r * D) + i[None, :] * D + dd[:, None], mask=ok[None, :] & (dd[:, None] < D),
                        other=0.0)
