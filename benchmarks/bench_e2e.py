@@ -94,7 +94,7 @@ def _kv_bytes(cache, config: str) -> dict:
         return {"total": total}
     parts: dict[str, int] = {}
     for layer in cache.layers:
-        for key, value in layer.storage_bytes().items():
+        for key, value in layer.storage_breakdown().items():
             parts[key] = parts.get(key, 0) + value
     return parts
 

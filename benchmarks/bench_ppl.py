@@ -43,7 +43,7 @@ def _fake_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 class KiviLikeLayer(DynamicLayer):
     """KIVI-style fake quantization (quality only): every complete group of ``KIVI_GROUP`` tokens is quantized once,
     keys per channel over the group's tokens, values per token over groups of ``KIVI_GROUP`` channels; the open
-    group stays raw. Stores the dequantized values; :meth:`storage_bytes` counts what the real format would keep."""
+    group stays raw. Stores the dequantized values; :meth:`storage_breakdown` counts what the real format would keep."""
 
     def __init__(self, bits: int):
         super().__init__()
@@ -62,7 +62,7 @@ class KiviLikeLayer(DynamicLayer):
             self.quantized = full
         return (key_states, value_states) if first else (self.keys, self.values)
 
-    def storage_bytes(self) -> dict[str, int]:
+    def storage_breakdown(self) -> dict[str, int]:
         b, h, n, d = self.keys.shape
         codes = 2 * b * h * self.quantized * d * self.bits // 8
         params = 2 * 2 * 2 * b * h * self.quantized * d // KIVI_GROUP  # (scale, min) fp16 per group, keys and values
@@ -80,8 +80,8 @@ class KiviLikeCache(Cache):
             raise ValueError(f"KIVI-like cache needs head_dim divisible by {KIVI_GROUP}, got {head_dim}")
         super().__init__(layers=[KiviLikeLayer(bits) for _ in range(text.num_hidden_layers)])
 
-    def storage_bytes(self) -> dict[str, int]:
-        parts = [layer.storage_bytes() for layer in self.layers if layer.is_initialized]
+    def storage_breakdown(self) -> dict[str, int]:
+        parts = [layer.storage_breakdown() for layer in self.layers if layer.is_initialized]
         return {key: sum(p[key] for p in parts) for key in ("archive_used", "tail", "total")}
 
 

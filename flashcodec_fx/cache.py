@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.flashcodec)
-from .codecs import Codec, Encoded
+from .codecs import Codec, Encoded, make_codec
 
 LAYOUTS = ("dynamic", "static")
 INITIAL_BLOCKS = 16
@@ -204,7 +204,11 @@ class CodecStream:
         """Drop the memoized reconstruction (materialization-free decoding never reads it)."""
         self.memo, self.memoize = None, False
 
-    def storage_bytes(self) -> dict[str, int]:
+    def storage_bytes(self) -> int:
+        """Every byte held (``storage_breakdown()["total"]``)."""
+        return self.storage_breakdown()["total"]
+
+    def storage_breakdown(self) -> dict[str, int]:
         """Every byte held, by part: ``archive`` (data), ``scales``, ``index``, ``tail`` (+ length), ``memo``, and
         ``total`` (their sum). ``archive_used`` is extra: the filled blocks' data + scales + index (the compressed
         bytes in use), not added into ``total``."""
@@ -221,10 +225,26 @@ class CodecStream:
 
 
 class CodecKVCache:
-    """K and V streams of one attention layer. ``key_codec``/``value_codec`` may differ (same block_size)."""
+    """K and V streams of one attention layer. ``key_codec``/``value_codec`` may differ (same block_size).
 
-    def __init__(self, key_codec: Codec, value_codec: Codec | None = None, layout: str = "dynamic",
-                 max_length: int | None = None, memoize: bool = True):
+    Instead of codec objects, the codec options build one codec for both streams (as :func:`make_codec`; options left
+    at None take the codec's defaults): ``CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)``.
+    """
+
+    def __init__(self, key_codec: Codec | None = None, value_codec: Codec | None = None, layout: str = "dynamic",
+                 max_length: int | None = None, memoize: bool = True, *, mode: str | None = None,
+                 block_size: int | None = None, keep_freqs: int | None = None, quant_bits: int | None = None,
+                 keep_ratio: float | None = None):
+        options = {"block_size": block_size, "keep_freqs": keep_freqs, "quant_bits": quant_bits, "keep_ratio": keep_ratio}
+        options = {name: value for name, value in options.items() if value is not None}
+        if mode is not None or options:
+            if key_codec is not None or value_codec is not None:
+                raise ValueError("pass either codecs (key_codec / value_codec) or codec options (mode=, block_size=, "
+                                 "keep_freqs=, quant_bits=, keep_ratio=), not both")
+            key_codec = make_codec("jpeg" if mode is None else mode, **options)
+        elif key_codec is None:
+            raise TypeError("CodecKVCache needs a codec (key_codec, see make_codec) or codec options, e.g. "
+                            "CodecKVCache(mode='jpeg', block_size=8, keep_freqs=8, quant_bits=8)")
         value_codec = key_codec if value_codec is None else value_codec
         if isinstance(value_codec, Codec) and isinstance(key_codec, Codec) \
                 and key_codec.block_size != value_codec.block_size:
@@ -288,8 +308,13 @@ class CodecKVCache:
         self.keys.release_memo()
         self.values.release_memo()
 
-    def storage_bytes(self) -> dict[str, int]:
-        k, v = self.keys.storage_bytes(), self.values.storage_bytes()
+    def storage_bytes(self) -> int:
+        """Every byte both streams hold."""
+        return self.keys.storage_bytes() + self.values.storage_bytes()
+
+    def storage_breakdown(self) -> dict[str, int]:
+        """Both streams' :meth:`CodecStream.storage_breakdown`, summed part by part."""
+        k, v = self.keys.storage_breakdown(), self.values.storage_breakdown()
         return {part: k[part] + v[part] for part in k}
 
     def attention(self, q: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:

@@ -147,22 +147,24 @@ def test_static_memo_equals_read_op_after_crop_and_regrow(tier):
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_storage_bytes_count_every_tensor_held(tier, memoize, layout):
     cache = CodecKVCache(TIERS[tier], TIERS["png"], layout=layout, max_length=300, memoize=memoize)
-    assert cache.storage_bytes()["total"] == 0
+    assert cache.storage_breakdown()["total"] == 0
     x = torch.randn(2, 3, 203, 16).to(torch.float16)
     cache.append(x, x)
-    nbytes = cache.storage_bytes()
+    nbytes = cache.storage_breakdown()
     held = [*cache.keys.state, cache.keys.tail, cache.keys.length, *cache.values.state, cache.values.tail,
             cache.values.length]
     memos = [m for m in (cache.keys.memo, cache.values.memo) if m is not None]
     assert len(memos) == (2 if memoize else 0)
     assert nbytes["total"] == sum(t.nbytes for t in held + memos)
+    assert type(cache.storage_bytes()) is int and cache.storage_bytes() == nbytes["total"]
+    assert cache.storage_bytes() == cache.keys.storage_bytes() + cache.values.storage_bytes()
     assert nbytes["memo"] == sum(m.nbytes for m in memos)
     states = [*cache.keys.state, *cache.values.state]
     assert nbytes["archive"] + nbytes["scales"] + nbytes["index"] == sum(t.nbytes for t in states)
     per_block = TIERS[tier].bytes_per_block(16, torch.float16) + TIERS["png"].bytes_per_block(16, torch.float16)
     assert nbytes["archive_used"] == (203 // R) * 2 * 3 * per_block
     cache.release_memo()
-    after = cache.storage_bytes()
+    after = cache.storage_breakdown()
     assert after["memo"] == 0 and after["total"] == nbytes["total"] - nbytes["memo"]
 
 
@@ -170,7 +172,7 @@ def test_int8_tier_is_smaller_than_raw_by_the_expected_factor():
     d = 64
     stream = CodecStream(TIERS["jpeg-int8"], "static", max_length=128, memoize=False)
     stream.append(torch.randn(1, 4, 128, d).to(torch.bfloat16))
-    nbytes = stream.storage_bytes()
+    nbytes = stream.storage_breakdown()
     raw = 1 * 4 * 128 * d * 2  # bf16
     # int8 codes (1 byte per value) + one fp32 scale per (block, frequency): 8 * 64 + 8 * 4 bytes per 8 x 64 block
     assert nbytes["archive"] + nbytes["scales"] == raw * (R * d + 4 * R) // (R * d * 2)
@@ -178,7 +180,7 @@ def test_int8_tier_is_smaller_than_raw_by_the_expected_factor():
     assert (nbytes["archive"] + nbytes["scales"]) / raw == pytest.approx(544 / 1024)
     png = CodecStream(TIERS["png"], "static", max_length=128, memoize=False)
     png.append(torch.randn(1, 4, 128, d).to(torch.bfloat16))
-    assert png.storage_bytes()["archive"] == 2 * raw  # fp32 deltas of a bf16 stream: honestly twice the raw size
+    assert png.storage_breakdown()["archive"] == 2 * raw  # fp32 deltas of a bf16 stream: honestly twice the raw size
 
 
 # ---------------------------------------------------------------------------------------------------- beams
@@ -258,6 +260,34 @@ def test_bad_stream_options(kwargs, error, name):
     kwargs = {"codec": TIERS["jpeg"], **kwargs}
     with pytest.raises(error, match=name):
         CodecStream(**kwargs)
+
+
+@pytest.mark.parametrize(("options", "codec"), [
+    ({"mode": "jpeg", "block_size": 8, "keep_freqs": 2}, make_codec("jpeg", block_size=8, keep_freqs=2)),
+    ({"mode": "jpeg", "keep_freqs": 4, "quant_bits": 8}, make_codec("jpeg", keep_freqs=4, quant_bits=8)),
+    ({"block_size": 16}, make_codec("jpeg", block_size=16)),
+    ({"mode": "png", "block_size": 4, "keep_ratio": 0.5}, make_codec("png", block_size=4, keep_ratio=0.5)),
+])
+def test_codec_options_as_keywords_build_the_same_codec_for_both_streams(options, codec):
+    cache = CodecKVCache(**options)
+    assert cache.keys.spec == cache.values.spec == codec.spec
+    x = grid_data((1, 2, 21, 8))
+    reference = CodecKVCache(codec)
+    for got, want in zip(cache.forward(x, x), reference.forward(x, x), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "match"), [
+    ((), {}, TypeError, "codec options"),
+    ((TIERS["jpeg"],), {"mode": "jpeg"}, ValueError, "not both"),
+    ((), {"mode": "gif"}, ValueError, "mode"),
+    ((), {"mode": "jpeg", "keep_ratio": 0.5}, ValueError, "keep_ratio"),
+    ((), {"mode": "png", "keep_freqs": 2}, ValueError, "keep_freqs"),
+    ((), {"keep_freqs": 9}, ValueError, "keep_freqs"),
+])
+def test_bad_codec_keywords(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CodecKVCache(*args, **kwargs)
 
 
 def test_key_and_value_codecs_must_share_block_size():

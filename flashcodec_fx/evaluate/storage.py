@@ -20,12 +20,12 @@ def _tensor_bytes(obj: Any) -> int:
 def cache_bytes(cache: Any) -> dict[str, int]:
     """``{"kv": bytes kept for the tokens, "held": every byte held}``.
 
-    A cache with ``storage_bytes()`` (FlashCodecCache, the benchmark peers): ``kv`` = ``archive_used`` (filled
+    A cache with ``storage_breakdown()`` (FlashCodecCache, the benchmark peers): ``kv`` = ``archive_used`` (filled
     archive blocks: codes, scales, indices) + ``tail`` (raw tokens) + ``native`` (uncompressed layers);
     ``held`` = its ``total`` (allocated capacity, memoized views). Other caches: every tensor attribute of every
     layer (a raw ``DynamicCache`` holds exactly its tokens).
     """
-    storage = getattr(cache, "storage_bytes", None)
+    storage = getattr(cache, "storage_breakdown", None)
     if callable(storage):
         parts = storage()
         kv = parts["archive_used"] + parts["tail"] + parts.get("native", 0)

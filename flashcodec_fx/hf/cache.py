@@ -26,6 +26,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from .. import _compat
 from ..cache import CodecKVCache, CodecStream
 from ..codecs import Codec
 from . import attention as _attention
@@ -160,7 +161,7 @@ class FlashCodecLayer(CacheLayerMixin):
         for stream in (self.keys_stream, self.values_stream):
             for t in (*stream.state, stream.tail, stream.length, stream.memo):
                 if t is not None:
-                    torch._dynamo.mark_static_address(t)
+                    _compat.mark_static_address(t)
         self._marked_static = True
 
     def read_view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,11 +231,15 @@ class FlashCodecLayer(CacheLayerMixin):
 
     prefetch = offload
 
-    def storage_bytes(self) -> dict[str, int]:
+    def storage_bytes(self) -> int:
+        """Every byte both streams hold (``storage_breakdown()["total"]``)."""
+        return self.codec_cache.storage_bytes()
+
+    def storage_breakdown(self) -> dict[str, int]:
         """Bytes held by both streams: ``archive`` (+ ``scales``, ``index``), ``memo`` (the materialized view),
         ``tail`` (raw open block + length), ``total``; ``archive_used``: the filled blocks' data + scales + index
         (not added into ``total``)."""
-        return self.codec_cache.storage_bytes()
+        return self.codec_cache.storage_breakdown()
 
     def raw_equivalent_bytes(self) -> int:
         """Bytes the stored tokens would take uncompressed (K and V in the stream dtype, no padding to capacity)."""
@@ -362,7 +367,11 @@ class FlashCodecCache(Cache):
             return layer.update(key_states, value_states, *args, keep=self._keep_mask(layer, key_states), **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def storage_bytes(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
+    def storage_bytes(self) -> int:
+        """Every byte the cache holds, all layers (``storage_breakdown()["total"]``)."""
+        return self.storage_breakdown()["total"]
+
+    def storage_breakdown(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
         """Every byte the cache holds, by part, summed over layers:
 
         ``archive`` / ``scales`` / ``index``: the compressed blocks (allocated capacity; ``archive_used``: filled
@@ -374,7 +383,7 @@ class FlashCodecCache(Cache):
         rows = {}
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, FlashCodecLayer):
-                row = dict(layer.storage_bytes(), native=0, raw_equivalent=layer.raw_equivalent_bytes())
+                row = dict(layer.storage_breakdown(), native=0, raw_equivalent=layer.raw_equivalent_bytes())
             else:
                 native = _tensor_bytes([v for k, v in vars(layer).items() if k != "device"])
                 row = {"archive": 0, "archive_used": 0, "scales": 0, "index": 0, "tail": 0, "memo": 0, "native": native,

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch._guards import detect_fake_mode
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .. import ops  # noqa: F401  (registers torch.ops.flashcodec)
+from .. import _compat, ops  # noqa: F401  (registers torch.ops.flashcodec)
+from .._compat import CustomGraphPass, detect_fake_mode, get_hash_for_files
 from . import lowering, match
 from .match import DECODE, READ, NoMatch, NotCodec, SDPACall, bind_sdpa, trace_kv
 
@@ -199,11 +198,9 @@ def _inline(graph: Graph, node: Node) -> None:
             args[i] = tensor
         return lowering.codec_attention_fused(*args)
 
-    from torch._inductor.decomposition import select_decomp_table
-
     vals = [node.args[i].meta["val"] for i in tensor_at]
     with detect_fake_mode(vals) or contextlib.nullcontext():
-        sub = make_fx(fused, decomposition_table=select_decomp_table())(*vals)  # the ops Inductor lowers post-grad
+        sub = make_fx(fused, decomposition_table=_compat.select_decomp_table())(*vals)  # the ops Inductor lowers post-grad
     if any(n.op == "get_attr" for n in sub.graph.nodes):
         raise RuntimeError("flashcodec: the inlined codec_attention traced a tensor constant (lowering bug)")
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]

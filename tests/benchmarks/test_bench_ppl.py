@@ -19,6 +19,6 @@ def test_kivi_like_layer_quantizes_complete_groups_and_counts_the_format():
     err = (layer.keys[:, :, :32] - keys[:, :, :32]).abs()
     span = keys[:, :, :32].amax(2, keepdim=True) - keys[:, :, :32].amin(2, keepdim=True)
     assert err.max() > 0 and bool((err <= span / 15 / 2 * 1.01 + 1e-3).all())  # half a step of the per-channel grid
-    parts = layer.storage_bytes()
+    parts = layer.storage_breakdown()
     assert parts["archive_used"] == 2 * 2 * 32 * 64 * 4 // 8 + 2 * 2 * 2 * 2 * 32 * 64 // 32
     assert parts["tail"] == 2 * 2 * 8 * 64 * 4

@@ -56,7 +56,7 @@ def test_materialization_free_tokens_equal_the_materialized_path(family, options
     cache = output_cache(out)
     assert len(decode_calls) == (NEW - 1) * len(cache.codec_layers)  # every decode step of every codec layer
     assert all(shape[2] == 1 for shape in decode_calls)
-    assert cache.storage_bytes()["memo"] == 0  # the prefill's reconstruction was released
+    assert cache.storage_breakdown()["memo"] == 0  # the prefill's reconstruction was released
 
 
 def test_without_the_attention_function_it_falls_back_or_raises():

@@ -118,12 +118,14 @@ def test_storage_bytes_counts_every_part():
     for idx in range(2):
         ks, vs = _states(21, idx)
         cache.update(ks, vs, idx)
-    total = cache.storage_bytes()
+    total = cache.storage_breakdown()
     parts = ("archive", "scales", "index", "tail", "memo", "native")
     assert total["total"] == sum(total[p] for p in parts) and total["memo"] > 0 and total["native"] == 0
     assert total["raw_equivalent"] == 2 * 2 * B * H * 21 * D * 4
     assert 0 < total["archive_used"] < total["raw_equivalent"]
-    per_layer = cache.storage_bytes(per_layer=True)
+    assert type(cache.storage_bytes()) is int and cache.storage_bytes() == total["total"]
+    assert cache.storage_bytes() == sum(cache.layers[i].storage_bytes() for i in range(2))
+    per_layer = cache.storage_breakdown(per_layer=True)
     assert sorted(per_layer) == [0, 1] and sum(r["total"] for r in per_layer.values()) == total["total"]
 
 
