@@ -66,6 +66,7 @@ class CodecStream:
         self.tail = like.new_zeros(b, h, r, d)
         self.length = torch.zeros((), dtype=torch.int64, device=like.device)
         self.memo = like.new_zeros(b, h, blocks * r, d) if self.memoize else None
+        ops.prepare_device(self.codec, like.device)  # now, not inside a later CUDA-graph capture
 
     def _grow(self, blocks: int) -> None:
         old, old_memo, n = self.state, self.memo, self.capacity_blocks

@@ -102,3 +102,30 @@ def test_cuda_graph_replay_matches_eager():
     cpu = [t.cpu() for t in (*graphed[0], *graphed[1], graphed[2])]
     want = ops.codec_attention(qs[-1].cpu(), *cpu, ck.spec, cv.spec)
     torch.testing.assert_close(static_out.cpu().float(), want.float(), atol=TOL[BF16], rtol=TOL[BF16])
+
+
+def test_capture_finds_the_codec_matrices_made_by_the_stream():
+    """Item 6: the first kernel call of a fresh codec inside a capture must not copy the codec matrices from the host.
+    Kernels are compiled by a warm-up stream, the matrix cache is then emptied, and a new stream (which makes its
+    matrices when it allocates) is captured from its first decode step."""
+    from flashcodec_fx import CodecStream
+    from flashcodec_fx.ops.triton_common import _matrices
+
+    c = codec("jpeg_k2_int8")
+    x = smooth(1, 2, 24, 64, BF16, "cpu", 3).cuda()
+    warm = CodecStream(c, "static", max_length=64, memoize=False)
+    warm.append(x[:, :, :17])
+    warm.append(x[:, :, 17:18])
+    torch.cuda.synchronize()
+    _matrices.cache_clear()
+    stream = CodecStream(c, "static", max_length=64, memoize=False)
+    stream.append(x[:, :, :17])  # allocates: makes the matrices on the device now
+    static_x = x[:, :, 17:18].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream.append(static_x)
+    assert int(stream.length) == 17  # capture records, it does not run
+    graph.replay()
+    assert int(stream.length) == 18
+    for got, want in zip((*stream.state, stream.tail), (*warm.state, warm.tail), strict=True):
+        assert torch.equal(got, want)  # the replayed step stored what the eager one did
