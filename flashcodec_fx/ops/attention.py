@@ -48,13 +48,30 @@ def check_attention_args(q, k_state, v_state, spec_k, spec_v, mask):
     return ck, cv
 
 
-def _mask_bias(mask: torch.Tensor, pos: torch.Tensor, b: int, hkv: int, g: int, t: int) -> torch.Tensor:
-    """Gather an additive fp32 bias ``(B, H_kv, G * T, P)`` for absolute positions ``pos (P,)``."""
-    picked = mask.index_select(3, pos.clamp(max=mask.shape[3] - 1))
-    if picked.dtype == torch.bool:
-        picked = torch.zeros(picked.shape, device=mask.device).masked_fill(~picked, float("-inf"))
-    picked = picked.float().expand(b, hkv * g, t, -1)
-    return picked.reshape(b, hkv, g * t, -1)
+def stream_probabilities(scores: torch.Tensor, length: torch.Tensor, mask: torch.Tensor | None, block_size: int,
+                         query_len: int) -> torch.Tensor:
+    """Softmax of ``scores (B, H_kv, G * T, NB * r + r)`` over a stream's positions: the archive's ``0 .. NB*r - 1``
+    (valid below the archived length ``length // r * r``), then the open block's ``r`` raw tail rows (valid below
+    ``length``). ``mask`` (see :func:`codec_attention`) is added over those absolute positions; rows that see
+    nothing get zeros. Shared by the reference op and the compile pass's inline lowering: plain ATen ops with
+    scalar fills only (no constant tensor), so Inductor fuses it."""
+    b, hkv, gt, total = scores.shape
+    r, dev = block_size, scores.device
+    start = torch.div(length, r, rounding_mode="floor") * r
+    arch_pos = torch.arange(total - r, device=dev)
+    tail_pos = start + torch.arange(r, device=dev)
+    valid = torch.cat([arch_pos < start, tail_pos < length])
+    if mask is not None:
+        picked = mask.index_select(3, torch.cat([arch_pos, tail_pos]).clamp(max=mask.shape[3] - 1))
+        if picked.dtype == torch.bool:
+            picked = torch.where(picked, 0.0, float("-inf"))
+        scores = scores + picked.float().expand(b, hkv * (gt // query_len), query_len, -1).reshape(b, hkv, gt, -1)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    weights = torch.exp(scores - peak)
+    denom = weights.sum(dim=-1, keepdim=True)
+    return weights / torch.where(denom > 0, denom, 1.0)
 
 
 @torch.library.custom_op("flashcodec::codec_attention", mutates_args=())
@@ -84,18 +101,7 @@ def codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor
     s_tail = qg @ k_tail.float().transpose(-1, -2)
     scores = torch.cat([s_arch, s_tail], dim=-1) * (1.0 / math.sqrt(d) if scale is None else scale)
 
-    start = torch.div(length, r, rounding_mode="floor") * r
-    arch_pos = torch.arange(nb * r, device=dev)
-    tail_pos = start + torch.arange(r, device=dev)
-    valid = torch.cat([arch_pos < start, tail_pos < length])
-    if mask is not None:
-        scores = scores + _mask_bias(mask, torch.cat([arch_pos, tail_pos]), b, hkv, g, t)
-    scores = scores.masked_fill(~valid, float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = torch.exp(scores - peak)
-    denom = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    probs = stream_probabilities(scores, length, mask, r, t)
 
     p_arch = probs[..., : nb * r].reshape(b, hkv, g * t, nb, r)
     p_coef = torch.einsum("bhqnp,pr->bhqnr", p_arch, cv.synthesis(dev))

@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..codecs import JPEG, Codec, Encoded, codec_from_spec
+from ..ops.attention import stream_probabilities
 
 
 def _synthesis(codec: Codec, device: torch.device) -> torch.Tensor:
@@ -78,23 +79,7 @@ def codec_attention_fused(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.
     s_tail = qg @ k_tail.float().transpose(-1, -2)  # (B, Hkv, GT, r)
     scores = torch.cat([s_arch, s_tail], dim=-1) * (1.0 / math.sqrt(d) if scale is None else scale)
 
-    start = torch.div(length, r, rounding_mode="floor") * r
-    arch_pos = torch.arange(nb * r, device=dev)
-    tail_pos = start + torch.arange(r, device=dev)
-    pos = torch.cat([arch_pos, tail_pos])
-    valid = torch.cat([arch_pos < start, tail_pos < length])
-    if mask is not None:
-        picked = mask.index_select(3, pos.clamp(max=mask.shape[3] - 1))
-        if picked.dtype == torch.bool:
-            picked = torch.where(picked, 0.0, float("-inf"))
-        bias = picked.float().expand(b, hq, t, -1).reshape(b, hkv, g * t, -1)
-        scores = scores + bias
-    scores = scores.masked_fill(~valid, float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    weights = torch.exp(scores - peak)
-    denom = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(denom > 0, denom, 1.0)
+    probs = stream_probabilities(scores, length, mask, r, t)
 
     p_arch = probs[..., : nb * r].reshape(b, hkv, g * t, nb, r, 1)
     p_coef = (p_arch * _synthesis(cv, dev)).sum(-2)  # (B, Hkv, GT, NB, R)
