@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
+import itertools
 import math
 import os
 import sys
@@ -122,42 +124,50 @@ def _failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout when it is inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(HERE.parent))
+    except ValueError:
+        return str(path)
+
+
 def build_app(engine: Any, results: Path | None = None) -> Any:
     """The Gradio Blocks of the demo over ``engine`` (a :class:`side_by_side.Engine`); ``results``: the folder of
     the benchmark JSON the Frontier tab draws (default benchmarks/results)."""
     import gradio as gr
-    import plots
     from side_by_side import MAX_NEW_TOKENS, RequestError
 
-    results = Path(results) if results is not None else plots.RESULTS_DIR
+    from flashcodec_fx.evaluate import plots
+
+    results = Path(results) if results is not None else HERE.parent / plots.RESULTS_DIR
     tier_names = list(engine.tiers())
     default_tier = DEFAULT_TIER if DEFAULT_TIER in tier_names else tier_names[0]
 
+    runs = itertools.count(1)  # every status line names its run: "run 3 · finished"
+
     def chat(message: str, left: list, right: list, tier_name: str, mat_free: bool, compiled: bool, max_new: float):
-        message = (message or "").strip()
-        if not message:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "type a message first", gr.skip()
+        run, message, tiers = next(runs), (message or "").strip(), engine.tiers()
+        unchanged = (gr.skip(),) * 4
+        if not message or tier_name not in tiers:
+            why = "type a message first" if not message else f"unknown tier {tier_name!r}: reload the page"
+            yield *unchanged, f"run {run} · **not run:** {why}", gr.skip()
             return
-        tiers = engine.tiers()
-        if tier_name not in tiers:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"unknown tier {tier_name!r}: reload the page", gr.skip()
-            return
-        left, right = _history(left) + [{"role": "user", "content": message}], _history(right) + [
-            {"role": "user", "content": message}]
+        left, right = (_history(h) + [{"role": "user", "content": message}] for h in (left, right))
         try:
             turn = engine.turn(engine.encode(left), engine.encode(right), tiers[tier_name], int(max_new),
                                materialization_free=bool(mat_free), compiled=bool(compiled))
             for update in turn:
                 yield (left + [{"role": "assistant", "content": update.left_text}],
                        right + [{"role": "assistant", "content": update.right_text}],
-                       format_stats(update.left), format_stats(update.right), update.status, "")
+                       format_stats(update.left), format_stats(update.right), f"run {run} · {update.status}", "")
         except RequestError as err:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"**not run:** {err}", gr.skip()
+            yield *unchanged, f"run {run} · **not run:** {err}", gr.skip()
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"**failed:** {_failure(err)}", gr.skip()
+            yield *unchanged, f"run {run} · **failed:** {_failure(err)}", gr.skip()
 
     def compare(prompt: str, new_tokens: float, mat_free: bool):
-        tiers = list(engine.tiers().values())
+        run, tiers, unchanged = next(runs), list(engine.tiers().values()), (gr.skip(),) * 4
         try:
             for done, rows in engine.compare((prompt or "").strip(), tiers, int(new_tokens), bool(mat_free)):
                 headers, cells = compare_table(rows)
@@ -165,11 +175,11 @@ def build_app(engine: Any, results: Path | None = None) -> Any:
                 status = (f"finished: the native cache and {len(tiers)} tiers, {int(new_tokens)} new tokens each"
                           if done == len(tiers) else f"{done} of {len(tiers)} tiers measured; running {tiers[done].name}")
                 yield (gr.Dataframe(value=cells, headers=headers), figures["storage"], figures["speed"],
-                       figures["quality"], status)
+                       figures["quality"], f"run {run} · {status}")
         except RequestError as err:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"**not run:** {err}"
+            yield *unchanged, f"run {run} · **not run:** {err}"
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"**failed:** {_failure(err)}"
+            yield *unchanged, f"run {run} · **failed:** {_failure(err)}"
 
     def frontier():
         outputs = []
@@ -209,8 +219,8 @@ def build_app(engine: Any, results: Path | None = None) -> Any:
                 chat_status = gr.Markdown("ready", elem_id="chat-status")
                 inputs = [prompt, left, right, tier, mat_free, compiled, max_new]
                 outputs = [left, right, left_stats, right_stats, chat_status, prompt]
-                send.click(chat, inputs, outputs, concurrency_id="model")
-                prompt.submit(chat, inputs, outputs, concurrency_id="model")
+                send.click(chat, inputs, outputs, concurrency_id="model", show_progress="minimal")
+                prompt.submit(chat, inputs, outputs, concurrency_id="model", show_progress="minimal")
                 clear.click(lambda: ([], [], format_stats(None), format_stats(None), "ready"), None,
                             [left, right, left_stats, right_stats, chat_status])
             with gr.Tab("Full comparison", id="compare"):
@@ -226,18 +236,19 @@ def build_app(engine: Any, results: Path | None = None) -> Any:
                         compare_matfree = gr.Checkbox(False, label="materialization-free decode",
                                                       elem_id="compare-matfree")
                         run = gr.Button("Run every tier", variant="primary", elem_id="compare-run")
-                compare_status = gr.Markdown("not run yet", elem_id="compare-status")
+                compare_status = gr.Markdown("no comparison yet", elem_id="compare-status")
                 table = gr.Dataframe(headers=[c[0] for c in COMPARE_COLUMNS], elem_id="compare-table",
                                      interactive=False, wrap=True)
                 with gr.Row():
-                    storage = gr.Plot(label="storage", elem_id="compare-storage")
-                    speed = gr.Plot(label="speed", elem_id="compare-speed")
-                quality = gr.Plot(label="quality", elem_id="compare-quality")
+                    storage = gr.Plot(elem_id="compare-storage", show_label=False)
+                    speed = gr.Plot(elem_id="compare-speed", show_label=False)
+                quality = gr.Plot(elem_id="compare-quality", show_label=False)
                 run.click(compare, [compare_prompt, compare_tokens, compare_matfree],
-                          [table, storage, speed, quality, compare_status], concurrency_id="model")
+                          [table, storage, speed, quality, compare_status], concurrency_id="model",
+                          show_progress="minimal")
             with gr.Tab("Frontier", id="frontier"):
-                gr.Markdown(f"The committed benchmark results (`{results}`) drawn as plots; the same PNG files are "
-                            f"written by `python demo/plots.py`.")
+                gr.Markdown(f"The committed benchmark results (`{_shown(results)}`) drawn as plots; the same PNG "
+                            f"files are written by `python -m flashcodec_fx.evaluate.plots`.")
                 reload = gr.Button("Reload the JSON", elem_id="frontier-reload")
                 frontier_outputs = []
                 for key in ("kl", "speed", "memory"):
@@ -265,11 +276,9 @@ class StartError(Exception):
     """The demo cannot start; the message is one line for the user."""
 
 
-def load_engine(model: str | None, device: str, dtype: str) -> Any:
-    """Load the model once (offline) and wrap it in an Engine; a bad model, device or dtype raises StartError."""
+def resolve_device(device: str) -> Any:
+    """``--device`` as a torch.device (``auto``: cuda when available, else cpu); StartError when unusable."""
     import torch
-
-    from flashcodec_fx.pretrained import DEFAULT_MODEL, load_pretrained
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -277,14 +286,24 @@ def load_engine(model: str | None, device: str, dtype: str) -> Any:
         target = torch.device(device)
     except RuntimeError as err:
         raise StartError(f"--device {device!r} is not a device ({err}); use cpu, cuda or cuda:N") from err
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise StartError(f"--device {device!r}: this torch has no CUDA device; use --device cpu")
     if target.type not in ("cpu", "cuda"):
         raise StartError(f"--device {device!r}: the demo runs on cpu or cuda")
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise StartError(f"--device {device!r}: this torch has no CUDA device; use --device cpu")
+    return target
+
+
+def load_engine(model: str | None, device: Any, dtype: str) -> Any:
+    """Load the model once (offline) on ``device`` and wrap it in an Engine; StartError when it cannot load.
+    ``dtype``: a torch dtype name, or ``auto`` (float32 on CPU, bfloat16 on CUDA)."""
+    import torch
+
+    from flashcodec_fx.pretrained import DEFAULT_MODEL, load_pretrained
+
     if dtype == "auto":
-        dtype = "bfloat16" if target.type == "cuda" else "float32"
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
     try:
-        loaded, tokenizer = load_pretrained(model, dtype=getattr(torch, dtype), device=target)
+        loaded, tokenizer = load_pretrained(model, dtype=getattr(torch, dtype), device=device)
     except (ValueError, ImportError, OSError) as err:
         raise StartError(f"cannot load the model: {err}. Point --model at a local folder saved with save_pretrained "
                          f"(config.json, weights, tokenizer) or a .gguf file; without --model the default "
@@ -300,17 +319,16 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no telemetry, no version check
+    missing = [name for name in ("gradio", "matplotlib") if importlib.util.find_spec(name) is None]
     try:
-        import gradio as gr
-        import matplotlib  # noqa: F401
-
-        engine = load_engine(args.model, args.device, args.dtype)
-    except ImportError as err:
-        print(f"flashcodec demo: {EXTRA_MISSING} ({err})", file=sys.stderr)
-        raise SystemExit(2) from None
+        if missing:
+            raise StartError(f"{EXTRA_MISSING} (missing: {', '.join(missing)})")
+        engine = load_engine(args.model, resolve_device(args.device), args.dtype)  # fails fast, before gradio loads
     except StartError as err:
         print(f"flashcodec demo: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    import gradio as gr
+
     app = build_app(engine)
     app.queue(default_concurrency_limit=1)
     theme = gr.themes.Soft(primary_hue="blue", font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])

@@ -25,22 +25,20 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kv_eval import (  # noqa: E402
+from flashcodec_fx.evaluate import (
     RAW,
     Tier,
+    bits_per_value,
     cache_bytes,
+    cache_kwarg,
     greedy,
     greedy_and_forced,
     main_tiers,
@@ -100,23 +98,22 @@ def footprint(cache: Any, dtype: torch.dtype) -> dict[str, float]:
     held = cache_bytes(cache)["held"]
     storage = getattr(cache, "storage_bytes", None)
     if callable(storage):
-        parts = storage()
-        kept = cache_bytes(cache)["kv"]
-        values = (parts["raw_equivalent"] + parts["native"]) / torch.empty((), dtype=dtype).element_size()
-        bits = getattr(cache, "bits_per_value", None)
-        bits = float(bits()) if callable(bits) else (8 * kept / values if values else math.nan)
+        parts, kept = storage(), cache_bytes(cache)["kv"]
+        values = (parts["raw_equivalent"] + parts["native"]) // torch.empty((), dtype=dtype).element_size()
+        own = getattr(cache, "bits_per_value", None)
+        bits = float(own()) if callable(own) else bits_per_value(kept, values) if values else math.nan
         return {"kept": kept, "archive": parts["archive_used"], "tail": parts["tail"], "view": parts["memo"],
                 "held": held, "bits_per_value": bits}
-    kept, bits, stored = 0, math.nan, 0
+    kept = values = 0
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
-        if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.numel() == 0:
+        if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor) or keys.dim() < 2:
             continue
-        length = int(layer.get_seq_length())
-        share = min(1.0, length / keys.shape[-2])  # a static layer preallocates its capacity: count stored tokens
+        share = min(1.0, int(layer.get_seq_length()) / max(keys.shape[-2], 1))  # a static layer holds its capacity
         kept += round(share * (keys.nbytes + layer.values.nbytes))
-        bits, stored = 8 * keys.element_size(), stored + length
-    return {"kept": kept, "archive": 0, "tail": 0, "view": 0, "held": held, "bits_per_value": bits if stored else math.nan}
+        values += round(share * (keys.numel() + layer.values.numel()))
+    return {"kept": kept, "archive": 0, "tail": 0, "view": 0, "held": held,
+            "bits_per_value": bits_per_value(kept, values) if values else math.nan}
 
 
 class Memory:
@@ -245,7 +242,7 @@ class Engine:
         self.model, self.tokenizer, self.label = model, tokenizer, label
         self.device = next(model.parameters()).device
         self.lock = threading.Lock()
-        self.cache_kwarg = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -380,12 +377,6 @@ class Engine:
                     gen = greedy_and_forced(self.model, ids, ref.tokens, make_cache(self.model, tier))
                 rows.append(_compare_row(tier, gen, ref, memory, self.model.dtype))
                 yield done, rows
-
-
-def _forward_parameters(model: Any) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)
 
 
 @contextlib.contextmanager

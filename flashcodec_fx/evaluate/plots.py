@@ -1,8 +1,11 @@
 """Matplotlib charts of KV-cache results: the demo's comparison charts and the frontier plots of the committed
-benchmark JSON (benchmarks/results/*.json). Importable without Gradio; uses ``matplotlib.figure.Figure`` only (no
-pyplot state, safe in a server's worker threads).
+benchmark JSON (benchmarks/results/*.json). Needs matplotlib (the ``[demo]`` extra), not Gradio, and is not imported
+by ``flashcodec_fx.evaluate``; uses ``matplotlib.figure.Figure`` only (no pyplot state, safe in a server's worker
+threads).
 
-    python demo/plots.py [--results benchmarks/results] [--out DIR]   # writes DIR/frontier_{kl,speed,memory}.png
+    python -m flashcodec_fx.evaluate.plots [--results benchmarks/results] [--out DIR]   # DIR/frontier_*.png
+
+A benchmark that writes a result file can redraw the PNG files with ``write_frontier_pngs(results_dir)``.
 
 Every frontier chart reads its JSON defensively: a missing file or a schema it does not know gives a chart with no
 figure and a note saying what was looked for, never an exception.
@@ -20,7 +23,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS_DIR = Path("benchmarks") / "results"  # relative to the checkout's root (where the commands run)
 NATIVE, CODEC, PEER, VIEW = "#6b7280", "#2563eb", "#ea580c", "#93c5fd"
 KL_FLOOR = 1e-7  # KL at or below this (lossless tiers, rounding noise) is drawn on the floor of the log axis
 MIB = 2**20
@@ -112,11 +115,9 @@ def comparison_figures(rows: list[dict[str, Any]]) -> dict[str, Figure]:
     held = [row.get("held", math.nan) / raw_kept for row in rows]
     y = list(range(len(names)))[::-1]
     ax.barh(y, held, color=VIEW, height=0.65, label="held (kept + view + capacity)")
-    _bars(ax, names, [row["kv_ratio"] for row in rows], colors, ".3f")
-    for yi, row in zip(y, rows, strict=True):
-        if _finite(row.get("bits_per_value")):
-            ax.annotate(f"{row['bits_per_value']:.2f} bits/value", (0, yi), xytext=(3, -9), textcoords="offset points",
-                        fontsize=6, color="#374151")
+    with_bits = [f"{name}\n{row['bits_per_value']:.2f} bits/value" if _finite(row.get("bits_per_value")) else name
+                 for name, row in zip(names, rows, strict=True)]
+    _bars(ax, with_bits, [row["kv_ratio"] for row in rows], colors, ".3f")
     ax.axvline(1.0, color=NATIVE, linestyle="--", linewidth=1)
     ax.set_xlabel("KV bytes vs the native cache (bar: kept; light bar: everything held)")
     ax.set_title("Storage", loc="left", fontsize=10)
