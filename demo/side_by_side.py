@@ -5,11 +5,11 @@ and every comparison runs under the lock, so two browser sessions never interlea
 
 What is measured, per panel and turn:
 
-- KV footprint, from the cache's own byte accounting: ``kept`` (what the cache stores for its tokens: filled archive
-  blocks with scales and indices + raw tails; for a native cache its K/V tensors), ``view`` (the materialized
-  full-precision memo an eager memoized decode keeps; 0 materialization-free or compiled), ``held`` (every byte the
-  cache holds: kept + view + allocated capacity), bits per stored value (``cache.bits_per_value()`` when the cache
-  has it, else ``8 * kept / values stored``; a native fp32 cache is 32).
+- KV footprint, from the cache's own byte accounting (``storage_breakdown()``): ``kept`` (what the cache stores
+  for its tokens: filled archive blocks with scales and indices + raw tails; for a native cache its K/V tensors),
+  ``view`` (the materialized full-precision memo an eager memoized decode keeps; 0 materialization-free or
+  compiled), ``held`` (every byte the cache holds: kept + view + allocated capacity), bits per stored value
+  (``cache.bits_per_value()`` when the cache has it, else ``8 * kept / values stored``; a native fp32 cache is 32).
 - memory: ``peak`` / ``steady`` held cache bytes (the largest ``held`` after any step, and ``held`` at the end).
   This is byte accounting of the cache's tensors, not the process RSS: transient buffers inside a step (e.g. the
   CPU reference op's per-step dequantized copy) are not in it. On CUDA the allocator's peak and end-of-turn
@@ -96,9 +96,9 @@ def footprint(cache: Any, dtype: torch.dtype) -> dict[str, float]:
     """Bytes of ``cache`` by role (see the module docstring) and bits per stored value; ``dtype``: the model's
     (what one uncompressed value takes)."""
     held = cache_bytes(cache)["held"]
-    storage = getattr(cache, "storage_bytes", None)
-    if callable(storage):
-        parts, kept = storage(), cache_bytes(cache)["kv"]
+    breakdown = getattr(cache, "storage_breakdown", None)
+    if callable(breakdown):
+        parts, kept = breakdown(), cache_bytes(cache)["kv"]
         values = (parts["raw_equivalent"] + parts["native"]) // torch.empty((), dtype=dtype).element_size()
         own = getattr(cache, "bits_per_value", None)
         bits = float(own()) if callable(own) else bits_per_value(kept, values) if values else math.nan
