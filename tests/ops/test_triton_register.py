@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from _triton_cases import codec, smooth, stored_state
+from _triton_cases import DEVICES, codec, smooth, stored_state, to
 
 from flashcodec_fx import CodecStream
 from flashcodec_fx.ops import triton_register
@@ -34,9 +34,10 @@ def test_devices_below_sm80_get_the_reference_with_one_warning(fake_capability):
         assert triton_register.kernel_choice(torch.device("cuda", 2)) == "triton"
 
 
-def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch):
-    """The registered CUDA kernel dispatches per call on the tensor's device; run here on CPU tensors with the
-    choice forced: "reference" gives the plain-torch op bit for bit, "triton" the launcher (interpreter)."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch, device):
+    """The registered CUDA kernel dispatches per call on the tensor's device; called here directly with the choice
+    forced: "reference" runs the plain-torch op, "triton" the launcher (bit for bit each)."""
     from flashcodec_fx.ops.attention import codec_attention
     from flashcodec_fx.ops.triton_attention import triton_codec_attention
 
@@ -44,13 +45,14 @@ def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch):
     ks, vs = stored_state(ck, smooth(1, 2, 21, 16, torch.float32, "cpu", 1), 4), \
         stored_state(cv, smooth(1, 2, 21, 16, torch.float32, "cpu", 2), 4)
     q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(0))
-    args = (q, *ks[:4], *vs[:4], ks[4], ck.spec, cv.spec)
-    kernel = triton_register.gated(triton_codec_attention, codec_attention._init_fn)
+    args = (*to(device, q, *ks[:4], *vs[:4], ks[4]), ck.spec, cv.spec)
+    reference = codec_attention._init_fn
+    kernel = triton_register.gated(triton_codec_attention, reference)
     assert kernel.__qualname__ == "triton_codec_attention"  # the kernel report names the launcher
     monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "reference")
-    assert torch.equal(kernel(*args), torch.ops.flashcodec.codec_attention(*args))
+    assert torch.equal(kernel(*args), reference(*args))
     monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "triton")
-    torch.testing.assert_close(kernel(*args), triton_codec_attention(*args), atol=0, rtol=0)
+    assert torch.equal(kernel(*args), triton_codec_attention(*args))
 
 
 def test_a_stream_creates_its_codec_matrices_when_it_allocates():
