@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
+from corpus import TEXTS, windows
+
+from flashcodec_fx.evaluate import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "demo"))
-
-from bench_ppl import CORPUS, windows  # noqa: E402
-from common import write_result  # noqa: E402
-from kv_eval import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced  # noqa: E402
-
+CORPUS = TEXTS["pride"]
 BLOCK = 8
 LADDER = (1, 2, 4, 8)  # keep_freqs rungs; the last one is taken as lossless-enough (damage 0)
 UNIFORM_BUDGETS = (2, 3, 4, 6)  # uniform keep_freqs whose storage the adaptive allocation must not exceed
@@ -126,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     layers = model.config.num_hidden_layers
     ids = torch.tensor(tokenizer(CORPUS.read_text())["input_ids"], dtype=torch.int64)
     split = int(ids.numel() * CALIBRATION_SHARE)
-    cal_batch = windows(ids[:split], cal_windows, cal_prefix + cal_target)
-    eval_batch = windows(ids[split:], eval_windows, eval_prefix + eval_target)
+    cal_batch = windows([ids[:split]], cal_windows, cal_prefix + cal_target)
+    eval_batch = windows([ids[split:]], eval_windows, eval_prefix + eval_target)
     print(f"calibration: {cal_windows} windows x ({cal_prefix} + {cal_target}) from tokens [0, {split}); "
           f"{layers} layers x rungs {LADDER[:-1]}", flush=True)
     start = time.perf_counter()

@@ -17,6 +17,7 @@ flashcodec, strict: attention on the stored state). Codec tier: jpeg r=8, all co
 
     python benchmarks/bench_e2e.py --quick            # llama-rand (SmolLM2 attention geometry, 2 layers, vocab 8192), 1k/4k/16k
     python benchmarks/bench_e2e.py                    # + SmolLM2-135M at 1k/4k, llama-rand up to 32k
+    python benchmarks/bench_e2e.py --device cuda --mode reduce-overhead   # bf16 on the GPU, CUDA graphs
 """
 
 from __future__ import annotations
@@ -94,32 +95,41 @@ def _kv_bytes(cache, config: str) -> dict:
         return {"total": total}
     parts: dict[str, int] = {}
     for layer in cache.layers:
-        for key, value in layer.storage_bytes().items():
+        for key, value in layer.storage_breakdown().items():
             parts[key] = parts.get(key, 0) + value
     return parts
 
 
-def run_one(model_name: str, config: str, context: int, new_tokens: int) -> dict:
+def run_one(model_name: str, config: str, context: int, new_tokens: int, device: str = "cpu",
+            mode: str | None = None) -> dict:
     import flashcodec_fx as fx
     from flashcodec_fx.hf import FlashCodecCache  # noqa: F401  (registers the layer types)
 
     torch.manual_seed(0)
-    model = _model(model_name)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = _model(model_name).to(device=device, dtype=dtype)
     cfg = model.config
     heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     capacity = context + new_tokens + 8
     cache = _cache(model, config, capacity)
     with torch.no_grad():
         for idx in range(cfg.num_hidden_layers):
-            cache.update(torch.randn(1, heads, context, dim), torch.randn(1, heads, context, dim), idx)
-    backend = "inductor" if config != "codec_pass" else fx.backend(strict=True, lower=os.environ.get("FLASHCODEC_LOWER", "auto"))
-    step = torch.compile(model, backend=backend, fullgraph=True)
+            kv = [torch.randn(1, heads, context, dim, device=device, dtype=dtype) for _ in range(2)]
+            cache.update(*kv, idx)
+    if config == "codec_pass":
+        step = torch.compile(model, fullgraph=True, backend=fx.backend(
+            strict=True, lower=os.environ.get("FLASHCODEC_LOWER", "auto"), mode=mode))
+    else:
+        step = torch.compile(model, backend="inductor", fullgraph=True, mode=mode)
     name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
-    tok = torch.tensor([[42]])
+    tok = torch.tensor([[42]], device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def decode(pos: int):
-        out = step(input_ids=tok, position_ids=torch.tensor([[pos]]), use_cache=True, **{name: cache})
-        return out.logits[:, -1:].argmax(-1)
+        out = step(input_ids=tok, position_ids=torch.tensor([[pos]], device=device), use_cache=True, **{name: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        sync()
+        return token
 
     counters = torch._dynamo.utils.counters["stats"]
     with torch.no_grad():
@@ -128,6 +138,9 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int) -> dict
         compile_s = time.perf_counter() - start
         graphs = counters["unique_graphs"]
         rss_before = _rss()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            cuda_before = torch.cuda.memory_allocated()
         sampler = RSSSampler()
         sampler.start()
         times, tokens = [], []
@@ -139,8 +152,13 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int) -> dict
         peak = sampler.stop()
         steady = _rss()
     median = statistics.median(times)
-    view = 0 if config != "codec_materialized" else 2 * heads * capacity * dim * 4 * cfg.num_hidden_layers
-    return {"model": model_name, "config": config, "context": context, "new_tokens": new_tokens,
+    item = torch.empty((), dtype=dtype).element_size()
+    view = 0 if config != "codec_materialized" else 2 * heads * capacity * dim * item * cfg.num_hidden_layers
+    cuda = {} if device != "cuda" else {
+        "cuda_allocated_before_decode_mb": round(cuda_before / 2**20, 1),
+        "cuda_peak_delta_decode_mb": round((torch.cuda.max_memory_allocated() - cuda_before) / 2**20, 2)}
+    return {"model": model_name, "config": config, "context": context, "new_tokens": new_tokens, "device": device,
+            "dtype": str(dtype), "mode": mode, **cuda,
             "capacity": capacity, "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": dim,
             "compile_s": round(compile_s, 2), "step_ms_median": round(median * 1e3, 3),
             "step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3),
@@ -158,11 +176,14 @@ def main() -> None:
     parser.add_argument("--contexts", default=None, help="comma list of context lengths")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 model and cache")
+    parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead" (CUDA graphs)')
     parser.add_argument("--out", default=None)
     parser.add_argument("--run", nargs=3, metavar=("MODEL", "CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        print("ROW " + json.dumps(run_one(args.run[0], args.run[1], int(args.run[2]), args.new_tokens)), flush=True)
+        print("ROW " + json.dumps(run_one(args.run[0], args.run[1], int(args.run[2]), args.new_tokens, args.device,
+                                          args.mode)), flush=True)
         return
     if args.quick:
         plan = {"llama-rand": [1024, 4096, 16384]}
@@ -181,7 +202,8 @@ def main() -> None:
         for context in contexts:
             for config in configs:
                 cmd = [sys.executable, __file__, "--run", model_name, config, str(context),
-                       "--new-tokens", str(args.new_tokens)]
+                       "--new-tokens", str(args.new_tokens), "--device", args.device]
+                cmd += ["--mode", args.mode] if args.mode else []
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")), None)
                 if row is None:
@@ -193,9 +215,11 @@ def main() -> None:
                       flush=True)
     from common import write_result
 
-    payload = {"tier": TIER, "dtype": "float32", "batch": 1, "rows": rows,
-               "note": "shared 2-core CPU machine, other jobs running: absolute times are noisy"}
-    path = write_result("e2e_cpu" if not torch.cuda.is_available() else "e2e_gpu", payload, out=args.out)
+    payload = {"tier": TIER, "dtype": "bfloat16" if args.device == "cuda" else "float32", "batch": 1, "mode": args.mode,
+               "rows": rows}
+    if args.device == "cpu":
+        payload["note"] = "shared 2-core CPU machine, other jobs running: absolute times are noisy"
+    path = write_result(f"e2e_{args.device}", payload, out=args.out)
     print(f"wrote {path}")
 
 

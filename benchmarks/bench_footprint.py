@@ -5,7 +5,7 @@ length), dynamic layout. Keys and values are random normal (storage does not dep
 Tiers: jpeg r=8 with K=8, 4 (stream dtype) and K=8, 4 int8; png keep 1.0 and 0.5 (K=2 tiers store K/r of K=8's
 archive: see bench_reconstruct for their sizes). Times are medians of ``--repeats`` runs up to S=8k, one run above.
 
-- storage: ``CodecKVCache.storage_bytes()`` after a fill of S tokens: archive held (allocated: data + scales +
+- storage: ``CodecKVCache.storage_breakdown()`` after a fill of S tokens: archive held (allocated: data + scales +
   kept-delta index) and used (filled blocks), its parts, raw tail, memo; totals with and without the memo, and both
   against a raw bf16 K+V cache.
 - fill: ``CodecKVCache(...).forward(k, v)`` into a fresh cache (allocate, append every block, return the views),
@@ -67,7 +67,7 @@ def measure(codec: Codec, k: torch.Tensor, v: torch.Tensor, raw_fill: dict, repe
     (memo_k, memo_v), (dec_k, dec_v) = cache.read(), last.pop("decoded")
     if not (torch.equal(memo_k, dec_k[:, :, :seq]) and torch.equal(memo_v, dec_v[:, :, :seq])):
         raise RuntimeError(f"{codec}: the memo and the read op disagree at S={seq}")
-    parts = cache.storage_bytes()
+    parts = cache.storage_breakdown()
     raw = 2 * k.nbytes
     without_memo = parts["total"] - parts["memo"]
     held = parts["archive"] + parts["scales"] + parts["index"]

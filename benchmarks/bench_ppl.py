@@ -1,206 +1,326 @@
-"""Perplexity per KV tier on a local corpus (benchmarks/data/corpus.txt), every layer compressed.
+"""Streaming perplexity and KL per KV tier vs the raw cache, with the peers, on real text; the bits/KL frontier.
 
-    python benchmarks/bench_ppl.py [--quick] [--out FILE]
+    python benchmarks/bench_ppl.py                       # both models, 6 windows x 1024 tokens, every tier and peer
+    python benchmarks/bench_ppl.py --quick               # SmolLM2, 2 windows x 256 tokens: smoke run, about a minute
+    python benchmarks/bench_ppl.py --model smollm2 --tiers KIVI-2 --tier-json '{"name": "try", "options": {...}}'
+    python benchmarks/bench_ppl.py --plot-only           # redraw results/frontier.png from results/ppl.json
 
-Method: the corpus is tokenized and cut into windows of ``prefix + target`` tokens spread evenly over it. For every
-tier, all windows run as one batch: the prefix goes through prefill (exact: it attends on its own uncompressed
-states), then the target tokens are fed one by one through the cache, so every target prediction after the first
-reads the stored (compressed) prefix and earlier targets. Reported per tier: perplexity of the target tokens, its
-delta vs the raw cache, the mean KL(raw || tier) of next-token distributions, and the KV bytes kept at the end
-(vs raw, and in bits per cached value). Peers: transformers' ``QuantizedCache`` (quanto backend; hqq when importable)
-and a KIVI-like 2/4-bit fake-quant cache (quality only; its bytes are computed from the format, see ``kivi_like``).
+Protocol (issue 9): non-overlapping windows of real text (``corpus.py``: Alice in Wonderland and the Library of
+Congress' Workshop on Electronic Texts, alternately), all windows of a model in one batch. Per window the first
+``--prefill`` (128) tokens go through prefill (exact), then the rest is fed in chunks of ``--chunk`` (16) tokens
+through the cache: a chunk's queries read the history through the cache, and every token after the prefill is
+scored (``flashcodec_fx.evaluate.streaming``). Every tier runs in lockstep with the raw ``DynamicCache`` on the same
+calls, so KL(raw || tier) is taken per scored token and averaged over all of them; perplexity over the same tokens.
+
+Bits per cached value, as stored (every byte the cache keeps: codes, scales, raw tokens), over the values the raw
+cache keeps (a sliding layer's window only): ``bits_end`` at the end of the windows, and ``bits_worst``, the most
+over every length from ``L - 127`` to ``L`` when one cache (batch 1, random states; the bytes depend only on the
+lengths) is filled by one prefill of ``L - 128`` tokens and then token by token, which is where groups waiting for
+completion and raw windows cost most. The model runs in bf16: a raw cache is 16 bits/value.
+
+Tiers: every ``flashcodec_fx.PRESETS`` entry when the package has presets, else the existing tiers (png keep=1,
+jpeg r=8 K=8 / 4 / 2 int8), plus ``--tier-json`` ones; peers (``benchmarks/peers``): KIVI-2/4, TurboQuant-style
+K4V4 / K3V3 / K3V2, quanto int4 (transformers' QuantizedCache; skipped with the reason where it cannot run).
+Output: ``results/ppl.json`` (default run; any narrower run writes ``results/ppl_experiment.json`` unless ``--out``)
+and ``results/frontier.png`` (bits/value vs KL, one curve per method family, one panel per model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from common import RESULTS_DIR, write_result
+from corpus import STREAMING_TEXTS, TEXTS, load_tokens, windows
+from peers import peer_tiers
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "demo"))
+import flashcodec_fx
+from flashcodec_fx.evaluate import (
+    RAW,
+    Tier,
+    bits_per_value,
+    cache_bytes,
+    cached_values,
+    make_cache,
+    markdown_table,
+    prepared,
+    streaming,
+    token_kl,
+    token_nll,
+)
 
-from common import write_result  # noqa: E402
-from kv_eval import Tier, cache_bytes, make_cache, markdown_table, mean_kl, nll, teacher_forced  # noqa: E402
-
-CORPUS = HERE / "data" / "corpus.txt"
-KIVI_GROUP = 32
-COLUMNS = [("tier", "tier", "s"), ("KV bytes", "kv_bytes", ",d"), ("vs raw", "kv_ratio", ".3f"),
-           ("bits/value", "bits_per_value", ".2f"), ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f"),
-           ("KL vs raw", "kl", ".2e"), ("seconds", "seconds", ".1f")]
-
-
-def _fake_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Asymmetric min-max quantize-dequantize of ``x`` with one (fp16 scale, fp16 minimum) per slice along ``dim``."""
-    low, high = x.amin(dim, keepdim=True).half().float(), x.amax(dim, keepdim=True)
-    scale = ((high - low) / ((1 << bits) - 1)).half().float().clamp_min(torch.finfo(torch.float16).tiny)
-    return (torch.round((x - low) / scale).clamp(0, (1 << bits) - 1) * scale + low).to(x.dtype)
-
-
-class KiviLikeLayer(DynamicLayer):
-    """KIVI-style fake quantization (quality only): every complete group of ``KIVI_GROUP`` tokens is quantized once,
-    keys per channel over the group's tokens, values per token over groups of ``KIVI_GROUP`` channels; the open
-    group stays raw. Stores the dequantized values; :meth:`storage_bytes` counts what the real format would keep."""
-
-    def __init__(self, bits: int):
-        super().__init__()
-        self.bits, self.quantized = bits, 0
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        first = not self.is_initialized
-        super().update(key_states, value_states, *args, **kwargs)
-        b, h, n, d = self.keys.shape
-        full = n // KIVI_GROUP * KIVI_GROUP
-        if full > self.quantized:
-            k = self.keys[:, :, self.quantized: full].reshape(b, h, -1, KIVI_GROUP, d)
-            v = self.values[:, :, self.quantized: full].reshape(b, h, -1, d // KIVI_GROUP, KIVI_GROUP)
-            self.keys[:, :, self.quantized: full] = _fake_quant(k, self.bits, 3).reshape(b, h, -1, d)
-            self.values[:, :, self.quantized: full] = _fake_quant(v, self.bits, 4).reshape(b, h, -1, d)
-            self.quantized = full
-        return (key_states, value_states) if first else (self.keys, self.values)
-
-    def storage_bytes(self) -> dict[str, int]:
-        b, h, n, d = self.keys.shape
-        codes = 2 * b * h * self.quantized * d * self.bits // 8
-        params = 2 * 2 * 2 * b * h * self.quantized * d // KIVI_GROUP  # (scale, min) fp16 per group, keys and values
-        tail = 2 * b * h * (n - self.quantized) * d * self.keys.element_size()
-        return {"archive_used": codes + params, "tail": tail, "total": codes + params + tail}
+FLASHCODEC = "flashcodec"
+CUSTOM = "flashcodec (--tier-json)"
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
+WORST_SPAN = 128  # lengths L-127..L: one period of the longest grouping in use (128-token groups / raw windows)
+FULL = {"windows": 6, "window_tokens": 1024}
+QUICK = {"windows": 2, "window_tokens": 256}
+COLUMNS = [("tier", "tier", "s"), ("family", "family", "s"), ("bits end", "bits_end", ".2f"),
+           ("bits worst", "bits_worst", ".2f"), ("KL vs raw", "kl", ".2e"), ("ppl", "ppl", ".3f"),
+           ("Δppl", "delta_ppl", "+.3f"), ("seconds", "seconds", ".1f")]
 
 
-class KiviLikeCache(Cache):
-    """A cache of :class:`KiviLikeLayer` (full-attention models; head_dim a multiple of ``KIVI_GROUP``)."""
-
-    def __init__(self, config: Any, bits: int):
-        text = config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        if head_dim % KIVI_GROUP:
-            raise ValueError(f"KIVI-like cache needs head_dim divisible by {KIVI_GROUP}, got {head_dim}")
-        super().__init__(layers=[KiviLikeLayer(bits) for _ in range(text.num_hidden_layers)])
-
-    def storage_bytes(self) -> dict[str, int]:
-        parts = [layer.storage_bytes() for layer in self.layers if layer.is_initialized]
-        return {key: sum(p[key] for p in parts) for key in ("archive_used", "tail", "total")}
+@dataclass(frozen=True)
+class Candidate:
+    family: str
+    tier: Tier
 
 
-def jpeg(block_size: int, keep: int, bits: int | None) -> dict:
-    return {"mode": "jpeg", "block_size": block_size, "keep_freqs": keep, "quant_bits": bits}
+def flashcodec_tiers() -> list[Candidate]:
+    """Every ``flashcodec_fx.PRESETS`` entry (``preset=NAME``) when the package has presets; else today's tiers."""
+    presets = getattr(flashcodec_fx, "PRESETS", None)
+    if presets:
+        return [Candidate(FLASHCODEC, Tier(f"flashcodec {name}", {"preset": name})) for name in presets]
+    jpeg = {"mode": "jpeg", "block_size": 8, "quant_bits": 8}
+    return [Candidate(FLASHCODEC, Tier("png keep=1.0", {"mode": "png", "block_size": 8, "keep_ratio": 1.0})),
+            *(Candidate(FLASHCODEC, Tier(f"jpeg r=8 K={k} int8", {**jpeg, "keep_freqs": k})) for k in (8, 4, 2))]
 
 
-def codec_tiers() -> list[Tier]:
-    """The main job's tiers (without the decode-path variant) plus jpeg K=r int8 at block sizes 16 and 32."""
-    return [
-        Tier("raw DynamicCache"),
-        Tier("png keep=1.0", {"mode": "png", "block_size": 8, "keep_ratio": 1.0}),
-        Tier("jpeg r=8 K=8", jpeg(8, 8, None)),
-        Tier("jpeg r=8 K=8 int8", jpeg(8, 8, 8)),
-        Tier("jpeg r=16 K=16 int8", jpeg(16, 16, 8)),
-        Tier("jpeg r=32 K=32 int8", jpeg(32, 32, 8)),
-        Tier("jpeg r=8 K=4 int8", jpeg(8, 4, 8)),
-        Tier("jpeg r=8 K=2 int8", jpeg(8, 2, 8)),
-    ]
+def json_tier(text: str) -> Candidate:
+    """A tier from ``'{"name": str, "options": {FlashCodecCache options}, "family": optional str}'``."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--tier-json must be a JSON object, got {text!r}: {err}") from err
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("options"), dict):
+        raise ValueError(f'--tier-json must look like {{"name": "...", "options": {{...}}}}, got {text!r}')
+    return Candidate(spec.get("family", CUSTOM), Tier(spec["name"], spec["options"], note="--tier-json"))
 
 
-def _quantized_cache_tier(backend: str, nbits: int) -> Tier:
-    def factory(model: Any) -> Any:
-        from transformers import QuantizedCache
-
-        return QuantizedCache(backend, model.config, nbits=nbits)
-
-    return Tier(f"HF QuantizedCache {backend} int{nbits}", factory=factory,
-                note="transformers defaults: q_group_size=64, residual_length=128 raw recent tokens, axis 0")
-
-
-def peer_tiers(model: Any) -> tuple[list[Tier], list[dict]]:
-    """Peers that can run here, and the ones skipped with the reason (probed by building one cache: a backend is
-    imported on construction)."""
-    tiers, skipped = [], []
-    for backend in ("quanto", "hqq"):
-        for nbits in (4, 2):
-            tier = _quantized_cache_tier(backend, nbits)
-            try:
-                make_cache(model, tier)
-            except (ImportError, ValueError, RuntimeError) as err:
-                skipped.append({"tier": tier.name, "reason": f"{type(err).__name__}: {err}".splitlines()[0]})
-                continue
-            tiers.append(tier)
-    for nbits in (4, 2):
-        tiers.append(Tier(f"KIVI-like {nbits}-bit (fake-quant)", factory=lambda m, b=nbits: KiviLikeCache(m.config, b),
-                          note="simulated: keys per-channel / values per-token asymmetric, group 32, fp16 scale+zero, "
-                               "recent < 32 tokens raw; quality measured, bytes computed from the format"))
-    return tiers, skipped
+def candidates(names: list[str] | None, extra: list[Candidate]) -> list[Candidate]:
+    """Flashcodec tiers + peers + ``extra``; ``names`` (tier or family names) selects among the first two."""
+    known = flashcodec_tiers() + [Candidate(family, tier) for family, tier in peer_tiers()]
+    if names is not None:
+        labels = {c.tier.name for c in known} | {c.family for c in known}
+        unknown = [n for n in names if n not in labels]
+        if unknown:
+            raise ValueError(f"--tiers: unknown {unknown}; choose among {sorted(labels)}")
+        known = [c for c in known if c.tier.name in names or c.family in names]
+    return known + extra
 
 
-def windows(ids: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """``count`` windows of ``length`` tokens spread evenly over ``ids (N,)`` -> ``(count, length)``."""
-    if ids.numel() < length:
-        raise ValueError(f"corpus has {ids.numel()} tokens, fewer than one window of {length}")
-    starts = torch.linspace(0, ids.numel() - length, count).round().long()
-    return torch.stack([ids[s: s + length] for s in starts.tolist()])
+def runnable(model: Any, tiers: list[Candidate]) -> tuple[list[Candidate], list[dict]]:
+    """The tiers whose cache can be built for ``model``, and the others with the reason."""
+    ok, skipped = [], []
+    for cand in tiers:
+        try:
+            make_cache(model, cand.tier)
+        except (ImportError, ValueError, TypeError) as err:
+            skipped.append({"tier": cand.tier.name, "family": cand.family,
+                            "reason": f"{type(err).__name__}: {err}".splitlines()[0]})
+            continue
+        ok.append(cand)
+    return ok, skipped
 
 
-def run(model: Any, batch: torch.Tensor, prefix: int, tiers: list[Tier]) -> list[dict]:
-    """Teacher-forced scoring of ``batch (B, prefix + T)`` under each tier; the first tier is the raw reference."""
-    prefix_ids, target_ids = batch[:, :prefix], batch[:, prefix:]
-    rows, reference = [], None
-    for tier in tiers:
-        cache = make_cache(model, tier)
-        start = time.perf_counter()
-        logprobs = teacher_forced(model, prefix_ids, target_ids, cache)
-        seconds = time.perf_counter() - start
-        nbytes = cache_bytes(cache)
-        if reference is None:
-            reference, raw = logprobs, nbytes["kv"]
-        loss = nll(logprobs, target_ids)
-        rows.append({"tier": tier.name, "options": None if tier.options is None else dict(tier.options), "note": tier.note,
-                     "kv_bytes": nbytes["kv"], "held_bytes": nbytes["held"], "kv_ratio": nbytes["kv"] / raw,
-                     "bits_per_value": 8 * nbytes["kv"] / (raw / torch.empty((), dtype=model.dtype).element_size()),
-                     "nll": loss, "ppl": math.exp(loss), "kl": mean_kl(reference, logprobs), "seconds": seconds})
-        print(f"  {tier.name}: ppl {rows[-1]['ppl']:.3f}  KL {rows[-1]['kl']:.2e}  ({seconds:.0f} s)", flush=True)
-    for row in rows:
-        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill: int, chunk: int) -> list[dict]:
+    """Run the raw cache and every tier in lockstep over ``batch (W, L)``; one row per tier (raw first)."""
+    tiers = [Candidate("raw", RAW)] + tiers
+    caches = [make_cache(model, c.tier) for c in tiers]
+    streams = [streaming(model, batch, cache, prefill, chunk) for cache in caches]
+    kl = torch.zeros(len(tiers), batch.shape[0], dtype=torch.float64)
+    nll = torch.zeros(len(tiers), batch.shape[0], dtype=torch.float64)
+    seconds = [0.0] * len(tiers)
+    for ref_step in _timed(streams[0], seconds, 0, model, RAW):
+        targets = batch[:, ref_step.targets]
+        nll[0] += token_nll(ref_step.logprobs, targets).sum(-1).double()
+        for i in range(1, len(tiers)):
+            step = _timed_next(streams[i], seconds, i, model, tiers[i].tier)
+            kl[i] += token_kl(ref_step.logprobs, step.logprobs).sum(-1).double()
+            nll[i] += token_nll(step.logprobs, targets).sum(-1).double()
+    scored = batch.shape[1] - prefill
+    values = cached_values(caches[0])
+    rows = []
+    for cand, cache, k, n, s in zip(tiers, caches, kl, nll, seconds, strict=True):
+        kv = cache_bytes(cache)["kv"]
+        reported = getattr(cache, "bits_per_value", None)
+        rows.append({
+            "tier": cand.tier.name, "family": cand.family, "options": None if cand.tier.options is None else
+            dict(cand.tier.options), "note": cand.tier.note, "kv_bytes_end": kv, "raw_values_end": values,
+            "bits_end": bits_per_value(kv, values), "reported_bits_per_value": reported() if callable(reported) else None,
+            "kl": float(k.sum() / (scored * batch.shape[0])), "kl_per_window": (k / scored).tolist(),
+            "nll": float(n.sum() / (scored * batch.shape[0])), "seconds": s,
+        })
+        rows[-1]["ppl"] = math.exp(rows[-1]["nll"])
+        rows[-1]["delta_ppl"] = rows[-1]["ppl"] - rows[0]["ppl"]
     return rows
+
+
+def _timed(stream, seconds: list[float], i: int, model: Any, tier: Tier):
+    while True:
+        try:
+            yield _timed_next(stream, seconds, i, model, tier)
+        except StopIteration:
+            return
+
+
+def _timed_next(stream, seconds: list[float], i: int, model: Any, tier: Tier):
+    start = time.perf_counter()
+    with prepared(model, tier):
+        step = next(stream)
+    seconds[i] += time.perf_counter() - start
+    return step
+
+
+def _kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a model config."""
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+
+
+def worst_bits(model: Any, tier: Tier, length: int, span: int = WORST_SPAN) -> dict[str, float | int]:
+    """The most bits/value over lengths ``length - span + 1 .. length`` (and at ``length``) when one cache of
+    ``tier`` (batch 1) is filled with random states by one prefill of ``length - span`` tokens, then token by token;
+    the raw ``DynamicCache`` fed the same way gives the values counted."""
+    if not 1 <= span < length:
+        raise ValueError(f"span must be in [1, length), got span={span}, length={length}")
+    layers, heads, head_dim = _kv_shape(model.config)
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(0)
+    cache, raw = make_cache(model, tier), make_cache(model, RAW)
+    worst, worst_at = -math.inf, None
+    for start, end in [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]:
+        for layer in range(layers):
+            k, v = (torch.randn(1, heads, end - start, head_dim, generator=gen).to(dtype) for _ in range(2))
+            cache.update(k, v, layer)
+            raw.update(k, v, layer)
+        if start == 0:
+            continue
+        bits = bits_per_value(cache_bytes(cache)["kv"], cached_values(raw))
+        if bits > worst:
+            worst, worst_at = bits, end
+    return {"bits_worst": worst, "worst_at": worst_at, "bits_at_length_decoded": bits}
+
+
+def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefill: int, chunk: int,
+              dtype: torch.dtype) -> dict:
+    from flashcodec_fx.pretrained import load_pretrained
+
+    model, tokenizer = load_pretrained(name, dtype=dtype)
+    texts = load_tokens(tokenizer, STREAMING_TEXTS)
+    batch = windows(texts, count, length)
+    ok, skipped = runnable(model, tiers)
+    layers, heads, head_dim = _kv_shape(model.config)
+    print(f"\n{name}: {layers} layers, {heads} KV heads, head_dim {head_dim}, {dtype}; {count} windows x {length} "
+          f"tokens (prefill {prefill}, chunks of {chunk}); {len(ok)} tiers; skipped: "
+          f"{[s['tier'] for s in skipped] or 'none'}", flush=True)
+    for s in skipped:
+        print(f"  skipped {s['tier']}: {s['reason']}", flush=True)
+    start = time.perf_counter()
+    rows = stream_all(model, batch, ok, prefill, chunk)
+    print(f"  streamed {len(rows)} caches in lockstep: {time.perf_counter() - start:.0f} s", flush=True)
+    for row, cand in zip(rows, [Candidate("raw", RAW)] + ok, strict=True):
+        row.update(worst_bits(model, cand.tier, length, min(WORST_SPAN, length - 1)))
+    print(markdown_table(rows, COLUMNS), flush=True)
+    return {"layers": layers, "kv_heads": heads, "head_dim": head_dim,
+            "layer_types": list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []),
+            "texts": {t: str(TEXTS[t].relative_to(TEXTS[t].parents[1])) for t in STREAMING_TEXTS},
+            "text_tokens": [int(t.numel()) for t in texts], "rows": rows, "skipped": skipped}
+
+
+def plot(result: Mapping[str, Any], path: Path) -> Path:
+    """Bits/value vs KL (log scale), one curve per method family, one panel per model; lossless tiers (KL <= 1e-7)
+    cannot sit on a log axis and are left out (listed in the JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.2), squeeze=False)
+    markers = {"KIVI": "s", "TurboQuant-style": "^", "quanto": "D", FLASHCODEC: "o"}
+    for ax, (model, data) in zip(axes[0], models.items(), strict=True):
+        families: dict[str, list[dict]] = {}
+        for row in data["rows"]:
+            if row["family"] != "raw" and row["kl"] > 1e-7:
+                families.setdefault(row["family"], []).append(row)
+        for family, rows in families.items():
+            rows = sorted(rows, key=lambda r: r["bits_end"])
+            ax.plot([r["bits_end"] for r in rows], [r["kl"] for r in rows], marker=markers.get(family, "*"),
+                    label=family, linewidth=1.5 if family.startswith(FLASHCODEC) else 1)
+            for r in rows:
+                ax.annotate(r["tier"].removeprefix("flashcodec "), (r["bits_end"], r["kl"]), fontsize=7,
+                            textcoords="offset points", xytext=(4, 4))
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per cached value (as stored, bf16 = 16; at the end of the windows)")
+        ax.set_ylabel("KL(raw || tier), nats/token")
+        p = result["protocol"]
+        ax.set_title(f"{model}: {p['windows']} x {p['window_tokens']} tokens, prefill {p['prefill']}, chunks {p['chunk']}",
+                     fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 short windows (smoke run, about a minute)")
-    parser.add_argument("--model", default=None, help="model for load_pretrained (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--windows", type=int, default=None, help="number of windows (default 4; quick 2)")
-    parser.add_argument("--prefix", type=int, default=None, help="prefill tokens per window (default 192; quick 64)")
-    parser.add_argument("--target", type=int, default=None, help="teacher-forced tokens per window (default 48; quick 16)")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ppl.json)")
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), default=None,
+                        help="model(s) to run (default: both; --quick: smollm2)")
+    parser.add_argument("--quick", action="store_true", help="2 windows x 256 tokens on SmolLM2: about a minute")
+    parser.add_argument("--windows", type=int, default=None, help="windows per model (default 6; quick 2)")
+    parser.add_argument("--window-tokens", type=int, default=None, help="tokens per window (default 1024; quick 256)")
+    parser.add_argument("--prefill", type=int, default=128, help="exact prefill tokens per window (default 128)")
+    parser.add_argument("--chunk", type=int, default=16, help="tokens per streamed chunk (default 16)")
+    parser.add_argument("--tiers", nargs="+", default=None, metavar="NAME",
+                        help="only these tiers or families (e.g. KIVI-2 'TurboQuant-style' flashcodec)")
+    parser.add_argument("--tier-json", action="append", default=[], metavar="JSON",
+                        help='extra tier: \'{"name": ..., "options": {FlashCodecCache options}}\' (repeatable)')
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="model dtype (default bfloat16: a raw cache is 16 bits/value)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small ops on a shared "
+                        "2-core machine run faster on one thread)")
+    parser.add_argument("--out", default=None, help="JSON path (default results/ppl.json for the full default run, "
+                        "results/ppl_experiment.json otherwise)")
+    parser.add_argument("--plot", default=None, help="plot path (default next to the JSON: frontier.png for ppl.json)")
+    parser.add_argument("--plot-only", action="store_true", help="only redraw the plot from the JSON (--out)")
     args = parser.parse_args(argv)
-    count = args.windows or (2 if args.quick else 4)
-    prefix = args.prefix or (64 if args.quick else 192)
-    target = args.target or (16 if args.quick else 48)
-    if min(count, prefix, target) < 1:
-        parser.error("--windows, --prefix and --target must be >= 1")
-
-    from flashcodec_fx.pretrained import load_pretrained
-
-    model, tokenizer = load_pretrained(args.model, dtype=torch.float32)
-    ids = torch.tensor(tokenizer(CORPUS.read_text())["input_ids"], dtype=torch.int64)
-    batch = windows(ids, count, prefix + target)
-    peers, skipped = peer_tiers(model)
-    print(f"corpus {ids.numel()} tokens; {count} windows x ({prefix} prefill + {target} teacher-forced); "
-          f"peers skipped: {[s['tier'] for s in skipped] or 'none'}", flush=True)
-    rows = run(model, batch, prefix, codec_tiers() + peers)
-    print(markdown_table(rows, COLUMNS))
-    path = write_result("ppl", {
-        "model": args.model or "SmolLM2-135M-Instruct", "dtype": "float32", "corpus": str(CORPUS.relative_to(HERE.parent)),
-        "corpus_tokens": ids.numel(), "windows": count, "prefix_tokens": prefix, "target_tokens": target,
-        "quick": args.quick,
-        "method": "windows batched; prefix prefilled exactly, target teacher-forced token by token through the cache; "
-                  "ppl over all target tokens; KL(raw || tier) averaged over target positions; kv_bytes at the end",
-        "rows": rows, "skipped_peers": skipped,
-    }, out=args.out)
-    print(f"wrote {path}")
+    shape = QUICK if args.quick else FULL
+    count, length = args.windows or shape["windows"], args.window_tokens or shape["window_tokens"]
+    default_run = not (args.quick or args.tiers or args.tier_json or args.model or args.windows or args.window_tokens
+                       or args.prefill != 128 or args.chunk != 16 or args.dtype != "bfloat16")
+    out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if default_run or args.plot_only else "ppl_experiment.json")
+    plot_path = Path(args.plot) if args.plot else out.with_name("frontier.png" if out.name == "ppl.json" else f"{out.stem}.png")
+    if args.plot_only:
+        print(f"wrote {plot(json.loads(out.read_text()), plot_path)}")
+        return
+    if count < 1 or length < 2 or not 1 <= args.prefill < length or args.chunk < 1:
+        parser.error(f"need windows >= 1, 1 <= prefill < window tokens, chunk >= 1; got windows={count}, "
+                     f"window tokens={length}, prefill={args.prefill}, chunk={args.chunk}")
+    try:
+        tiers = candidates(args.tiers, [json_tier(text) for text in args.tier_json])
+    except ValueError as err:
+        parser.error(str(err))
+    models = args.model or (["smollm2"] if args.quick else sorted(MODELS, key=list(MODELS).index))
+    dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    results = {MODELS[m]: run_model(MODELS[m], tiers, count, length, args.prefill, args.chunk, dtype) for m in models}
+    payload = {
+        "dtype": args.dtype, "raw_bits_per_value": torch.finfo(dtype).bits, "quick": args.quick,
+        "protocol": {"windows": count, "window_tokens": length, "prefill": args.prefill, "chunk": args.chunk,
+                     "scored_tokens_per_window": length - args.prefill, "worst_span": min(WORST_SPAN, length - 1)},
+        "method": "windows batched; prefill exact, then chunks through the cache (a call attends to its own new "
+                  "states exactly in every peer; flashcodec tiers as the package does); KL(raw || tier) per scored "
+                  "token, mean over all; bits = 8 * bytes kept / values the raw cache keeps; bits_end at the end of "
+                  "the windows, bits_worst over lengths L-127..L (one prefill of L-128 then token by token)",
+        "total_seconds": time.perf_counter() - start, "models": results,
+    }
+    path = write_result("ppl", payload, out=out)
+    print(f"\nwrote {path} and {plot(json.loads(path.read_text()), plot_path)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,7 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "benchmarks"))
-
-from kv_eval import (  # noqa: E402
+from flashcodec_fx.evaluate import (
     Tier,
     cache_bytes,
     greedy,
@@ -39,6 +35,7 @@ from kv_eval import (  # noqa: E402
     token_match,
 )
 
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"  # common.py: run metadata and JSON results
 DEFAULT_PROMPT = ("Explain to a curious twelve-year-old how a refrigerator keeps food cold. Describe the main parts, "
                   "what each one does, and why the back of the fridge feels warm.")
 SHOWN_TIER = "jpeg r=8 K=4 int8"
@@ -106,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.new_tokens < 2:
         parser.error(f"--new-tokens must be >= 2, got {args.new_tokens}")
 
+    sys.path.insert(0, str(BENCHMARKS))
     from common import write_result
 
     from flashcodec_fx.pretrained import load_pretrained

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import ops
+from . import _compat, ops  # noqa: F401  (_compat: torch version floor)
 from .cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
 from .codecs import Codec, JPEGCodec, PNGCodec, make_codec
 from .presets import DEFAULT_PRESET, PRESETS

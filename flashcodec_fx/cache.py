@@ -189,6 +189,10 @@ class CodecStream:
         outside any decode step) after compiled appends."""
         if self._stale and not torch.compiler.is_compiling():
             self._host_length, self._host_start, self._stale = int(self.state.length), int(self.state.start), False
+            if self.layout == "static" and self._host_length > self.max_length:
+                raise RuntimeError(f"static stream overflow: {self._host_length} tokens were appended but max_length="
+                                   f"{self.max_length}; tokens past the capacity were dropped. Guard the length in "
+                                   f"the caller of a compiled step, or reset() the stream")
         return self._host_length
 
     def crop(self, n: int) -> None:
@@ -322,9 +326,12 @@ def static_positions(key_codec: Codec, value_codec: Codec, max_length: int) -> i
     return key_codec.sinks + _ceil_div(max(0, max_length - key_codec.sinks), step) * step
 
 
-def _codec(name: str, codec, options: dict) -> Codec | None:
+def _codec(codec, options: dict) -> Codec | None:
+    """``codec``, or one built from codec options (as :func:`make_codec`; options left at None take the defaults)."""
+    options = {name: value for name, value in options.items() if value is not None}
     if codec is not None and options:
-        raise ValueError(f"pass {name} as a codec object or codec options, not both (got {sorted(options)})")
+        raise ValueError(f"pass either codecs (key_codec / value_codec) or codec options, not both (got "
+                         f"{sorted(options)})")
     if codec is None and not options:
         return None
     return make_codec(options.pop("mode", "jpeg"), **options) if codec is None else codec
@@ -336,9 +343,12 @@ class CodecKVCache:
 
     def __init__(self, key_codec: Codec | None = None, value_codec: Codec | None = None, layout: str = "dynamic",
                  max_length: int | None = None, memoize: bool = False, crop: str = "exact", **codec_options):
-        key_codec = _codec("key_codec", key_codec, dict(codec_options))
+        if value_codec is not None and codec_options:
+            raise ValueError("pass either codecs (key_codec / value_codec) or codec options, not both")
+        key_codec = _codec(key_codec, dict(codec_options))
         if key_codec is None:
-            raise ValueError("CodecKVCache needs a key codec or codec options (e.g. mode='jpeg', quant_bits=8)")
+            raise TypeError("CodecKVCache needs a codec (key_codec, see make_codec) or codec options, e.g. "
+                            "CodecKVCache(mode='jpeg', block_size=8, keep_freqs=8, quant_bits=8)")
         value_codec = key_codec if value_codec is None else value_codec
         positions = None
         if layout == "static" and isinstance(max_length, int) and isinstance(value_codec, Codec):

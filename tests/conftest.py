@@ -118,3 +118,20 @@ def cache_kwargs(cache) -> dict:
 def output_cache(output):
     """The cache of a ``generate(..., return_dict_in_generate=True)`` / ``forward`` output, across 5.x versions."""
     return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+def save_tiny_model(folder, family: str = "llama") -> None:
+    """Save ``fresh_tiny_model(family)`` with an offline character tokenizer (one printable character per id above
+    the pad / bos / unk ids, so any generated id shows as text) to ``folder``, loadable by
+    ``flashcodec_fx.pretrained.load_pretrained(folder)``."""
+    tok = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in map(chr, range(0x20, 0x250)) if c.isprintable()][: VOCAB - 3]
+    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    backend = tok.Tokenizer(tok.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tok.pre_tokenizers.Split("", "isolated")
+    backend.decoder = tok.decoders.Fuse()
+    fresh_tiny_model(family).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                            bos_token="<s>").save_pretrained(folder)

@@ -327,17 +327,6 @@ def test_static_reset_zeroes_in_place():
 # ---------------------------------------------------------------------------------------------------- construction
 
 
-def test_codec_options_as_keywords_build_both_streams():
-    cache = CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)
-    assert cache.keys.codec == cache.values.codec == make_codec("jpeg", block_size=8, keep_freqs=2)
-    k, v = cache.forward(torch.randn(1, 2, 20, D), torch.randn(1, 2, 20, D))
-    assert k.shape == v.shape == (1, 2, 20, D)
-    with pytest.raises(ValueError, match="not both"):
-        CodecKVCache(TIERS["png"], mode="jpeg")
-    with pytest.raises(ValueError, match="key codec or codec options"):
-        CodecKVCache()
-
-
 def test_static_streams_share_one_capacity():
     cache = CodecKVCache(TIERS["k-dct-channel"], TIERS["v-token-lloyd"], layout="static", max_length=50)
     x = torch.randn(1, 2, 3, D)
@@ -378,6 +367,34 @@ def test_bad_stream_options(kwargs, error, name):
         CodecStream(**kwargs)
 
 
+@pytest.mark.parametrize(("options", "codec"), [
+    ({"mode": "jpeg", "block_size": 8, "keep_freqs": 2}, make_codec("jpeg", block_size=8, keep_freqs=2)),
+    ({"mode": "jpeg", "keep_freqs": 4, "quant_bits": 8}, make_codec("jpeg", keep_freqs=4, quant_bits=8)),
+    ({"block_size": 16}, make_codec("jpeg", block_size=16)),
+    ({"mode": "png", "block_size": 4, "keep_ratio": 0.5}, make_codec("png", block_size=4, keep_ratio=0.5)),
+])
+def test_codec_options_as_keywords_build_the_same_codec_for_both_streams(options, codec):
+    cache = CodecKVCache(**options)
+    assert cache.keys.spec == cache.values.spec == codec.spec
+    x = grid_data((1, 2, 21, 8))
+    reference = CodecKVCache(codec)
+    for got, want in zip(cache.forward(x, x), reference.forward(x, x), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "match"), [
+    ((), {}, TypeError, "codec options"),
+    ((TIERS["png"],), {"mode": "jpeg"}, ValueError, "not both"),
+    ((), {"mode": "gif"}, ValueError, "mode"),
+    ((), {"mode": "jpeg", "keep_ratio": 0.5}, ValueError, "keep_ratio"),
+    ((), {"mode": "png", "keep_freqs": 2}, ValueError, "keep_freqs"),
+    ((), {"keep_freqs": 9}, ValueError, "keep_freqs"),
+])
+def test_bad_codec_keywords(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CodecKVCache(*args, **kwargs)
+
+
 BAD_NEW = {
     "wrong heads": (lambda: torch.randn(2, 3, 1, D), ValueError, rf"\(2, 2, T, {D}\)"),
     "wrong head_dim": (lambda: torch.randn(2, 2, 1, 8), ValueError, rf"\(2, 2, T, {D}\)"),
@@ -414,6 +431,25 @@ def test_static_overflow_is_rejected_before_any_state_change(fresh):
     # the rejected call allocated nothing: a fresh stream still takes any shape and dtype
     stream.append(torch.randn(1, 1, 5, 4, dtype=torch.float64 if fresh else torch.float32))
     assert stream.get_seq_length() == (5 if fresh else 20)
+
+
+def test_static_overflow_in_a_compiled_step_is_observable():
+    """A compiled step skips the host length check: the append op drops what lies past the capacity, keeps every
+    stored block intact, and the next host-side length query raises instead of returning a wrong length."""
+    stream = CodecStream(TIERS["jpeg-int8"], "static", max_length=20)
+    stream.append(torch.randn(1, 2, 18, 4))
+    archived = [t.clone() for t in stream.state]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(x):
+        stream.append(x)
+
+    step(torch.randn(1, 2, 9, 4))  # 27 > max_length = 20 (capacity 24)
+    assert int(stream.length) == 27
+    for now, then in zip(stream.state, archived, strict=True):
+        assert torch.equal(now[:, :, :2], then[:, :, :2])  # the blocks stored before are untouched
+    with pytest.raises(RuntimeError, match="max_length=20"):
+        stream.get_seq_length()
 
 
 def test_cache_append_rejects_mismatched_keys_and_values_before_any_change():

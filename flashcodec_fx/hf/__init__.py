@@ -6,9 +6,13 @@ implementation with transformers' AttentionInterface.
 
 from __future__ import annotations
 
-from .attention import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
-from .cache import FlashCodecCache, FlashCodecLayer
-from .patch import apply_flash_codec, compress_kv, remove_flash_codec
+from .._compat import require_transformers
+
+require_transformers()  # before any transformers import: an old release fails with the version and the fix
+
+from .attention import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention  # noqa: E402
+from .cache import FlashCodecCache, FlashCodecLayer  # noqa: E402
+from .patch import apply_flash_codec, compress_kv, remove_flash_codec  # noqa: E402
 
 __all__ = ["FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
            "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec"]

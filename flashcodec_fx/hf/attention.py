@@ -27,6 +27,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from .._compat import attn_implementation
+
 NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 DELEGATES = ("sdpa", "eager")
 
@@ -147,17 +149,18 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    current = model.config._attn_implementation
+    current = attn_implementation(model.config)
     if current == NAME:
         return
     if current not in DELEGATES:
         raise ValueError(f"apply_codec_attention needs a model using attn_implementation in {DELEGATES}, got {current!r}")
     configs = _configs(model)
     for config in configs:
-        _delegate_of[id(config)] = config._attn_implementation if config._attn_implementation in DELEGATES else current
+        own = attn_implementation(config)
+        _delegate_of[id(config)] = own if own in DELEGATES else current
     model.set_attn_implementation(NAME)
     model._flashcodec_previous_attn = current
-    if model.config._attn_implementation != NAME:
+    if attn_implementation(model.config) != NAME:
         remove_codec_attention(model)
         raise ValueError(f"{type(model).__name__} does not support switching its attention implementation")
 

@@ -28,6 +28,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from .. import _compat
 from ..cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
 from ..codecs import Codec
 from ..presets import with_preset
@@ -210,7 +211,7 @@ class FlashCodecLayer(CacheLayerMixin):
         for stream in (self.keys_stream, self.values_stream):
             for t in (*stream.state, stream.memo):
                 if t is not None:
-                    torch._dynamo.mark_static_address(t)
+                    _compat.mark_static_address(t)
         self._marked_static = True
 
     def read_view(self, new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

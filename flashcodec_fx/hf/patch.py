@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
-from ..passes.generate import check_compile, install_compile_config
+from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache
 from .attention import apply_codec_attention, remove_codec_attention
 from .cache import FlashCodecCache
+from .compile import check_compile, install_compile_config
 from .options import CACHE_OPTIONS, check_option_names, check_per_layer
 
-METHOD = "_prepare_cache_for_generation"
+METHOD = PREPARE_CACHE_METHOD
 T = TypeVar("T", bound=type)
 
 
@@ -59,7 +60,7 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
     bound = inspect.signature(native).bind(*args, **kwargs)
     model_kwargs, max_cache_length = bound.arguments["model_kwargs"], bound.arguments["max_cache_length"]
     generation_config = bound.arguments["generation_config"]
-    install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.passes.generate
+    install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.hf.compile
     wanted = getattr(generation_config, "cache_implementation", None)
     if wanted not in (None, "dynamic", "static") and not _user_cache(bound.arguments["model_kwargs"]):
         raise ValueError(f"flashcodec_fx replaces transformers' default dynamic and static caches; this generate() call "
@@ -72,7 +73,7 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
     if name is None:  # use_cache=False, or a model that brings its own cache
         return
     cache = model_kwargs[name]
-    if not getattr(cache, "_is_user_defined", False):
+    if not is_user_defined_cache(cache):
         cache = _codec_cache_for(model, options, cache, max_cache_length)
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
@@ -98,7 +99,7 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
     ``preset=NAME`` picks a preset (``flashcodec_fx.PRESETS``); other options override it. Attention runs on the
     stored form (the model switches to the ``"kvcodec"`` attention implementation) unless ``materialization_free=False``.
     ``compile=True`` (or a dict of ``flashcodec_fx.backend`` options, ``mode``, ``dynamic``) decodes through
-    ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.passes.generate``).
+    ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.hf.compile``).
     Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
     """
     _check_model(model)

@@ -59,36 +59,45 @@ def _set_mean(st: StreamState, codec: Codec, new: torch.Tensor) -> None:
     st.mean.copy_(torch.where(first, mean, st.mean))
 
 
+def write_prefix(store: torch.Tensor, first: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> None:
+    """``store[:, :, first + j] = values[:, :, j]`` where ``write[j]``, in place, every other slot unchanged.
+
+    ``store (B, H, N, ...)``, ``values (B, H, n, ...)``, ``write (n,)`` bool, a prefix (True then False) that is False
+    wherever ``first + j >= N``. One ``index_copy_`` of fixed shape: unwritten entries rewrite slot ``home`` with the
+    value it ends up with (``home = first``, clamped), so no slot gets two different values."""
+    n = values.shape[2]
+    if store.shape[2] == 0 or n == 0:
+        return
+    home = first.clamp(max=store.shape[2] - 1)
+    slots = torch.where(write, first + torch.arange(n, device=first.device), home)
+    keep = torch.where(write[0], values[:, :, 0], store.index_select(2, home[None])[:, :, 0])
+    pick = write.view(1, 1, n, *[1] * (values.dim() - 3))
+    store.index_copy_(2, slots, torch.where(pick, values, keep.unsqueeze(2)))
+
+
 def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                   memo: torch.Tensor | None) -> None:
-    """Encode the first groups of ``work`` (rows from position ``start``); archive those complete by ``end``.
-
-    Groups that are not archived are redirected to the first one's slot with the first one's value (new or kept),
-    so every index written holds one value (a deterministic ``index_copy_``)."""
+    """Encode the first groups of ``work`` (rows from position ``start``) and archive those complete by ``end``
+    that fit in the capacity (an overflowing append never writes past it)."""
     b, h, _, d = work.shape
     g, ng = codec.group, st.data.shape[2]
     n = completable_groups(work.shape[2] - codec.tail_capacity, g)
     enc = codec.encode(work[:, :, : n * g], st.mean)
-    k = torch.arange(n, device=work.device)
-    complete = start + (k + 1) * g <= end
     first = torch.div(start - codec.sinks, g, rounding_mode="floor")
-    slot0 = first.clamp(max=ng - 1)
-    slots = torch.where(complete, first + k, slot0)
+    k = torch.arange(n, device=work.device)
+    write = (start + (k + 1) * g <= end) & (first + k < ng)
     for store, fresh in zip(st[:4], enc, strict=True):
-        keep = torch.where(complete[0], fresh[:, :, 0], store.index_select(2, slot0[None])[:, :, 0])
-        pick = complete.view(1, 1, n, *[1] * (fresh.dim() - 3))
-        store.index_copy_(2, slots, torch.where(pick, fresh, keep.unsqueeze(2)))
+        write_prefix(store, first, fresh, write)
     if memo is not None:
         rows = codec.decode(enc, memo.dtype, st.mean).view(b, h, n, g, d)
-        view = memo[:, :, codec.sinks:].view(b, h, ng, g, d)
-        keep = torch.where(complete[0], rows[:, :, 0], view.index_select(2, slot0[None])[:, :, 0])
-        view.index_copy_(2, slots, torch.where(complete.view(1, 1, n, 1, 1), rows, keep.unsqueeze(2)))
-
+        write_prefix(memo[:, :, codec.sinks:].view(b, h, ng, g, d), first, rows, write)
 
 def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
     """Append ``new (B, H, T, D)`` to a stream (``state`` as in ``ops/state.py``, mutated in place).
 
-    The caller guarantees ``length + T <= capacity``; ``memo`` as in the module docstring.
+    ``memo`` as in the module docstring. Overflow (``length + T`` past the capacity, which the cache checks before
+    eager calls but a compiled step cannot): nothing is written past the capacity; ``length`` still advances, the
+    device-side record that tokens were dropped (``CodecStream`` raises on it when it next reads the length).
     """
     codec, st = check_append_args(state, new, spec, memo)
     t, dev = new.shape[2], new.device
@@ -104,7 +113,8 @@ def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, me
     old = torch.cat([st.tail, st.tail.new_zeros(*st.tail.shape[:2], t, st.tail.shape[3])], dim=2)
     work = torch.where(is_new.view(1, 1, -1, 1), new.index_select(2, token.clamp(0, t - 1)), old)
     if memo is not None:
-        memo.index_copy_(2, st.length + torch.arange(t, device=dev), new)
+        position = st.length + torch.arange(t, device=dev)
+        write_prefix(memo, st.length, new, position < memo.shape[2])
     new_start = advance(codec, start, end)
     _write_groups(codec, st, work, start, new_start, memo)
     shift = new_start - start + torch.arange(codec.tail_capacity, device=dev)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._validate import check_append_args
 from .append import touched_blocks
-from .triton_common import archive_block, codec_matrices, pow2, require_contiguous
+from .triton_common import BlockForm, archive_block, check_triton_limits, codec_matrices, pow2, require_contiguous
 
 
 @triton.jit
@@ -32,9 +32,11 @@ def _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w, d, off, T, r: tl.c
 
 @triton.jit
 def _archive_kernel(data_ptr, scale_ptr, index_ptr, tail_ptr, len_ptr, new_ptr, snb, snh, snt, memo_ptr, an_ptr,
-                    syn_ptr, H, NB, T, r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr,
-                    KR: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr,
-                    HAS_MEMO: tl.constexpr):
+                    syn_ptr, H, NB, T, D: tl.constexpr, DP: tl.constexpr, HAS_MEMO: tl.constexpr,
+                    r: tl.constexpr, R: tl.constexpr, IS_JPEG: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr,
+                    XR: tl.constexpr, KR: tl.constexpr):
+    """Program ``(bh, j)``: block ``first + j`` of head ``bh``, encoded and stored once complete (never past the
+    capacity ``NB``); the memo gets its decoded rows, or the raw rows of the open block."""
     bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     b = bh // H
@@ -48,17 +50,18 @@ def _archive_kernel(data_ptr, scale_ptr, index_ptr, tail_ptr, len_ptr, new_ptr, 
     w = j * r + i
     x = _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w, d, off, T, r, D)
     x_prev = x
-    if MODE == 1:
+    if not IS_JPEG:
         x_prev = _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w - 1, d, off, T, r, D)
     one = tl.zeros((1, 1), tl.int64)
     complete = (first + j + 1) * r + one <= end
-    rows = archive_block(x, x_prev, i, d, bh * NB + first + j, complete, an_ptr, syn_ptr, data_ptr, scale_ptr,
-                         index_ptr, r, D, XR, KR, MODE, R, QMAX, KEPT)
+    inside = first + j + one < NB  # never past the capacity: length > NB * r records the overflow
+    rows = archive_block(x, x_prev, i, d, bh * NB + first + j, complete & inside, an_ptr, syn_ptr, data_ptr, scale_ptr,
+                         index_ptr, D, r, R, IS_JPEG, QMAX, KEPT, XR, KR)
     if HAS_MEMO:
         is_open = (j + one == end // r - first) & (end % r + one != 0)
         rows = tl.where(complete, rows, x)
         tl.store(memo_ptr + bh * (NB * r * D) + ((first + j) * r + i) * D + d, rows.to(memo_ptr.dtype.element_ty),
-                 mask=(complete | is_open) & (i < r) & (d < D))
+                 mask=(complete | is_open) & inside & (i < r) & (d < D))
 
 
 @triton.jit
@@ -86,6 +89,7 @@ def triton_append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, 
     codec = check_append_args(data, scale, index, tail, length, new, spec, memo)
     b, h, t, d = new.shape
     r = codec.block_size
+    check_triton_limits(codec, d)
     require_contiguous(data=data, scale=scale, index=index, tail=tail, memo=memo)
     if new.stride(3) != 1:
         new = new.contiguous()
@@ -96,7 +100,6 @@ def triton_append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, 
     if b * h and t:
         _archive_kernel[(b * h, touched_blocks(t, r))](
             data, scale, index, tail, length, new, *strides, tail if memo is None else memo, an, syn, h, nb, t,
-            r=r, D=d, DP=dp, XR=pow2(r, 16), KR=pow2(codec.rows, 16), MODE=codec.mode, R=codec.rows,
-            QMAX=127 if codec.quant_bits else 0, KEPT=codec.index_rows, HAS_MEMO=memo is not None)
+            D=d, DP=dp, HAS_MEMO=memo is not None, **BlockForm.of(codec).constexprs())
         _tail_kernel[(b * h,)](tail, length, new, *strides, h, t, r=r, D=d, DP=dp, RP=pow2(r))
     length.add_(t)

@@ -12,45 +12,56 @@ import triton
 import triton.language as tl
 
 from ._validate import check_length, check_state, spec_codec
-from .triton_common import archive_block, codec_matrices, pow2, require_contiguous, stored_rows
+from .triton_common import (
+    BlockForm,
+    archive_block,
+    check_triton_limits,
+    codec_matrices,
+    pow2,
+    require_contiguous,
+    stored_rows,
+)
 
 
 @triton.jit
-def _encode_kernel(x_ptr, sxb, sxh, sxs, an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr, H, NB,
-                   r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr,
-                   MODE: tl.constexpr, R: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr):
-    """One block of ``x`` -> its stored rows (MODE: 0 jpeg, 1 png)."""
+def _encode_kernel(x_ptr, sxb, sxh, sxs, sxd, an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr, H, NB,
+                   D: tl.constexpr, DP: tl.constexpr,
+                   r: tl.constexpr, R: tl.constexpr, IS_JPEG: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr,
+                   XR: tl.constexpr, KR: tl.constexpr):
+    """One block of ``x`` (any strides) -> its stored rows."""
     blk = tl.program_id(0).to(tl.int64)
     bh = blk // NB
     n = blk % NB
     i = tl.arange(0, XR)[:, None]
     d = tl.arange(0, DP)[None, :]
-    base = x_ptr + (bh // H) * sxb + (bh % H) * sxh + d
+    base = x_ptr + (bh // H) * sxb + (bh % H) * sxh + d.to(tl.int64) * sxd
     x = tl.load(base + (n * r + i) * sxs, mask=(i < r) & (d < D), other=0.0).to(tl.float32)
     x_prev = x
-    if MODE == 1:
+    if not IS_JPEG:
         x_prev = tl.load(base + (n * r + i - 1) * sxs, mask=(i >= 1) & (i < r) & (d < D), other=0.0).to(tl.float32)
     archive_block(x, x_prev, i, d, blk, tl.full((1, 1), 1, tl.int1), an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr,
-                  r, D, XR, KR, MODE, R, QMAX, KEPT)
+                  D, r, R, IS_JPEG, QMAX, KEPT, XR, KR)
 
 
 @triton.jit
 def _decode_kernel(data_ptr, scale_ptr, index_ptr, syn_ptr, tail_ptr, len_ptr, out_ptr, NB,
-                   r: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr,
-                   MODE: tl.constexpr, R: tl.constexpr, QUANT: tl.constexpr, KEPT: tl.constexpr, READ: tl.constexpr):
+                   D: tl.constexpr, DP: tl.constexpr, READ: tl.constexpr,
+                   r: tl.constexpr, R: tl.constexpr, IS_JPEG: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr,
+                   XR: tl.constexpr, KR: tl.constexpr):
+    """One stored block -> its ``r`` rows of ``out``; ``READ``: rows at and past the device length's open block
+    come from the raw tail (zeros past the length)."""
     blk = tl.program_id(0).to(tl.int64)
     bh = blk // NB
     n = blk % NB
     i = tl.arange(0, XR)[:, None]
     d = tl.arange(0, DP)[None, :]
-    if MODE == 0:
+    if IS_JPEG:
         k = tl.arange(0, KR)
-        rows = stored_rows(data_ptr, scale_ptr, index_ptr, blk, k[:, None], d, (k < R)[:, None], R, D, QUANT,
-                           False, 0)
+        rows = stored_rows(data_ptr, scale_ptr, index_ptr, blk, k[:, None], d, (k < R)[:, None], R, D, QMAX > 0, 0)
         syn = tl.load(syn_ptr + i * R + k[None, :], mask=(i < r) & (k[None, :] < R), other=0.0)
         x = tl.dot(syn, rows, input_precision="ieee")
     else:
-        rows = stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, i < r, R, D, False, KEPT > 0, KEPT)
+        rows = stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, i < r, R, D, False, KEPT)
         x = tl.cumsum(rows, axis=0)
     pos = n * r + i
     if READ:
@@ -62,13 +73,9 @@ def _decode_kernel(data_ptr, scale_ptr, index_ptr, syn_ptr, tail_ptr, len_ptr, o
     tl.store(out_ptr + bh * (NB * r * D) + pos * D + d, x.to(out_ptr.dtype.element_ty), mask=(i < r) & (d < D))
 
 
-def _shape_args(codec) -> dict:
-    return {"r": codec.block_size, "XR": pow2(codec.block_size, 16), "KR": pow2(codec.rows, 16), "MODE": codec.mode,
-            "R": codec.rows}
-
-
 def triton_encode(x: torch.Tensor, spec: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton ``flashcodec::encode``: ``x (B, H, NB * r, D)`` -> ``(data, scale, index)`` as in ``codecs.Encoded``.
+    """Triton ``flashcodec::encode``: ``x (B, H, NB * r, D)``, any strides -> ``(data, scale, index)`` as in
+    ``codecs.Encoded`` (contiguous).
 
     Quantized codes may differ from the reference by one step where a coefficient lands within an fp32 rounding
     of a half-step boundary (the DCT sums run in another order); pruned png keeps the same deltas as the
@@ -80,23 +87,23 @@ def triton_encode(x: torch.Tensor, spec: list[int]) -> tuple[torch.Tensor, torch
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     b, h, s, d = x.shape
+    check_triton_limits(codec, d)
     nb = s // codec.block_size
     data, scale, index = codec.empty_state((b, h), nb, d, x.dtype, x.device)
     if data.numel():
         syn, an = codec_matrices(codec, x.device)
-        _encode_kernel[(b * h * nb,)](x, x.stride(0), x.stride(1), x.stride(2), an, syn, data, scale, index, h, nb,
-                                      D=d, DP=pow2(d, 16), QMAX=127 if codec.quant_bits else 0,
-                                      KEPT=codec.index_rows, **_shape_args(codec))
+        _encode_kernel[(b * h * nb,)](x, *x.stride(), an, syn, data, scale, index, h, nb, D=d, DP=pow2(d, 16),
+                                      **BlockForm.of(codec).constexprs())
     return data, scale, index
 
 
 def _launch_decode(codec, data, scale, index, tail, length, out, read: bool) -> torch.Tensor:
     b, h, nb, _, d = data.shape
+    check_triton_limits(codec, d)
     if out.numel():
         syn, _ = codec_matrices(codec, data.device)
-        _decode_kernel[(b * h * nb,)](data, scale, index, syn, tail, length, out, nb, D=d, DP=pow2(d, 16),
-                                      QUANT=bool(codec.quant_bits), KEPT=codec.index_rows, READ=read,
-                                      **_shape_args(codec))
+        _decode_kernel[(b * h * nb,)](data, scale, index, syn, tail, length, out, nb, D=d, DP=pow2(d, 16), READ=read,
+                                      **BlockForm.of(codec).constexprs())
     return out
 
 

@@ -1,18 +1,27 @@
-"""Shared pieces of the Triton kernels: device-cached codec matrices, tile sizes, and the stored-row loader.
+"""Shared pieces of the Triton kernels: the codec as constexprs, device-held codec matrices, the Triton path's
+limits, and the stored-row loader.
 
 Every kernel works on the dense stored rows ``S`` of a block (``X = A @ S``): int8 codes are dequantized
 and pruned png deltas are scattered to their positions in registers, so no kernel ever writes ``S`` out.
+One loader per stored form (:func:`stored_rows`), one encoder (:func:`archive_block`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..codecs import Codec, dct_basis
+from ..codecs import JPEG, Codec, dct_basis
+from ..codecs.quant import qmax
+
+# What the Triton path accepts (launchers raise a ValueError naming the limit; the reference ops take more):
+MAX_BLOCK_SIZE = 64  # a block's rows and a tile's positions live in registers
+MAX_PRUNED_BLOCK_SIZE = 16  # pruned png ranks deltas with an (r, r, D) comparison and unrolls one loop per kept delta
+MAX_HEAD_DIM = 256  # one program holds a block's whole head_dim (the int8 scale is an amax over it)
 
 
 def pow2(n: int, least: int = 1) -> int:
@@ -20,20 +29,82 @@ def pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(max(1, n)))
 
 
-@functools.lru_cache(maxsize=64)
-def _matrices(spec: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def check_triton_limits(codec: Codec, head_dim: int, name: str = "spec") -> None:
+    """Raise a ValueError when ``codec`` / ``head_dim`` exceed what the Triton kernels take (see the constants)."""
+    r = codec.block_size
+    if r > MAX_BLOCK_SIZE:
+        raise ValueError(f"{name}: the Triton kernels take block_size <= {MAX_BLOCK_SIZE}, got {r}")
+    if codec.index_rows and r > MAX_PRUNED_BLOCK_SIZE:
+        raise ValueError(f"{name}: the Triton kernels take pruned png (keep_ratio < 1) with block_size <= "
+                         f"{MAX_PRUNED_BLOCK_SIZE}, got {r}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """One codec as the constexprs of the kernels that encode or decode whole blocks.
+
+    ``r`` tokens per block, ``rows`` stored rows (``R``), ``is_jpeg`` (else png), ``qmax`` the largest int code
+    (0: not quantized), ``kept`` the kept deltas of a pruned png (0: not pruned); ``XR``/``KR`` the register
+    tiles of a block's tokens and of its stored rows (>= 16: ``tl.dot``'s minimum).
+    """
+
+    r: int
+    rows: int
+    is_jpeg: bool
+    qmax: int
+    kept: int
+
+    @classmethod
+    def of(cls, codec: Codec) -> BlockForm:
+        return cls(codec.block_size, codec.rows, codec.mode == JPEG, qmax(codec.quant_bits) if codec.quant_bits else 0,
+                   codec.index_rows)
+
+    def constexprs(self) -> dict[str, int | bool]:
+        return {"r": self.r, "R": self.rows, "IS_JPEG": self.is_jpeg, "QMAX": self.qmax, "KEPT": self.kept,
+                "XR": pow2(self.r, 16), "KR": pow2(self.rows, 16)}
+
+
+@dataclass(frozen=True)
+class StoredForm:
+    """How one stream's blocks are read by attention: ``rows`` stored rows, ``dense`` rows of ``S`` (``A``'s
+    columns), ``quant`` (int8 codes, one fp32 scale per stored row), ``kept`` (pruned png: kept deltas, else 0)."""
+
+    rows: int
+    dense: int
+    quant: bool
+    kept: int
+
+    @classmethod
+    def of(cls, codec: Codec) -> StoredForm:
+        return cls(codec.rows, codec.dense_rows, bool(codec.quant_bits), codec.index_rows)
+
+    def constexprs(self, prefix: str) -> dict[str, int | bool]:
+        """``{prefix}_ROWS, _DENSE, _DENSE_P`` (the dense rows' power-of-two tile), ``_QUANT, _KEPT``."""
+        return {f"{prefix}_ROWS": self.rows, f"{prefix}_DENSE": self.dense, f"{prefix}_DENSE_P": pow2(self.dense),
+                f"{prefix}_QUANT": self.quant, f"{prefix}_KEPT": self.kept}
+
+
+@functools.cache
+def _matrices(spec: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     from ..codecs import codec_from_spec
 
     codec = codec_from_spec(list(spec))
     synthesis = codec.synthesis("cpu").contiguous()
-    analysis = dct_basis(codec.block_size, "cpu")[: codec.rows].contiguous() if codec.mode == 0 else synthesis
+    analysis = dct_basis(codec.block_size, "cpu")[: codec.rows].contiguous() if codec.mode == JPEG else synthesis
     return synthesis.to(device), analysis.to(device)
 
 
-def codec_matrices(codec: Codec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, M)`` fp32 on ``device``, cached so a call inside a CUDA graph capture never copies from the host:
-    ``A (r, R_dense)`` synthesis, ``M (K, r)`` the jpeg analysis (png: unused, A again)."""
-    return _matrices(tuple(codec.spec), str(device))
+def codec_matrices(codec: Codec, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, M)`` fp32 on ``device``: ``A (r, R_dense)`` synthesis, ``M (K, r)`` the jpeg analysis (png: A again).
+
+    Cached per (codec, device) for the process: the first call copies from the host, so it must not happen inside
+    a CUDA-graph capture; ``CodecStream`` makes that call when it allocates its storage (see :func:`prepare`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _matrices(tuple(codec.spec), device)
 
 
 def dot_dtype(*dtypes: torch.dtype) -> tl.dtype:
@@ -57,15 +128,16 @@ def require_contiguous(**tensors: torch.Tensor) -> None:
 
 @triton.jit
 def stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, valid,
-                R: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, PRUNED: tl.constexpr, KEPT: tl.constexpr):
+                R: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, KEPT: tl.constexpr):
     """Dense fp32 stored rows ``S[blk, i, d]`` of contiguous ``(..., NB, R, D)`` storage, zero where not ``valid``.
 
-    ``blk``: linear block ids (``(b * H + h) * NB + n``), ``i``: dense row in the block, ``d``: channel, all
-    broadcastable to the tile. Pruned png (``PRUNED``): dense row ``i >= 1`` is the delta at position ``i - 1``,
-    found among the ``KEPT`` stored deltas by their uint8 index.
+    ``blk``: linear block ids (``(b * H + h) * NB + n``, int64), ``i``: dense row in the block, ``d``: channel,
+    all broadcastable to the tile. ``QUANT``: int8 codes times their row's fp32 scale. Pruned png
+    (``KEPT > 0``): dense row ``i >= 1`` is the delta at position ``i - 1``, found among the ``KEPT`` stored
+    deltas by their uint8 index.
     """
     ok = valid & (d < D)
-    if PRUNED:
+    if KEPT > 0:
         rows = tl.load(data_ptr + blk * (R * D) + d, mask=ok & (i == 0), other=0.0).to(tl.float32)
         for m in tl.static_range(KEPT):
             where = tl.load(index_ptr + blk * (KEPT * D) + m * D + d, mask=ok & (i > 0), other=255).to(tl.int32)
@@ -76,6 +148,7 @@ def stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, valid,
         if QUANT:
             rows = rows * tl.load(scale_ptr + blk * R + i, mask=valid & (i < R), other=0.0)
     return rows
+
 
 @triton.jit
 def _round_half_even(x):
@@ -88,18 +161,19 @@ def _round_half_even(x):
 
 @triton.jit
 def archive_block(x, x_prev, i, d, blk, store_ok, an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr,
-                  r: tl.constexpr, D: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr, MODE: tl.constexpr,
-                  R: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr):
+                  D: tl.constexpr, r: tl.constexpr, R: tl.constexpr, IS_JPEG: tl.constexpr, QMAX: tl.constexpr,
+                  KEPT: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr):
     """Encode one block and store it where ``store_ok`` (a ``(1, 1)`` tensor); returns its decoded fp32 rows ``(XR, DP)``.
 
     ``x (XR, DP)``: fp32 rows ``i`` of the block (zero past ``r``); ``x_prev``: rows ``i - 1`` (png only).
-    jpeg (``MODE == 0``): ``C = M @ x`` (``M`` the ``(R, r)`` analysis matrix), int8 codes with a per-row scale
+    jpeg: ``C = M @ x`` (``M`` the ``(R, r)`` analysis matrix), int8 codes with a per-row scale ``amax / QMAX``
     when ``QMAX > 0``, else ``C`` in the storage dtype. png: anchor + deltas in fp32; ``KEPT > 0`` keeps the
     ``KEPT`` largest deltas per channel (ties to the earlier position), in decreasing magnitude order.
-    The decoded rows are what ``codec.decode`` rebuilds from the stored values.
+    The decoded rows are what ``codec.decode`` rebuilds from the stored values. (``BlockForm`` holds the
+    constexprs after ``D``.)
     """
     ok_d = d < D
-    if MODE == 0:
+    if IS_JPEG:
         k = tl.arange(0, KR)[:, None]
         an = tl.load(an_ptr + k * r + tl.arange(0, XR)[None, :], mask=(k < R) & (tl.arange(0, XR)[None, :] < r),
                      other=0.0)

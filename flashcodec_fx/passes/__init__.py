@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
-
+from .. import _compat
 from .backend import FlashCodecBackend, backend, flashcodec_backend
 from .compile import compile_model
 from .sdpa_over_cache import MaterializationError, PassReport, SDPAOverCachePass
 
-if "flashcodec" not in _COMPILER_FNS and "flashcodec" not in entry_points(group="torch_dynamo_backends").names:
-    register_backend(flashcodec_backend, name="flashcodec")  # not installed: the entry point cannot do it
+if "flashcodec" not in _compat.COMPILER_FNS and "flashcodec" not in entry_points(group="torch_dynamo_backends").names:
+    _compat.register_backend(flashcodec_backend, name="flashcodec")  # not installed: the entry point cannot do it
 
 __all__ = ["FlashCodecBackend", "MaterializationError", "PassReport", "SDPAOverCachePass", "backend",
            "compile_model", "flashcodec_backend"]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import _compat
 from .sdpa_over_cache import SDPAOverCachePass
 
 OWN_OPTIONS = ("strict", "debug", "inductor")
@@ -39,42 +40,35 @@ class FlashCodecBackend:
     def config_patches(self, mode: str | None = None, options: dict | None = None) -> dict:
         """Inductor config for one compile: the mode's options, then ``options``, then this pass prepended to
         any ``post_grad_custom_pre_pass`` already configured."""
-        from torch._inductor import config, list_mode_options
-
         mode = mode or self.mode
-        patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
+        patches = dict(_compat.list_mode_options(mode)) if mode and mode != "default" else {}
         patches.update(self.options)
         patches.update(options or {})
-        user = patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
+        user = patches.get("post_grad_custom_pre_pass", _compat.inductor_config.post_grad_custom_pre_pass)
         user = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
         patches["post_grad_custom_pre_pass"] = [self.pass_, *(p for p in user if p is not self.pass_)]
         return patches
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str | None = None,
                  options: dict | None = None) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
-
         options = dict(options or {})
         own = {key: options.pop(key) for key in OWN_OPTIONS if key in options}
         mine = {"strict": self.pass_.strict, "debug": self.pass_.debug, "inductor": self.inductor}
         target = self if not own else FlashCodecBackend(**{**mine, **own}, mode=self.mode, options=self.options)
         if not target.inductor:
             return target._pass_only(gm, example_inputs)
-        return compile_fx(gm, example_inputs, config_patches=target.config_patches(mode, options))
+        return _compat.compile_fx(gm, example_inputs, config_patches=target.config_patches(mode, options))
 
     def _pass_only(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
         """AOTAutograd with Inductor's decompositions, this pass on the functionalized graph, then eager execution:
         the same graph the Inductor path rewrites, without code generation (fast; for checks and debugging)."""
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._inductor.decomposition import select_decomp_table
-
         def run_pass(graph_module: torch.fx.GraphModule, _inputs) -> Callable:
             self.pass_(graph_module.graph)
             graph_module.graph.lint()
             graph_module.recompile()
             return graph_module
 
-        return aot_autograd(fw_compiler=run_pass, decompositions=select_decomp_table())(gm, example_inputs)
+        return _compat.aot_autograd(fw_compiler=run_pass, decompositions=_compat.select_decomp_table())(gm, example_inputs)
 
     def __deepcopy__(self, memo: dict) -> FlashCodecBackend:
         """Shared, not copied (transformers deep-copies generation configs): ``pass_.reports`` stay observable."""

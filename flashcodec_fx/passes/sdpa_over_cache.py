@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch._guards import detect_fake_mode
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
 
 from .. import ops  # noqa: F401  (registers torch.ops.flashcodec)
+from .._compat import CustomGraphPass, detect_fake_mode, get_hash_for_files
 from . import match
 from .match import DECODE, READ, NoMatch, NotCodec, SDPACall, bind_sdpa, trace_kv
 

@@ -153,6 +153,8 @@ def test_storage_counts_every_part(view):
     assert (total["memo"] > 0) == view  # the stored-form path keeps no decoded view
     assert total["raw_equivalent"] == 2 * 2 * B * H * 21 * D * 4
     assert 0 < total["archive_used"] < total["raw_equivalent"]
+    assert type(cache.storage_bytes()) is int
+    assert cache.storage_bytes() == sum(cache.layers[i].storage_bytes() for i in range(2))
     per_layer = cache.storage_breakdown(per_layer=True)
     assert sorted(per_layer) == [0, 1] and sum(r["total"] for r in per_layer.values()) == total["total"]
     # 16 tokens in full int8 groups (8 + 16 * 8 / 16 bits at D=16), 5 raw fp32 tokens

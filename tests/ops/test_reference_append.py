@@ -157,3 +157,14 @@ def test_rejected_append_op_mutates_nothing(case):
         ops.append(**args)
     after = [t for t in args.values() if isinstance(t, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("r", [2, 4, 8, 16])
+def test_touched_blocks_is_the_exact_bound(r):
+    """The blocks an append of T tokens can touch, over every offset: no idle block is encoded or launched
+    (a single decode token touches exactly one)."""
+    from flashcodec_fx.ops import touched_blocks
+
+    for t in range(1, 3 * r + 2):
+        assert touched_blocks(t, r) == max((off + t - 1) // r + 1 for off in range(r))
+    assert touched_blocks(1, r) == 1

@@ -68,3 +68,52 @@ def test_append_without_memo_and_validation(device):
     with pytest.raises(ValueError, match="memo must be"):
         triton_append(*state[:5], x, c.spec, torch.zeros(1, device=device))
     assert all(torch.equal(a, b) for a, b in zip(before, state[:5], strict=True))  # nothing changed
+
+
+
+def _overflow(c, device, batch: int, guard: bool):
+    """Two appends into a ``batch x 1`` head static archive of 2 blocks, the second past the capacity. With
+    ``guard`` the state tensors are views of buffers one block longer, filled with a sentinel."""
+    r, blocks, d = c.block_size, 2, 16
+    extra = 1 if guard else 0
+    bufs = list(c.empty_state((batch, 1), blocks + extra, d, torch.float32, device))
+    bufs.append(torch.zeros(batch, 1, (blocks + extra) * r, d, device=device))
+    for t in bufs:
+        t.fill_(7)
+    state = [t[:, :, :blocks] for t in bufs[:3]] + [bufs[3][:, :, : blocks * r]]
+    for t in state:
+        t.zero_()
+    guard_before = [t[:, :, s.shape[2]:].clone() for t, s in zip(bufs, state, strict=True)]
+    data, scale, index, memo = state
+    tail = torch.zeros(batch, 1, r, d, device=device)
+    length = torch.zeros((), dtype=torch.int64, device=device)
+    got = [data, scale, index, tail, length, memo]
+    want = _fresh(c, torch.float32, "cpu", blocks, True) if batch == 2 else None
+    if want is None:
+        want = [t[:1] if t.dim() else t for t in _fresh(c, torch.float32, "cpu", blocks, True)]
+    x = smooth(batch, 1, 2 * blocks * r + 5, d, torch.float32, "cpu", seed=6)
+    for lo, hi in ((0, blocks * r - 3), (blocks * r - 3, x.shape[2])):
+        triton_append(*got[:5], *to(device, x[:, :, lo:hi]), c.spec, got[5])
+        torch.ops.flashcodec.append(*want[:5], x[:, :, lo:hi], c.spec, want[5])
+    guard_after = [t[:, :, s.shape[2]:] for t, s in zip(bufs, state, strict=True)]
+    return got, want, guard_before, guard_after, x.shape[2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["jpeg_k8_int8", "png_pruned", "png_r4"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_overflow_writes_nothing_past_capacity(device, tier, batch):
+    """Appending past a static capacity (a compiled step skips the host check): no store lands past the buffers
+    (batch 1: a sentinel block after each) or in the next head's blocks (batch 2: the reference agrees), the
+    reference writes nothing out of range either, and the length records the overflow."""
+    c = codec(tier)
+    got, want, guard_before, guard_after, total = _overflow(c, device, batch, guard=batch == 1)
+    assert int(got[4]) == int(want[4]) == total > 2 * c.block_size  # the overflow is recorded in the length
+    rows_got = c.stored_rows(Encoded(*(t.cpu() for t in got[:3])))
+    rows_want = c.stored_rows(Encoded(*want[:3]))
+    step = float(want[1].amax()) if c.quant_bits else 0.0
+    torch.testing.assert_close(rows_got, rows_want, atol=1e-5 + step, rtol=1e-5)
+    torch.testing.assert_close(got[5].cpu(), want[5], atol=1e-5 + step, rtol=1e-5)
+    assert torch.equal(got[3].cpu(), want[3])
+    for before, after in zip(guard_before, guard_after, strict=True):
+        assert torch.equal(after, before)

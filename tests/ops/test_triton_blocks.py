@@ -78,3 +78,43 @@ def test_launchers_validate_like_the_reference(device):
         triton_decode(data, scale[..., :1], index, c.spec, torch.float32)
     with pytest.raises(ValueError, match="length"):
         triton_read(data, scale, index, x[:, :, : c.block_size], torch.zeros(1, dtype=torch.int64, device=device), c.spec)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["jpeg_k8_int8", "png_pruned"])
+def test_encode_takes_any_strides(device, tier):
+    """x with head_dim not innermost (a transposed buffer) and with a channel stride of 2 (a slice): encoded as
+    its contiguous copy is."""
+    c = codec(tier)
+    x = smooth(2, 1, 2 * c.block_size, 16, torch.float32, "cpu", seed=7)
+    for view in (x.transpose(2, 3).contiguous().transpose(2, 3), torch.stack([x, -x], -1).flatten(-2)[..., ::2]):
+        assert view.stride(3) != 1 and torch.equal(view, x)
+        got = triton_encode(*to(device, view), c.spec)
+        want = triton_encode(*to(device, x), c.spec)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launchers_name_the_triton_limits(device):
+    """Shapes past the Triton path's register tiles fail with a ValueError naming the limit, before any work."""
+    from flashcodec_fx.codecs import make_codec
+    from flashcodec_fx.ops.triton_append import triton_append
+    from flashcodec_fx.ops.triton_common import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_PRUNED_BLOCK_SIZE
+
+    pruned = make_codec("png", block_size=2 * MAX_PRUNED_BLOCK_SIZE, keep_ratio=0.5)
+    wide = make_codec("jpeg", block_size=2 * MAX_BLOCK_SIZE, keep_freqs=4)
+    x = torch.zeros(1, 1, 2 * MAX_BLOCK_SIZE, 16, device=device)
+    with pytest.raises(ValueError, match=f"keep_ratio < 1\\) with block_size <= {MAX_PRUNED_BLOCK_SIZE}"):
+        triton_encode(x, pruned.spec)
+    with pytest.raises(ValueError, match=f"block_size <= {MAX_BLOCK_SIZE}"):
+        triton_encode(x, wide.spec)
+    with pytest.raises(ValueError, match=f"head_dim <= {MAX_HEAD_DIM}"):
+        triton_encode(torch.zeros(1, 1, 8, 2 * MAX_HEAD_DIM, device=device), codec("jpeg_k8").spec)
+    state = [t.to(device) for t in stored_state(pruned, x.cpu()[:, :, :3], 2)]
+    with pytest.raises(ValueError, match="block_size <= 16"):
+        triton_read(*state, pruned.spec)
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match="block_size <= 16"):
+        triton_append(*state, x[:, :, :1], pruned.spec)
+    assert all(torch.equal(a, b) for a, b in zip(before, state, strict=True))  # nothing changed

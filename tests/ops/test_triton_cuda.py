@@ -102,3 +102,63 @@ def test_cuda_graph_replay_matches_eager():
     cpu = [t.cpu() for t in (*graphed[0], *graphed[1], graphed[2])]
     want = ops.codec_attention(qs[-1].cpu(), *cpu, ck.spec, cv.spec)
     torch.testing.assert_close(static_out.cpu().float(), want.float(), atol=TOL[BF16], rtol=TOL[BF16])
+
+
+def test_capture_finds_the_codec_matrices_made_by_the_stream():
+    """Item 6: the first kernel call of a fresh codec inside a capture must not copy the codec matrices from the host.
+    Kernels are compiled by a warm-up stream, the matrix cache is then emptied, and a new stream (which makes its
+    matrices when it allocates) is captured from its first decode step."""
+    from flashcodec_fx import CodecStream
+    from flashcodec_fx.ops.triton_common import _matrices
+
+    c = codec("jpeg_k2_int8")
+    x = smooth(1, 2, 24, 64, BF16, "cpu", 3).cuda()
+    warm = CodecStream(c, "static", max_length=64, memoize=False)
+    warm.append(x[:, :, :17])
+    warm.append(x[:, :, 17:18])
+    torch.cuda.synchronize()
+    _matrices.cache_clear()
+    stream = CodecStream(c, "static", max_length=64, memoize=False)
+    stream.append(x[:, :, :17])  # allocates: makes the matrices on the device now
+    static_x = x[:, :, 17:18].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream.append(static_x)
+    assert int(stream.length) == 17  # capture records, it does not run
+    graph.replay()
+    assert int(stream.length) == 18
+    for got, want in zip((*stream.state, stream.tail), (*warm.state, warm.tail), strict=True):
+        assert torch.equal(got, want)  # the replayed step stored what the eager one did
+
+
+def test_tiny_llama_decode_under_cuda_graphs_with_the_pass():
+    """A whole decode step of a tiny Llama compiled with mode="reduce-overhead" (CUDA graphs) and the flashcodec
+    pass (strict: attention on the stored state through the Triton kernels): captured once, replayed for every
+    token, no cudagraph skip, and the same greedy tokens as eager decoding (png: lossless)."""
+    pytest.importorskip("transformers")
+    from conftest import cache_kwargs, fresh_tiny_model, tiny_prompt
+    from transformers import CompileConfig
+
+    from flashcodec_fx.hf import FlashCodecCache
+
+    torch._dynamo.reset()
+    model = fresh_tiny_model("llama").cuda()
+    prompt = tiny_prompt(1, 12).cuda()
+    options = dict(mode="png", layout="static", max_cache_len=80, memoize=False)
+
+    def generate(config):
+        cache = FlashCodecCache.from_config(model.config, **options)
+        gen = dict(max_new_tokens=40, do_sample=False, **cache_kwargs(cache))
+        gen.update({"disable_compile": True} if config is None else {"compile_config": config})
+        with torch.no_grad():
+            return model.generate(prompt, **gen)
+
+    eager = generate(None)
+    counters = torch._dynamo.utils.counters
+    skips = counters["inductor"]["cudagraph_skips"]
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = generate(CompileConfig(backend="flashcodec", fullgraph=True, mode="reduce-overhead",
+                                      options={"strict": True}))
+    assert counters["inductor"]["cudagraph_skips"] == skips, "a decode step fell back from CUDA graphs"
+    assert counters["stats"]["unique_graphs"] - graphs >= 1
+    assert torch.equal(compiled, eager)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._compat import compile_on_every_device
+
 BACKEND_KEYS = ("strict", "debug", "inductor", "options")
 COMPILE_KEYS = (*BACKEND_KEYS, "mode", "dynamic")
 
@@ -36,7 +38,7 @@ def check_compile(compile_option: Any, cache_options: dict[str, Any]) -> dict[st
     if cache_options.setdefault("memoize", False):
         raise ValueError("compile=True needs memoize=False: compiled steps attend on the stored state and never read "
                          "the memo, which would only cost memory")
-    from .backend import backend
+    from ..passes.backend import backend
 
     # One backend per patch (validated now): every generate() then reuses the same compiled decode step.
     return {"backend": backend(**{k: v for k, v in settings.items() if k in BACKEND_KEYS}),
@@ -51,5 +53,5 @@ def install_compile_config(generation_config: Any, settings: dict[str, Any] | No
 
     config = CompileConfig(backend=settings["backend"], fullgraph=True, mode=settings["mode"],
                            dynamic=settings["dynamic"])
-    config._compile_all_devices = True
+    compile_on_every_device(config)
     generation_config.compile_config = config

@@ -1,0 +1,98 @@
+"""benchmarks/bench_ppl.py on a tiny random bf16 Llama (head_dim 32, so KIVI's 32-channel groups fit): the lockstep
+streaming rows, the worst-case bit accounting and the tier selection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import bench_ppl  # noqa: E402
+from conftest import tiny_config, tiny_prompt  # noqa: E402
+from peers.fakequant import Span  # noqa: E402
+from peers.kivi import KiviPolicy  # noqa: E402
+
+from flashcodec_fx.evaluate import RAW  # noqa: E402
+
+LENGTH, PREFILL, CHUNK = 200, 40, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = tiny_config("llama")
+    config.head_dim = 32
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
+
+
+def _by_name(names):
+    return [c for c in bench_ppl.candidates(None, []) if c.tier.name in names]
+
+
+def test_lockstep_rows_measure_kl_ppl_and_bits(model):
+    batch = tiny_prompt(3, LENGTH)
+    tiers = _by_name(["png keep=1.0", "KIVI-2", "TurboQuant-style K3V2"])
+    rows = {r["tier"]: r for r in bench_ppl.stream_all(model, batch, tiers, PREFILL, CHUNK)}
+    raw = rows[RAW.name]
+    config = model.config
+    assert raw["raw_values_end"] == 2 * config.num_hidden_layers * 3 * config.num_key_value_heads * LENGTH * 32
+    assert raw["kl"] == 0.0 and raw["bits_end"] == 16.0 and raw["delta_ppl"] == 0.0
+    with torch.no_grad():  # the raw row's NLL is the full forward's over the scored tokens
+        logprobs = torch.log_softmax(model(input_ids=batch).logits.float(), -1)[:, PREFILL - 1:-1]
+    full_nll = -logprobs.gather(-1, batch[:, PREFILL:, None]).mean()
+    assert raw["nll"] == pytest.approx(float(full_nll), abs=0.02)
+    assert rows["png keep=1.0"]["kl"] < 1e-3 * rows["KIVI-2"]["kl"]  # lossless up to bf16 rounding of the view
+    assert rows["KIVI-2"]["kl"] > 0 and rows["TurboQuant-style K3V2"]["kl"] > 0
+    assert rows["TurboQuant-style K3V2"]["bits_end"] == pytest.approx(2.5 + 16 / 32)
+    assert len(raw["kl_per_window"]) == 3
+    assert math.isclose(raw["ppl"], math.exp(raw["nll"]))
+
+
+def test_worst_bits_is_the_maximum_of_the_format_over_the_last_lengths(model):
+    policy = KiviPolicy(2)
+    result = bench_ppl.worst_bits(model, bench_ppl.peer_tiers()[0][1],
+                                  280, 64)
+    heads, d = model.config.num_key_value_heads, 32
+
+    def bits(n):
+        span = Span(1, heads, d, 0, n, policy.key_boundary(n), policy.value_boundary(n))
+        stored = policy.stored_bytes(span)
+        return 8 * (stored["archive_used"] + stored["tail"]) / (2 * heads * n * d)
+
+    expected = max(range(280 - 63, 280 + 1), key=bits)
+    assert result["worst_at"] == expected and result["bits_worst"] == pytest.approx(bits(expected))
+    assert result["bits_at_length_decoded"] == pytest.approx(bits(280))
+    assert result["bits_worst"] > result["bits_at_length_decoded"]  # keys waiting for their 128-token flush
+    raw = bench_ppl.worst_bits(model, RAW, LENGTH, 64)
+    assert raw["bits_worst"] == raw["bits_at_length_decoded"] == 16.0
+
+
+def test_tier_selection_and_json_tiers():
+    picked = bench_ppl.candidates(["KIVI", "quanto int4"], [])
+    assert [c.tier.name for c in picked] == ["KIVI-2", "KIVI-4", "quanto int4"]
+    with pytest.raises(ValueError, match="unknown"):
+        bench_ppl.candidates(["KIVI-3"], [])
+    custom = bench_ppl.json_tier('{"name": "try", "options": {"mode": "png"}}')
+    assert (custom.tier.name, custom.tier.options, custom.family) == ("try", {"mode": "png"}, bench_ppl.CUSTOM)
+    for bad in ("not json", '{"name": "x"}', '["x"]'):
+        with pytest.raises(ValueError, match="--tier-json"):
+            bench_ppl.json_tier(bad)
+
+
+def test_runnable_reports_why_a_peer_cannot_run():
+    config = tiny_config("llama")  # head_dim 16: KIVI's 32-channel value groups do not fit
+    torch.manual_seed(0)
+    small = transformers.LlamaForCausalLM(config).eval()
+    ok, skipped = bench_ppl.runnable(small, _by_name(["KIVI-2", "TurboQuant-style K4V4"]))
+    assert [c.tier.name for c in ok] == ["KIVI-2", "TurboQuant-style K4V4"]  # head_dim is checked on first update
+    gemma = tiny_config("gemma3")
+    gemma.head_dim = 32
+    torch.manual_seed(0)
+    sliding = transformers.Gemma3ForCausalLM(gemma).eval()
+    ok, skipped = bench_ppl.runnable(sliding, _by_name(["quanto int4"]))
+    if skipped:  # optimum-quanto installed or not, transformers refuses sliding layers (or the import fails)
+        assert "quanto int4" == skipped[0]["tier"] and skipped[0]["reason"]
+    assert not ok
