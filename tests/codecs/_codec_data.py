@@ -1,12 +1,15 @@
-"""Hypothesis budget and data helpers shared by the codec tests (imported by tests in this folder)."""
+"""Data helpers and hypothesis strategies shared by the codec tests (imported by tests in this folder); the
+hypothesis budget ``FAST`` comes from tests/codec_tiers.py."""
 
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, settings
+from codec_tiers import FAST
+from hypothesis import strategies as st
 
-# Small on purpose: the whole codec suite has to fit in about a minute on 2 shared CPU cores.
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+from flashcodec_fx.codecs import LEVELS
+
+__all__ = ["DTYPES", "EPS", "FAST", "MANTISSA_BITS", "bit_table_and_levels", "png_exact_data", "randn"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -37,3 +40,19 @@ def png_exact_data(shape: tuple[int, ...], dtype: torch.dtype, seed: int, zeros:
 def randn(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+def bit_table_and_levels(draw, axis: str, rows: int, levels=LEVELS) -> tuple[list[int], list[str]]:
+    """Inside ``st.composite``: a valid per-row bit table (1-8 bits) and one level set per scale class of ``axis``
+    (token: one class per row; channel: DC, then the AC rows): ``int`` rows get >= 2 bits, a ``uniform`` class one
+    width."""
+    bits = draw(st.lists(st.integers(1, 8), min_size=rows, max_size=rows))
+    classes = [(j,) for j in range(rows)] if axis == "token" else [(0,)] + ([tuple(range(1, rows))] if rows > 1 else [])
+    chosen = []
+    for members in classes:
+        lv = draw(st.sampled_from(levels))
+        for j in members:
+            bits[j] = max(2, bits[j]) if lv == "int" else bits[j]
+            bits[j] = bits[members[0]] if lv == "uniform" else bits[j]
+        chosen.append(lv)
+    return bits, chosen

@@ -10,7 +10,7 @@ from _codec_data import DTYPES, FAST, png_exact_data, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcodec_fx.codecs import make_codec
+from flashcodec_fx.codecs import codec_from_spec, make_codec
 
 shapes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 4), st.integers(1, 33))
 
@@ -23,7 +23,8 @@ def test_exact_round_trip_within_documented_dynamic_range(shape, r, dtype, seed)
     codec = make_codec("png", block_size=r, keep_ratio=1.0)
     enc = codec.encode(x)
     assert enc.data.dtype == torch.float32 and enc.data.shape == (b, h, nb, r, d)
-    assert enc.scale.shape == (b, h, nb, 0) and enc.index.shape == (b, h, nb, 0, d)
+    assert enc.scale.shape == enc.zero.shape == (b, h, nb, 0) and enc.index.shape == (b, h, nb, 0, d)
+    assert enc.scale.dtype == enc.zero.dtype == torch.float16 and enc.index.dtype == torch.uint8
     out = codec.decode(enc, dtype)
     assert out.dtype == dtype
     assert float((out.float() - x.float()).abs().max()) == 0.0
@@ -98,17 +99,25 @@ def test_decode_is_synthesis_times_stored_rows(shape, r, ratio, seed):
     codec = make_codec("png", block_size=r, keep_ratio=ratio)
     a = codec.synthesis()
     assert torch.equal(a, torch.tril(torch.ones(r, r)))
-    rows = codec.stored_rows(codec.encode(x))
+    rows = codec.stored_rows(codec.encode(x), d)
     assert rows.shape == (b, h, nb, r, d) and codec.dense_rows == r
     expected = (a.double() @ rows.double()).flatten(-3, -2)
     torch.testing.assert_close(codec.decode(codec.encode(x), torch.float64), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_spec_round_trips_for_pruned_codecs():
-    from flashcodec_fx.codecs import codec_from_spec
-
     for r in (2, 3, 8, 16, 256):
         for ratio in (0.01, 0.25, 0.5, 0.7, 1.0):
-            codec = make_codec("png", block_size=r, keep_ratio=ratio)
+            codec = make_codec("png", block_size=r, keep_ratio=ratio, sinks=r % 3, window=r // 2)
             back = codec_from_spec(codec.spec)
             assert back.spec == codec.spec and back.kept_deltas == codec.kept_deltas
+            assert (back.sinks, back.window) == (codec.sinks, codec.window)
+
+
+def test_residual_policy_does_not_change_the_stored_form():
+    """Sinks and window decide which tokens are archived, not how a group is stored; group = block for png."""
+    x = png_exact_data((1, 2, 16, 8), torch.float32, seed=3)
+    plain, residual = make_codec("png", block_size=8), make_codec("png", block_size=8, sinks=3, window=5)
+    assert residual.group == 8 and residual.tail_capacity == 5 + 8
+    for a, b in zip(plain.encode(x), residual.encode(x), strict=True):
+        assert torch.equal(a, b)

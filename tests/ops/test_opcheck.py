@@ -4,104 +4,134 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_tiers import tier_table
+from _op_states import fill, new_memo, new_state
+from codec_tiers import kv_like, tier_table
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from flashcodec_fx.codecs import PNG
 
 ops = torch.ops.flashcodec
 R = 4
 TIERS = tier_table(R, low_keep=2)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+D = 8
 
 
-def stream_state(codec, dtype, b=2, h=2, nb=3, d=8, length=7, seed=0):
-    """A filled state: ``length`` tokens appended into ``nb`` blocks; returns (data, scale, index, tail, length)."""
-    gen = torch.Generator().manual_seed(seed)
-    data, scale, index = codec.empty_state((b, h), nb, d, dtype, "cpu")
-    tail = torch.zeros(b, h, R, d, dtype=dtype)
-    n = torch.zeros((), dtype=torch.int64)
-    ops.append(data, scale, index, tail, n, torch.randn(b, h, length, d, generator=gen).to(dtype), codec.spec)
-    return data, scale, index, tail, n
+def stream_state(codec, dtype, length=11, positions=24, seed=0):
+    """A state of ``length`` tokens (two appends) with capacity for ``positions``."""
+    x = kv_like((2, 2, length, D), dtype, seed=seed)
+    state, _ = fill(codec, x, [length - 3, 3], positions=positions)
+    return state, x
 
 
-# opcheck costs seconds per call (it traces with AOTAutograd), so the cases cover every tier, dtype, GQA group and
-# mask kind without taking their full product.
-ROTATION = [(tier, DTYPES[i % 3]) for i, tier in enumerate(TIERS)] + [("jpeg", torch.float16), ("jpeg", torch.bfloat16)]
+def mean_of(codec, x):
+    return x.float().mean(2) if codec.center else None
+
+
+# opcheck costs about half a second per call (it traces with AOTAutograd), so the cases cover the seed tiers' layouts
+# and every quantization-stage tier, each dtype several times, without the full product (jpeg-k2, png and png-window
+# share layouts checked here; they run in the attention cases and the fake-kernel test).
+ROTATION = [("jpeg", torch.float32), ("jpeg-int8", torch.bfloat16), ("png-half", torch.float16),
+            ("jpeg-table", torch.float32), ("token-lloyd2", torch.bfloat16), ("channel-uniform4", torch.float16),
+            ("jpeg-midrise4", torch.bfloat16)]
+PNG_ENCODE_BUG = pytest.mark.xfail(strict=True, reason="bug: flashcodec::encode of a png codec returns one tensor as "
+                                   "both scale and zero (see test_reference_blocks.py)")
+
+
+@pytest.mark.parametrize(("tier", "dtype"), [pytest.param(*c, marks=PNG_ENCODE_BUG) if c[0].startswith("png") else c
+                                             for c in ROTATION])
+def test_opcheck_encode(tier, dtype):
+    codec = TIERS[tier]
+    x = kv_like((2, 3, 2 * codec.group, D), dtype, seed=1)
+    torch.library.opcheck(ops.encode.default, (x, codec.spec, mean_of(codec, x)))
 
 
 @pytest.mark.parametrize(("tier", "dtype"), ROTATION)
-def test_opcheck_encode_decode_read(tier, dtype):
+def test_opcheck_decode_and_read(tier, dtype):
     codec = TIERS[tier]
-    x = torch.randn(2, 3, 3 * R, 8).to(dtype)
-    torch.library.opcheck(ops.encode.default, (x, codec.spec))
-    data, scale, index = ops.encode(x, codec.spec)
-    torch.library.opcheck(ops.decode.default, (data, scale, index, codec.spec, dtype))
-    torch.library.opcheck(ops.read.default, (*stream_state(codec, dtype), codec.spec))
+    x = kv_like((2, 3, 2 * codec.group, D), dtype, seed=1)
+    mean = mean_of(codec, x)
+    enc = tuple(t.contiguous().clone() for t in codec.encode(x, mean))
+    torch.library.opcheck(ops.decode.default, (*enc, codec.spec, dtype, mean))
+    state, x = stream_state(codec, dtype)
+    new = x[:, :, -3:] if ROTATION.index((tier, dtype)) % 2 else None  # the current call's tokens, read exactly
+    torch.library.opcheck(ops.read.default, (state, codec.spec, new))
 
 
-@pytest.mark.parametrize("memo", [False, True])
 @pytest.mark.parametrize(("tier", "dtype"), ROTATION)
-def test_opcheck_append(tier, dtype, memo):
+def test_opcheck_append(tier, dtype):
+    """``memo`` on every other tier; the new tokens complete groups and leave part of one open."""
     codec = TIERS[tier]
-    data, scale, index, tail, n = stream_state(codec, dtype, nb=5, length=6)
-    new = torch.randn(2, 2, 7, 8).to(dtype)
-    buf = torch.zeros(2, 2, 5 * R, 8, dtype=dtype) if memo else None
-    torch.library.opcheck(ops.append.default, (data, scale, index, tail, n, new, codec.spec, buf))
+    state, _ = stream_state(codec, dtype, length=5, positions=40)
+    memo = new_memo(codec, state) if ROTATION.index((tier, dtype)) % 2 else None
+    new = kv_like((2, 2, 2 * codec.group + 3, D), dtype, seed=2)
+    torch.library.opcheck(ops.append.default, (state, new, codec.spec, memo))
 
 
-@pytest.mark.parametrize(("k_tier", "v_tier", "dtype", "groups", "mask"), [
-    ("jpeg-int8", "png", torch.float32, 1, None),
-    ("jpeg-k2", "png-half", torch.float16, 2, "bool"),
-    ("jpeg", "jpeg", torch.bfloat16, 4, "additive"),
-    ("png", "jpeg-int8", torch.bfloat16, 2, None),
-    ("jpeg", "png", torch.float32, 4, "bool"),
-    ("jpeg-int8", "jpeg-int8", torch.float16, 1, "additive"),
-    ("png-half", "jpeg-k2", torch.float32, 8, "additive"),
+@pytest.mark.parametrize(("k_tier", "v_tier", "dtype", "groups", "mask", "new", "scale"), [
+    ("jpeg-int8", "png", torch.float32, 1, None, False, None),
+    ("jpeg-table", "token-lloyd2", torch.float16, 2, "bool", True, None),
+    ("channel-uniform4", "jpeg-midrise4", torch.bfloat16, 4, "additive", True, 0.25),
+    ("png-window", "jpeg-k2", torch.bfloat16, 2, None, True, None),
+    ("jpeg", "png-half", torch.float32, 4, "bool", False, 0.5),
+    ("token-lloyd2", "jpeg-table", torch.float32, 2, "additive", False, None),
+    ("jpeg-midrise4", "channel-uniform4", torch.float16, 1, None, True, None),
 ])
-def test_opcheck_codec_attention(k_tier, v_tier, dtype, groups, mask):
+def test_opcheck_codec_attention(k_tier, v_tier, dtype, groups, mask, new, scale):
     ck, cv = TIERS[k_tier], TIERS[v_tier]
-    k = stream_state(ck, dtype, seed=1)
-    v = stream_state(cv, dtype, seed=2)
-    t = 2
-    q = torch.randn(2, 2 * groups, t, 8).to(dtype)
+    ks, k = stream_state(ck, dtype, seed=1)
+    vs, v = stream_state(cv, dtype, seed=2)
+    t, width = 3, 24
+    q = torch.randn(2, 2 * groups, t, D).to(dtype)
     if mask == "bool":
-        m = torch.rand(2, 1, t, 3 * R) > 0.3
+        m = torch.rand(2, 1, t, width) > 0.3
         m[..., 0] = True
     elif mask == "additive":
-        m = (torch.rand(1, 2 * groups, t, 3 * R) - 0.5).to(dtype)
+        m = (torch.rand(1, 2 * groups, t, width) - 0.5).to(dtype)
     else:
         m = None
-    args = (q, *k[:4], *v[:4], k[4], ck.spec, cv.spec, m)
-    torch.library.opcheck(ops.codec_attention.default, args if groups % 2 else (*args, 0.25))
+    k_new, v_new = (k[:, :, -3:], v[:, :, -3:]) if new else (None, None)
+    torch.library.opcheck(ops.codec_attention.default, (q, ks, vs, ck.spec, cv.spec, k_new, v_new, m, scale))
 
 
 def assert_like(fake, real):
     assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride(), (fake, real)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def every_op(codec, dtype, x, enc, state, q, new, mean) -> dict:
+    """The outputs of every functional op on these inputs (real or fake tensors alike)."""
+    out = {"decode": ops.decode(*enc, codec.spec, dtype, mean), "read": ops.read(state, codec.spec, new),
+           "attention": ops.codec_attention(q, state, state, codec.spec, codec.spec, new, new)}
+    if codec.mode != PNG:  # png: see the encode aliasing bug in test_reference_blocks.py
+        out["encode"] = ops.encode(x, codec.spec, mean)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_fake_kernels_match_real_outputs(tier, dtype):
     codec = TIERS[tier]
-    x = torch.randn(1, 2, 2 * R, 8).to(dtype)
-    state = stream_state(codec, dtype)
-    q = torch.randn(2, 4, 1, 8).to(dtype)
-    real = {
-        "encode": ops.encode(x, codec.spec),
-        "decode": ops.decode(*state[:3], codec.spec, dtype),
-        "read": ops.read(*state, codec.spec),
-        "attention": ops.codec_attention(q, *state[:4], *state[:4], state[4], codec.spec, codec.spec),
-    }
+    x = kv_like((1, 2, 2 * codec.group, D), dtype, seed=3)
+    mean = mean_of(codec, x)
+    enc = tuple(t.contiguous().clone() for t in codec.encode(x, mean))
+    state, tokens = stream_state(codec, dtype)
+    inputs = (x, enc, state, torch.randn(2, 4, 3, D).to(dtype), tokens[:, :, -3:], mean)
+    real = every_op(codec, dtype, *inputs)
     mode = FakeTensorMode()
     with mode:
-        fx, fstate, fq = mode.from_tensor(x), [mode.from_tensor(t) for t in state], mode.from_tensor(q)
-        fake = {
-            "encode": ops.encode(fx, codec.spec),
-            "decode": ops.decode(*fstate[:3], codec.spec, dtype),
-            "read": ops.read(*fstate, codec.spec),
-            "attention": ops.codec_attention(fq, *fstate[:4], *fstate[:4], fstate[4], codec.spec, codec.spec),
-        }
+        fake = every_op(codec, dtype, *torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs))
+    assert set(fake) == set(real) and ("encode" in real) == (not tier.startswith("png"))
     for name, want in real.items():
         got = fake[name]
         for g, w in zip(*((got, want) if isinstance(want, tuple) else ((got,), (want,))), strict=True):
             assert_like(g, w)
-    assert real["decode"].dtype == dtype and real["read"].dtype == dtype and real["attention"].dtype == dtype
+    assert real["decode"].dtype == real["read"].dtype == real["attention"].dtype == dtype
+
+
+def test_fake_append_leaves_the_state_alone():
+    codec = TIERS["jpeg-table"]
+    state = new_state(codec, torch.zeros(1, 2, 1, D), 40)
+    mode = FakeTensorMode()
+    with mode:
+        fstate = [mode.from_tensor(t) for t in state]
+        assert ops.append(fstate, mode.from_tensor(torch.randn(1, 2, 9, D)), codec.spec) is None

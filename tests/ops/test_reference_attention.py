@@ -1,111 +1,172 @@
-"""`flashcodec::codec_attention` (reference) equals SDPA over the decoded view, and never builds that view."""
+"""`flashcodec::codec_attention` (reference) equals SDPA over the `flashcodec::read` views of the same state: keys and
+values with their own codecs, groups, windows and sinks; GQA; masks; the current call's tokens read exactly."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _op_states import chunks, expand_kv, fill, new_state
+from codec_tiers import kv_like, tier_table
 
-from flashcodec_fx import CodecKVCache, codec_decode_attention, make_codec
 from flashcodec_fx.codecs import JPEGCodec, PNGCodec
+from flashcodec_fx.ops.attention import codec_attention_reference
 
 ops = torch.ops.flashcodec
 R = 8
-TIERS = {
-    "jpeg": make_codec("jpeg", block_size=R),
-    "jpeg-int8": make_codec("jpeg", block_size=R, quant_bits=8),
-    "png": make_codec("png", block_size=R),
-    "jpeg-k3": make_codec("jpeg", block_size=R, keep_freqs=3),
-    "png-half": make_codec("png", block_size=R, keep_ratio=0.5),
-}
-# Tolerance against fp32 SDPA over the decoded view: fp32 1e-6 (accumulation order only); fp16/bf16 outputs are
-# rounded once to the stream dtype, |out| <= max|v| < 5, so one ulp at 4..8 is 2**-8 (fp16) and 2**-5 (bf16).
-ATOL = {torch.float32: 1e-6, torch.float16: 2.0**-8, torch.bfloat16: 2.0**-5}
+TIERS = tier_table(R, low_keep=3)
+LENGTH, T_NEW, D, B, H_KV = 41, 9, 16, 2, 2  # the last append (the current call) is T_NEW tokens: it completes groups
+# (key tier, value tier): shared and different codecs, groups (1, 8, 16), windows and sinks on either side
+PAIRS = [("jpeg", "jpeg"), ("jpeg-int8", "png"), ("jpeg-table", "token-lloyd2"), ("channel-uniform4", "jpeg-midrise4"),
+         ("png-window", "jpeg-k3"), ("png-half", "jpeg-table")]
+# Against fp32 SDPA over the read views: fp32 1e-5 (accumulation order only); fp16/bf16 outputs are rounded once to the
+# stream dtype, |out| < 8, so one ulp there is 2**-8 (fp16) and 2**-5 (bf16).
+ATOL = {torch.float32: 1e-5, torch.float16: 2.0**-8, torch.bfloat16: 2.0**-5}
 
 
-def make_cache(k_tier, v_tier, layout, b, hkv, length, d, dtype, seed, max_length=None):
-    gen = torch.Generator().manual_seed(seed)
-    cache = CodecKVCache(TIERS[k_tier], TIERS[v_tier], layout=layout, max_length=max_length)
-    k = torch.randn(b, hkv, length, d, generator=gen).to(dtype)
-    v = torch.randn(b, hkv, length, d, generator=gen).to(dtype)
-    first = max(1, length - 4)  # a prefill, then a few single-token steps
-    cache.append(k[:, :, :first], v[:, :, :first])
-    for i in range(first, length):
-        cache.append(k[:, :, i: i + 1], v[:, :, i: i + 1])
-    return cache
+@functools.cache
+def streams(k_tier: str, v_tier: str, dtype: torch.dtype = torch.float32, spare: int = 0):
+    """K and V states of LENGTH tokens (a prompt, random chunks, then the current call's T_NEW tokens), each with
+    ``spare`` positions of capacity past the length; returns (k, v, k_state, v_state)."""
+    k = kv_like((B, H_KV, LENGTH, D), dtype, seed=1)
+    v = kv_like((B, H_KV, LENGTH, D), dtype, seed=2)
+    sizes = chunks(LENGTH - T_NEW, seed=3, largest=7, first=6) + [T_NEW]
+    ks, _ = fill(TIERS[k_tier], k, sizes, positions=LENGTH + spare)
+    vs, _ = fill(TIERS[v_tier], v, sizes, positions=LENGTH + spare + 3)  # V capacity differs from K's
+    return k, v, ks, vs
 
 
-def sdpa_over_view(cache, q, mask=None, scale=None):
-    """fp32 SDPA over the materialized views (trimmed to the length), kv heads expanded for GQA."""
-    length = cache.get_seq_length()
-    k, v = (t[:, :, :length].float() for t in cache.read())
+def sdpa_over_views(q, k_state, v_state, k_tier, v_tier, length, new=None, mask=None, scale=None):
+    """fp32 SDPA over ``read`` views trimmed to the length (``new``: read with the current call's tokens)."""
+    k_new, v_new = (None, None) if new is None else new
+    k = ops.read(k_state, TIERS[k_tier].spec, k_new)[:, :, :length].float()
+    v = ops.read(v_state, TIERS[v_tier].spec, v_new)[:, :, :length].float()
     g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    if mask is not None:
-        mask = mask[..., :length]
-    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+    mask = None if mask is None else mask[..., :length]
+    return F.scaled_dot_product_attention(q.float(), expand_kv(k, g), expand_kv(v, g), attn_mask=mask, scale=scale)
 
 
-def causal_bool(t, length, width):
-    """(1, 1, T, width) True = attend: query i sits at absolute position length - T + i."""
-    pos = torch.arange(width)
-    return (pos[None] <= (length - t + torch.arange(t))[:, None])[None, None]
+def causal(t: int, length: int, width: int) -> torch.Tensor:
+    """(1, 1, T, width) bool, True = attend: query i sits at absolute position length - T + i."""
+    return (torch.arange(width)[None] <= (length - t + torch.arange(t))[:, None])[None, None]
 
 
-@pytest.mark.parametrize("groups", [1, 2, 4, 8])
-@pytest.mark.parametrize(("k_tier", "v_tier"), [("jpeg", "jpeg"), ("jpeg-int8", "jpeg-int8"), ("png", "png"),
-                                                ("jpeg-k3", "png-half"), ("jpeg-int8", "png")])
-def test_matches_sdpa_fp32_no_mask(k_tier, v_tier, groups):
-    cache = make_cache(k_tier, v_tier, "dynamic", 2, 2, 43, 16, torch.float32, seed=groups)
-    q = torch.randn(2, 2 * groups, 1, 16)
-    out = cache.attention(q)
+def make_mask(kind: str, hq: int, t: int, width: int, seed: int = 0):
+    if kind == "none":
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        mask = causal(t, LENGTH, width).expand(B, 1, t, width).clone()
+        mask[1, 0, :, 5] = False  # batch-specific holes
+        return mask
+    bias = torch.rand(1, hq, t, width, generator=gen) - 0.5
+    return bias.masked_fill(~causal(t, LENGTH, width), float("-inf"))
+
+
+@pytest.mark.parametrize("new", [False, True], ids=["stored", "new"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS)
+def test_matches_sdpa_over_the_read_views_fp32(k_tier, v_tier, groups, mask_kind, new):
+    k, v, ks, vs = streams(k_tier, v_tier)
+    t = 3
+    q = torch.randn(B, H_KV * groups, t, D, generator=torch.Generator().manual_seed(groups))
+    mask = make_mask(mask_kind, H_KV * groups, t, LENGTH)
+    call = (k[:, :, -T_NEW:], v[:, :, -T_NEW:]) if new else None
+    out = ops.codec_attention(q, ks, vs, TIERS[k_tier].spec, TIERS[v_tier].spec, *(call or (None, None)), mask)
     assert out.shape == q.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out, sdpa_over_view(cache, q), atol=ATOL[torch.float32], rtol=0)
+    want = sdpa_over_views(q, ks, vs, k_tier, v_tier, LENGTH, call, mask)
+    torch.testing.assert_close(out, want, atol=ATOL[torch.float32], rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["dynamic", "static"])
-@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
-@pytest.mark.parametrize("groups", [1, 4])
-@pytest.mark.parametrize("tier", ["jpeg", "jpeg-int8", "png"])
-def test_matches_sdpa_fp32_with_masks_and_several_queries(tier, groups, mask_kind, layout):
-    b, hkv, length, d, t = 2, 2, 37, 16, 3
-    cache = make_cache(tier, tier, layout, b, hkv, length, d, torch.float32, seed=11, max_length=60)
-    if layout == "static":
-        assert cache.read()[0].shape[2] == 64 > length  # capacity past the length, masked by the op itself
-    width = 64 if layout == "static" else length
-    causal = causal_bool(t, length, width)
-    if mask_kind == "bool":
-        mask = causal.expand(b, 1, t, width).clone()
-        mask[1, 0, :, 5] = False  # some batch-specific holes
-    else:
-        bias = torch.rand(1, hkv * groups, t, width) - 0.5
-        mask = bias.masked_fill(~causal, float("-inf"))
-    q = torch.randn(b, hkv * groups, t, d)
-    out = cache.attention(q, mask)
-    torch.testing.assert_close(out, sdpa_over_view(cache, q, mask), atol=ATOL[torch.float32], rtol=0)
-    scaled = cache.attention(q, mask, scale=0.3)
-    torch.testing.assert_close(scaled, sdpa_over_view(cache, q, mask, scale=0.3), atol=ATOL[torch.float32], rtol=0)
+@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS[1:4])
+def test_new_tokens_change_what_is_read(k_tier, v_tier):
+    """Lossy archives: reading the current call's tokens exactly is a different (and real) result."""
+    k, v, ks, vs = streams(k_tier, v_tier)
+    q = torch.randn(B, H_KV, 2, D, generator=torch.Generator().manual_seed(0))
+    spec_k, spec_v = TIERS[k_tier].spec, TIERS[v_tier].spec
+    stored = ops.codec_attention(q, ks, vs, spec_k, spec_v)
+    exact = ops.codec_attention(q, ks, vs, spec_k, spec_v, k[:, :, -T_NEW:], v[:, :, -T_NEW:])
+    assert (stored - exact).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tier", ["jpeg", "jpeg-int8", "png"])
-def test_matches_sdpa_half_precision(tier, dtype, groups):
-    cache = make_cache(tier, tier, "dynamic", 1, 2, 29, 16, dtype, seed=3)
-    q = torch.randn(1, 2 * groups, 2, 16).to(dtype)
-    mask = causal_bool(2, 29, 29)
-    out = cache.attention(q, mask)
+@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS[:4])
+def test_matches_sdpa_half_precision(k_tier, v_tier, dtype, groups):
+    k, v, ks, vs = streams(k_tier, v_tier, dtype)
+    q = torch.randn(B, H_KV * groups, 2, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    mask = causal(2, LENGTH, LENGTH)
+    call = (k[:, :, -T_NEW:], v[:, :, -T_NEW:])
+    out = ops.codec_attention(q, ks, vs, TIERS[k_tier].spec, TIERS[v_tier].spec, *call, mask)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), sdpa_over_view(cache, q, mask), atol=ATOL[dtype], rtol=0)
+    want = sdpa_over_views(q, ks, vs, k_tier, v_tier, LENGTH, call, mask)
+    torch.testing.assert_close(out.float(), want, atol=ATOL[dtype], rtol=0)
 
 
-def test_tail_only_and_block_aligned_lengths():
-    for length in (1, 5, 8, 16):
-        cache = make_cache("jpeg-int8", "png", "dynamic", 1, 1, length, 8, torch.float32, seed=length)
-        q = torch.randn(1, 2, 1, 8)
-        torch.testing.assert_close(cache.attention(q), sdpa_over_view(cache, q), atol=1e-6, rtol=0)
+@pytest.mark.parametrize(("k_tier", "v_tier"), [PAIRS[2], PAIRS[4]])
+def test_scale_argument(k_tier, v_tier):
+    _, _, ks, vs = streams(k_tier, v_tier)
+    q = torch.randn(B, H_KV * 2, 1, D, generator=torch.Generator().manual_seed(4))
+    out = ops.codec_attention(q, ks, vs, TIERS[k_tier].spec, TIERS[v_tier].spec, scale=0.3)
+    torch.testing.assert_close(out, sdpa_over_views(q, ks, vs, k_tier, v_tier, LENGTH, scale=0.3), atol=1e-5, rtol=0)
+    default = ops.codec_attention(q, ks, vs, TIERS[k_tier].spec, TIERS[v_tier].spec, scale=1 / math.sqrt(D))
+    assert torch.equal(default, ops.codec_attention(q, ks, vs, TIERS[k_tier].spec, TIERS[v_tier].spec))
+
+
+@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS[1:4])
+def test_static_capacity_contract(k_tier, v_tier):
+    """Capacity past the length (a static layout): positions past the length are never attended, with no mask or a
+    mask as wide as the capacity; the output equals the exact-capacity one and SDPA over the views."""
+    k, v, ks, vs = streams(k_tier, v_tier)
+    _, _, ks_big, vs_big = streams(k_tier, v_tier, spare=3 * 16)
+    view_k = ops.read(ks_big, TIERS[k_tier].spec)
+    assert view_k.shape[2] > LENGTH and not view_k[:, :, LENGTH:].any()  # zeros past the length, to be masked
+    q = torch.randn(B, H_KV * 2, 3, D, generator=torch.Generator().manual_seed(5))
+    spec_k, spec_v = TIERS[k_tier].spec, TIERS[v_tier].spec
+    want = sdpa_over_views(q, ks, vs, k_tier, v_tier, LENGTH)
+    for kstate, vstate in ((ks, vs), (ks_big, vs_big), (ks, vs_big), (ks_big, vs)):
+        torch.testing.assert_close(ops.codec_attention(q, kstate, vstate, spec_k, spec_v), want, atol=1e-5, rtol=0)
+    wide = torch.ones(1, 1, 3, view_k.shape[2], dtype=torch.bool)  # True past the length too: the op masks itself
+    torch.testing.assert_close(ops.codec_attention(q, ks_big, vs_big, spec_k, spec_v, mask=wide), want, atol=1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_row_that_sees_nothing_gives_zeros(kind):
+    _, _, ks, vs = streams(*PAIRS[2])
+    spec_k, spec_v = (TIERS[t].spec for t in PAIRS[2])
+    q = torch.randn(B, H_KV, 2, D, generator=torch.Generator().manual_seed(6))
+    mask = causal(2, LENGTH, LENGTH).expand(B, H_KV, 2, LENGTH).clone()
+    mask[0, 1, 0] = False  # batch 0, head 1, query 0 sees nothing
+    if kind == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    out = ops.codec_attention(q, ks, vs, spec_k, spec_v, mask=mask)
+    assert bool(torch.isfinite(out).all()) and not out[0, 1, 0].any()
+    keep = torch.ones(B, H_KV, 2, dtype=torch.bool)
+    keep[0, 1, 0] = False
+    want = sdpa_over_views(q, ks, vs, *PAIRS[2], LENGTH, mask=mask)
+    torch.testing.assert_close(out[keep], want[keep], atol=1e-5, rtol=0)
+
+
+def test_empty_streams_give_zeros():
+    kc, vc = TIERS["jpeg-table"], TIERS["token-lloyd2"]
+    like = torch.zeros(1, 2, 1, 8)
+    out = ops.codec_attention(torch.randn(1, 4, 1, 8), new_state(kc, like, 40), new_state(vc, like, 40), kc.spec,
+                              vc.spec)
+    assert out.shape == (1, 4, 1, 8) and not out.any()
+
+
+def test_custom_op_is_the_reference():
+    k, v, ks, vs = streams(*PAIRS[2])
+    spec_k, spec_v = (TIERS[t].spec for t in PAIRS[2])
+    q = torch.randn(B, H_KV * 2, 3, D, generator=torch.Generator().manual_seed(7))
+    mask = make_mask("additive", H_KV * 2, 3, LENGTH)
+    args = (q, ks, vs, spec_k, spec_v, k[:, :, -T_NEW:], v[:, :, -T_NEW:], mask, 0.2)
+    assert torch.equal(ops.codec_attention(*args), codec_attention_reference(*args))
 
 
 def largest_operand(fn) -> int:
@@ -116,85 +177,88 @@ def largest_operand(fn) -> int:
     return max(sizes)
 
 
-def test_never_builds_the_view(monkeypatch):
-    """Every decode path raises during the call, and no intermediate is as large as one (S, D) view."""
-    cache = make_cache("jpeg-k3", "jpeg-k3", "dynamic", 1, 2, 100, 32, torch.float32, seed=0)
-    q = torch.randn(1, 4, 1, 32)
-    expected = sdpa_over_view(cache, q)
-    state_size = cache.keys.state.data.numel()
-    view_size = cache.keys.capacity_blocks * R * 2 * 32
+@pytest.mark.parametrize("tier", ["jpeg-k3", "jpeg-table", "token-lloyd2"])
+def test_never_decodes_or_reads_the_view(tier, monkeypatch):
+    """Attention runs on the stored rows: decode and read raise during the call, and the result is unchanged. For a
+    truncated codec (K < r) no intermediate is as large as the (S, D) view."""
+    codec = TIERS[tier]
+    x = kv_like((1, 2, 100, 32), torch.float32, seed=8)
+    state, _ = fill(codec, x, [100])
+    q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(8))
+    expected = ops.codec_attention(q, state, state, codec.spec, codec.spec)
+    view_size = ops.read(state, codec.spec).numel()
 
     def boom(*args, **kwargs):
         raise AssertionError("codec_attention materialized the view")
 
-    cache.release_memo()  # reads now go through flashcodec::read, so the patch below is observable
-    monkeypatch.setattr(JPEGCodec, "decode", boom)
-    monkeypatch.setattr(PNGCodec, "decode", boom)
+    for target in (JPEGCodec, PNGCodec):
+        monkeypatch.setattr(target, "decode", boom)
     monkeypatch.setattr(torch.ops.flashcodec, "decode", boom)
     monkeypatch.setattr(torch.ops.flashcodec, "read", boom)
     with pytest.raises(AssertionError, match="materialized"):
-        cache.read()  # the patch is live: the memo-free path would decode
-    torch.testing.assert_close(cache.attention(q), expected, atol=1e-6, rtol=0)
-    largest = largest_operand(lambda: cache.attention(q))
-    assert state_size <= largest < view_size, (largest, view_size)
+        codec.decode(None, torch.float32)  # the patch is live
+    assert torch.equal(codec_attention_reference(q, state, state, codec.spec, codec.spec), expected)
+    if codec.rows < codec.block_size:
+        largest = largest_operand(lambda: codec_attention_reference(q, state, state, codec.spec, codec.spec))
+        assert state[0].numel() <= largest < view_size, (largest, view_size)
 
 
 def attention_args(**changes):
-    """Valid codec_attention arguments for B=2, H_kv=2, Hq=4, T=1, D=8 with jpeg-int8 keys and png values."""
-    ck, cv = TIERS["jpeg-int8"], TIERS["png"]
-    k = ck.empty_state((2, 2), 3, 8, torch.float32, "cpu")
-    v = cv.empty_state((2, 2), 3, 8, torch.float32, "cpu")
-    args = {"q": torch.randn(2, 4, 1, 8), "k_data": k.data, "k_scale": k.scale, "k_index": k.index,
-            "k_tail": torch.zeros(2, 2, R, 8), "v_data": v.data, "v_scale": v.scale, "v_index": v.index,
-            "v_tail": torch.zeros(2, 2, R, 8), "length": torch.tensor(5), "spec_k": ck.spec, "spec_v": cv.spec,
-            "mask": None}
+    """Valid codec_attention arguments: B=2, H_kv=2, Hq=4, T=1, D=8, jpeg-table keys and token-lloyd2 values."""
+    kc, vc = TIERS["jpeg-table"], TIERS["token-lloyd2"]
+    x = kv_like((2, 2, 21, 8), torch.float32, seed=9)
+    ks, _ = fill(kc, x, [21], positions=40)
+    vs, _ = fill(vc, x, [21], positions=40)
+    args = {"q": torch.randn(2, 4, 1, 8), "k_state": ks, "v_state": vs, "spec_k": kc.spec, "spec_v": vc.spec,
+            "k_new": None, "v_new": None, "mask": None}
     args.update(changes)
     return args
 
 
+def v_state_with(**fields):
+    vs = list(attention_args()["v_state"])
+    for name, t in fields.items():
+        vs[("data", "scale", "zero", "index", "mean", "sink", "tail", "length").index(name)] = t
+    return vs
+
+
 BAD_ATTENTION = {
-    "q head_dim": ({"q": torch.randn(2, 4, 1, 6)}, "q must be"),
+    "q head_dim": ({"q": torch.randn(2, 4, 1, 16)}, "q must be"),
     "q batch": ({"q": torch.randn(3, 4, 1, 8)}, "q must be"),
     "q rank": ({"q": torch.randn(4, 1, 8)}, "q must be"),
     "q dtype": ({"q": torch.randn(2, 4, 1, 8, dtype=torch.float16)}, "dtype"),
     "query heads": ({"q": torch.randn(2, 3, 1, 8)}, "query heads"),
-    "v head_dim": ({"v_data": torch.zeros(2, 2, 3, R, 4), "v_index": torch.zeros(2, 2, 3, 0, 4, dtype=torch.uint8),
-                    "v_tail": torch.zeros(2, 2, R, 4)}, "head_dim"),
-    "v heads": ({"v_data": torch.zeros(2, 1, 3, R, 8), "v_scale": torch.zeros(2, 1, 3, 0),
-                 "v_index": torch.zeros(2, 1, 3, 0, 8, dtype=torch.uint8), "v_tail": torch.zeros(2, 1, R, 8)},
-                "same"),
-    "k state of another codec": ({"spec_k": TIERS["jpeg"].spec}, "spec_k|k_"),
-    "v scale dtype": ({"v_scale": torch.zeros(2, 2, 3, 0, dtype=torch.float16)}, "v_scale"),
-    "k tail shape": ({"k_tail": torch.zeros(2, 2, R + 1, 8)}, "k_tail"),
-    "block sizes": ({"spec_v": make_codec("png", block_size=4).spec, "v_data": torch.zeros(2, 2, 3, 4, 8),
-                     "v_tail": torch.zeros(2, 2, 4, 8)}, "block_size"),
-    "bad spec": ({"spec_v": [7, 8, 8, 0]}, "spec_v"),
-    "length dtype": ({"length": torch.tensor(5, dtype=torch.int32)}, "length"),
-    "length rank": ({"length": torch.tensor([5])}, "length"),
-    "mask queries": ({"mask": torch.ones(1, 1, 2, 24, dtype=torch.bool)}, "mask"),
-    "mask batch": ({"mask": torch.ones(3, 1, 1, 24, dtype=torch.bool)}, "mask"),
-    "mask heads": ({"mask": torch.ones(1, 2, 1, 24, dtype=torch.bool)}, "mask"),
-    "mask rank": ({"mask": torch.ones(1, 24, dtype=torch.bool)}, "mask"),
-    "mask dtype": ({"mask": torch.ones(1, 1, 1, 24, dtype=torch.int64)}, "mask"),
+    "k state of another codec": ({"spec_k": TIERS["jpeg-int8"].spec}, "k_state"),
+    "bad spec_v": ({"spec_v": "gif;r=8;sinks=0;window=0"}, "spec_v"),
+    "k_new alone": ({"k_new": torch.randn(2, 2, 1, 8)}, "together"),
+    "k_new shape": ({"k_new": torch.randn(2, 3, 1, 8), "v_new": torch.randn(2, 2, 1, 8)}, "k_new must be"),
+    "v_new dtype": ({"k_new": torch.randn(2, 2, 1, 8), "v_new": torch.randn(2, 2, 1, 8).half()}, "v_new must be"),
+    "new lengths": ({"k_new": torch.randn(2, 2, 2, 8), "v_new": torch.randn(2, 2, 1, 8)}, "same tokens"),
+    "mask queries": ({"mask": torch.ones(1, 1, 2, 40, dtype=torch.bool)}, "mask"),
+    "mask batch": ({"mask": torch.ones(3, 1, 1, 40, dtype=torch.bool)}, "mask"),
+    "mask heads": ({"mask": torch.ones(1, 2, 1, 40, dtype=torch.bool)}, "mask"),
+    "mask rank": ({"mask": torch.ones(1, 40, dtype=torch.bool)}, "mask"),
+    "mask dtype": ({"mask": torch.ones(1, 1, 1, 40, dtype=torch.int64)}, "mask"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_ATTENTION))
-def test_codec_attention_rejects_mismatched_inputs(case):
+def test_rejects_mismatched_inputs(case):
     changes, match = BAD_ATTENTION[case]
     with pytest.raises(ValueError, match=match):
         ops.codec_attention(**attention_args(**changes))
 
 
-def test_codec_attention_accepts_the_valid_baseline_and_broadcast_masks():
-    for mask in (None, torch.ones(2, 4, 1, 24, dtype=torch.bool), torch.zeros(1, 1, 1, 24)):
+def test_rejects_k_and_v_states_of_different_shapes():
+    x = torch.randn(2, 1, 21, 8)
+    one_head, _ = fill(TIERS["token-lloyd2"], x, [21], positions=40)
+    with pytest.raises(ValueError, match="share"):
+        ops.codec_attention(**attention_args(v_state=one_head))
+    wide, _ = fill(TIERS["token-lloyd2"], torch.randn(2, 2, 21, 16), [21], positions=40)
+    with pytest.raises(ValueError, match="share|head_dim"):
+        ops.codec_attention(**attention_args(v_state=wide))
+
+
+def test_accepts_the_valid_baseline_and_broadcast_masks():
+    for mask in (None, torch.ones(2, 4, 1, 40, dtype=torch.bool), torch.zeros(1, 1, 1, 40), torch.zeros(1, 1, 1, 21)):
         assert ops.codec_attention(**attention_args(mask=mask)).shape == (2, 4, 1, 8)
-
-
-def test_streams_of_different_lengths_are_rejected():
-    cache = CodecKVCache(TIERS["jpeg"])
-    other = CodecKVCache(TIERS["jpeg"])
-    cache.append(torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8))
-    other.append(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
-    with pytest.raises(ValueError, match="length"):
-        codec_decode_attention(torch.randn(1, 1, 1, 8), cache.keys, other.values)

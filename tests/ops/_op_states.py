@@ -1,0 +1,54 @@
+"""Stream states built through the reference ops, shared by the op tests (no engine: the ops' own contract)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from flashcodec_fx.codecs import Codec
+from flashcodec_fx.ops import empty_state
+
+ops = torch.ops.flashcodec
+
+
+def groups_for(codec: Codec, positions: int) -> int:
+    """Archive groups a state needs to hold ``positions`` positions (capacity ``sinks + NG * G >= positions``)."""
+    return -(-max(0, positions - codec.sinks) // codec.group)
+
+
+def new_state(codec: Codec, like: torch.Tensor, positions: int) -> list[torch.Tensor]:
+    """An empty state for streams shaped like ``like (B, H, *, D)`` holding at least ``positions`` positions."""
+    b, h, _, d = like.shape
+    return list(empty_state(codec, b, h, groups_for(codec, positions), d, like.dtype, like.device))
+
+
+def new_memo(codec: Codec, state: list[torch.Tensor]) -> torch.Tensor:
+    b, h, _, d = state[6].shape
+    return state[6].new_zeros(b, h, codec.sinks + state[0].shape[2] * codec.group, d)
+
+
+def fill(codec: Codec, x: torch.Tensor, sizes, positions: int | None = None, memo: bool = False):
+    """Append ``x (B, H, L, D)`` chunk by chunk (``sizes`` summing to ``L``); returns ``(state, memo or None)``."""
+    assert sum(sizes) == x.shape[2]
+    state = new_state(codec, x, x.shape[2] if positions is None else positions)
+    buf = new_memo(codec, state) if memo else None
+    at = 0
+    for n in sizes:
+        ops.append(state, x[:, :, at: at + n], codec.spec, buf)
+        at += n
+    return state, buf
+
+
+def chunks(total: int, seed: int, largest: int = 19, first: int | None = None) -> list[int]:
+    """Random chunk sizes 1..``largest`` summing to ``total`` (``first``: a fixed first chunk, the prompt)."""
+    rng = random.Random(seed)
+    sizes = [] if first is None else [first]
+    while sum(sizes) < total:
+        sizes.append(min(rng.randint(1, largest), total - sum(sizes)))
+    return sizes
+
+
+def expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(B, H_kv, L, D)`` -> ``(B, H_kv * groups, L, D)``: query head ``i`` reads kv head ``i // groups``."""
+    return t.repeat_interleave(groups, dim=1)
