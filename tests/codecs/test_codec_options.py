@@ -126,6 +126,13 @@ def test_default_channel_group_is_valid_for_every_block_size(block_size):
     assert codec.group % block_size == 0 and codec.group >= min(128, block_size)
 
 
+@pytest.mark.xfail(strict=True, reason="bug: a rotation seed >= 2**64 is accepted, then the first encode fails with "
+                   "'Overflow when unpacking long long' (not naming rotate)")
+def test_rotation_seed_out_of_the_generator_range_is_rejected():
+    with pytest.raises(ValueError, match="rotate"):
+        make_codec("jpeg", rotate=2**64)
+
+
 def test_rotate_true_is_seed_zero_and_false_is_none():
     assert make_codec("jpeg", rotate=True).rotate == 0
     assert make_codec("jpeg", rotate=False).rotate is None

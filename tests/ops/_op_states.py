@@ -7,7 +7,7 @@ import random
 import torch
 
 from flashcodec_fx.codecs import Codec
-from flashcodec_fx.ops import empty_state
+from flashcodec_fx.ops import StreamState, empty_state
 
 ops = torch.ops.flashcodec
 
@@ -17,15 +17,22 @@ def groups_for(codec: Codec, positions: int) -> int:
     return -(-max(0, positions - codec.sinks) // codec.group)
 
 
-def new_state(codec: Codec, like: torch.Tensor, positions: int) -> list[torch.Tensor]:
-    """An empty state for streams shaped like ``like (B, H, *, D)`` holding at least ``positions`` positions."""
+def uncropped_start(codec: Codec, length: int) -> int:
+    """Where the archive ends after ``length`` tokens appended to a fresh stream (no crop): after the sinks, every
+    group that is complete and leaves at least the window raw."""
+    return codec.sinks + max(0, length - codec.sinks - codec.window) // codec.group * codec.group
+
+
+def new_state(codec: Codec, like: torch.Tensor, positions: int) -> StreamState:
+    """An empty state for streams shaped like ``like (B, H, *, D)`` holding at least ``positions`` positions (the ops
+    take it as their ``Tensor[]``)."""
     b, h, _, d = like.shape
-    return list(empty_state(codec, b, h, groups_for(codec, positions), d, like.dtype, like.device))
+    return empty_state(codec, b, h, groups_for(codec, positions), d, like.dtype, like.device)
 
 
-def new_memo(codec: Codec, state: list[torch.Tensor]) -> torch.Tensor:
-    b, h, _, d = state[6].shape
-    return state[6].new_zeros(b, h, codec.sinks + state[0].shape[2] * codec.group, d)
+def new_memo(codec: Codec, state: StreamState) -> torch.Tensor:
+    b, h, _, d = state.tail.shape
+    return state.tail.new_zeros(b, h, codec.sinks + state.data.shape[2] * codec.group, d)
 
 
 def fill(codec: Codec, x: torch.Tensor, sizes, positions: int | None = None, memo: bool = False):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _op_states import chunks, fill, new_memo, new_state
+from _op_states import chunks, fill, new_memo, new_state, uncropped_start
 from codec_tiers import grid_data, kv_like, tier_table
 
-from flashcodec_fx.ops import archived_end
+from flashcodec_fx.ops import StreamState
 
 ops = torch.ops.flashcodec
 R = 8
@@ -20,7 +20,7 @@ PROMPT = 6  # the first append: it sets the centering mean, so every fill of a s
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_incremental_equals_one_shot_fill_bitwise(tier, dtype):
-    """After the prompt: token by token, random chunks and one chunk store identical bytes in all 8 tensors (zeros
+    """After the prompt: token by token, random chunks and one chunk store identical bytes in all 9 tensors (zeros
     past the length included) and read identically; without centering, one append of everything too."""
     codec = TIERS[tier]
     total = 37
@@ -32,11 +32,10 @@ def test_incremental_equals_one_shot_fill_bitwise(tier, dtype):
         runs.append([total])
     for sizes in runs:
         got, _ = fill(codec, x, sizes, positions=spare)
-        for name, a, b in zip(("data", "scale", "zero", "index", "mean", "sink", "tail", "length"), got, want,
-                              strict=True):
+        for name, a, b in zip(StreamState._fields, got, want, strict=True):
             assert torch.equal(a, b), (sizes, name)
         assert torch.equal(ops.read(got, codec.spec), ops.read(want, codec.spec))
-    assert int(want[7]) == total
+    assert int(want.length) == total and int(want.start) == uncropped_start(codec, total)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -54,22 +53,22 @@ def test_archived_groups_never_change(tier, dtype):
     for n in chunks(total, seed=len(tier), largest=2 * codec.group + 3):
         ops.append(state, x[:, :, at: at + n], codec.spec)
         at += n
-        done = (int(archived_end(codec, torch.tensor(at))) - codec.sinks) // codec.group
-        assert done == max(0, at - codec.sinks - codec.window) // codec.group
+        assert int(state.start) == uncropped_start(codec, at)
+        done = (int(state.start) - codec.sinks) // codec.group
         frozen.append((done, [t[:, :, :done].clone() for t in state[:4]]))
         for groups, old in frozen:
             assert all(torch.equal(t[:, :, :groups], o) for t, o in zip(state[:4], old, strict=True))
         assert all(not t[:, :, done:].any() for t in state[:4])  # slots past the archive are never written
         if at >= codec.sinks:  # sinks complete: frozen from now on
-            sinks = state[5].clone() if sinks is None else sinks
-            assert torch.equal(state[5], sinks)
+            sinks = state.sink.clone() if sinks is None else sinks
+            assert torch.equal(state.sink, sinks)
         if at > codec.sinks:  # the mean is set by the first append past the sinks
-            mean = state[4].clone() if mean is None else mean
-            assert torch.equal(state[4], mean)
+            mean = state.mean.clone() if mean is None else mean
+            assert torch.equal(state.mean, mean)
     assert frozen[-1][0] == (total - codec.sinks - codec.window) // codec.group
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_memo_equals_read_bitwise(tier, dtype):
     codec = TIERS[tier]
@@ -88,13 +87,13 @@ def test_mean_is_set_once_by_the_first_append_past_the_sinks():
     x = kv_like((1, 2, 12, 8), torch.float32, seed=6)
     state = new_state(codec, x, 12)
     ops.append(state, x[:, :, :1], codec.spec)  # still inside the sinks: no mean yet
-    assert not state[4].any()
+    assert not state.mean.any()
     ops.append(state, x[:, :, 1:5], codec.spec)  # positions 1..4: the mean of 2..4 (the non-sink ones)
-    torch.testing.assert_close(state[4], x[:, :, 2:5].mean(2), atol=1e-6, rtol=0)
-    mean = state[4].clone()
+    torch.testing.assert_close(state.mean, x[:, :, 2:5].mean(2), atol=1e-6, rtol=0)
+    mean = state.mean.clone()
     ops.append(state, x[:, :, 5:12], codec.spec)
-    assert torch.equal(state[4], mean)
-    assert torch.equal(state[5], x[:, :, :2])  # the sinks hold the first tokens, raw
+    assert torch.equal(state.mean, mean)
+    assert torch.equal(state.sink, x[:, :, :2])  # the sinks hold the first tokens, raw
 
 
 def test_append_op_state_after_two_calls():
@@ -105,12 +104,12 @@ def test_append_op_state_after_two_calls():
     state = new_state(codec, x, 64)
     ops.append(state, x[:, :, :11], codec.spec)
     ops.append(state, x[:, :, 11:], codec.spec)
-    assert int(state[7]) == 40
+    assert int(state.length) == 40 and int(state.start) == 34
     enc = codec.encode(x[:, :, 2:34])
     for got, want in zip(state[:4], enc, strict=True):
         assert torch.equal(got[:, :, :2], want) and not got[:, :, 2:].any()
-    assert torch.equal(state[5], x[:, :, :2])
-    assert torch.equal(state[6][:, :, :6], x[:, :, 34:]) and not state[6][:, :, 6:].any()
+    assert torch.equal(state.sink, x[:, :, :2])
+    assert torch.equal(state.tail[:, :, :6], x[:, :, 34:]) and not state.tail[:, :, 6:].any()
 
 
 BAD_APPEND = {
@@ -151,9 +150,9 @@ def test_capacity_exactly_used():
             x = kv_like((1, 1, length, 8), torch.float32, seed=length)
             state, _ = fill(codec, x, [length])
             view = ops.read(state, codec.spec)
-            assert view.shape[2] == codec.sinks + state[0].shape[2] * codec.group >= length
-            assert int(state[7]) == length
-            if length > int(archived_end(codec, torch.tensor(length))):
+            assert view.shape[2] == codec.sinks + state.data.shape[2] * codec.group >= length
+            assert int(state.length) == length
+            if length > uncropped_start(codec, length):
                 assert torch.equal(view[:, :, length - 1], x[:, :, -1])
 
 
@@ -164,5 +163,33 @@ def test_sinks_only_state_takes_tokens():
     codec = TIERS["token-lloyd2"]  # sinks=2
     x = kv_like((1, 1, 2, 8), torch.float32, seed=9)
     state, _ = fill(codec, x, [1, 1])
-    assert state[0].shape[2] == 0
+    assert state.data.shape[2] == 0
     assert torch.equal(ops.read(state, codec.spec), x)
+
+
+def rolled_back(state: StreamState, keep: int) -> StreamState:
+    """``state`` cut back to ``keep`` tokens inside its raw tail (``start <= keep``): the tail rows from ``keep`` on
+    are zeroed and ``length`` moves; the archive and its end (``start``) stay (what a crop inside the tail does)."""
+    cut = StreamState(*(t.clone() for t in state))
+    cut.tail[:, :, keep - int(cut.start):].zero_()
+    cut.length.fill_(keep)
+    return cut
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_rollback_inside_the_tail_then_reappend_is_the_uncut_fill(tier):
+    """The explicit archive end: cutting back to any position of the tail, even below the window, and appending the
+    same tokens again stores bitwise what never cutting stores."""
+    codec = TIERS[tier]
+    total, cut_from = 40, 31
+    x = grid_data((1, 2, total, 16), torch.bfloat16, seed=11)
+    want, _ = fill(codec, x, [PROMPT, total - PROMPT], positions=total + codec.group)
+    state, _ = fill(codec, x[:, :, :cut_from], chunks(cut_from, seed=3, first=PROMPT), positions=total + codec.group)
+    start = int(state.start)
+    for keep in sorted({start, (start + cut_from) // 2, cut_from - 1}):
+        cut = rolled_back(state, keep)
+        view = ops.read(cut, codec.spec)
+        assert torch.equal(view[:, :, :keep], ops.read(state, codec.spec)[:, :, :keep]) and not view[:, :, keep:].any()
+        ops.append(cut, x[:, :, keep:], codec.spec)
+        for name, a, b in zip(StreamState._fields, cut, want, strict=True):
+            assert torch.equal(a, b), (keep, name)

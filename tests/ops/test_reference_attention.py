@@ -66,10 +66,14 @@ def make_mask(kind: str, hq: int, t: int, width: int, seed: int = 0):
     return bias.masked_fill(~causal(t, LENGTH, width), float("-inf"))
 
 
+# Every pair with GQA 1 / 2 / 4 each under one mask kind, and the preset-like pair under every combination.
+GQA_MASKS = [(1, "none"), (2, "bool"), (4, "additive")]
+FP32_CASES = [(*pair, g, m) for pair in PAIRS for g, m in GQA_MASKS] + [
+    (*PAIRS[2], g, m) for g in (1, 2, 4) for m in ("none", "bool", "additive") if (g, m) not in GQA_MASKS]
+
+
 @pytest.mark.parametrize("new", [False, True], ids=["stored", "new"])
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-@pytest.mark.parametrize("groups", [1, 2, 4])
-@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS)
+@pytest.mark.parametrize(("k_tier", "v_tier", "groups", "mask_kind"), FP32_CASES)
 def test_matches_sdpa_over_the_read_views_fp32(k_tier, v_tier, groups, mask_kind, new):
     k, v, ks, vs = streams(k_tier, v_tier)
     t = 3
@@ -80,6 +84,22 @@ def test_matches_sdpa_over_the_read_views_fp32(k_tier, v_tier, groups, mask_kind
     assert out.shape == q.shape and out.dtype == torch.float32
     want = sdpa_over_views(q, ks, vs, k_tier, v_tier, LENGTH, call, mask)
     torch.testing.assert_close(out, want, atol=ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("prompt", [1, 3, 20])
+@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS)
+def test_prefill_attends_on_the_exact_prompt(k_tier, v_tier, prompt):
+    """The first call (the whole prompt appended, then passed as k_new / v_new) attends on the exact tokens, whatever
+    the codecs archived; prompts shorter than the sinks included."""
+    kc, vc = TIERS[k_tier], TIERS[v_tier]
+    k, v = kv_like((1, 2, prompt, D), seed=10), kv_like((1, 2, prompt, D), seed=11)
+    ks, _ = fill(kc, k, [prompt], positions=32)
+    vs, _ = fill(vc, v, [prompt], positions=32)
+    q = torch.randn(1, 4, prompt, D, generator=torch.Generator().manual_seed(prompt))
+    mask = causal(prompt, prompt, 32)
+    out = ops.codec_attention(q, ks, vs, kc.spec, vc.spec, k, v, mask)
+    want = F.scaled_dot_product_attention(q, expand_kv(k, 2), expand_kv(v, 2), attn_mask=mask[..., :prompt])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS[1:4])
@@ -133,6 +153,26 @@ def test_static_capacity_contract(k_tier, v_tier):
     wide = torch.ones(1, 1, 3, view_k.shape[2], dtype=torch.bool)  # True past the length too: the op masks itself
     torch.testing.assert_close(ops.codec_attention(q, ks_big, vs_big, spec_k, spec_v, mask=wide), want, atol=1e-5,
                                rtol=0)
+
+
+@pytest.mark.parametrize(("k_tier", "v_tier"), PAIRS[2:5])
+def test_rolled_back_streams(k_tier, v_tier):
+    """After a cut inside the raw tails (length moved back, rows past it zeroed, archive ends kept: a short tail),
+    attention reads exactly the first ``keep`` positions, as SDPA over the views does."""
+    _, _, ks, vs = streams(k_tier, v_tier)
+    keep = max(int(ks.start), int(vs.start))
+    assert keep < LENGTH
+    cut = []
+    for st in (ks, vs):
+        st = type(st)(*(t.clone() for t in st))
+        st.tail[:, :, keep - int(st.start):].zero_()
+        st.length.fill_(keep)
+        cut.append(st)
+    q = torch.randn(B, H_KV * 2, 2, D, generator=torch.Generator().manual_seed(9))
+    out = ops.codec_attention(q, *cut, TIERS[k_tier].spec, TIERS[v_tier].spec)
+    torch.testing.assert_close(out, sdpa_over_views(q, *cut, k_tier, v_tier, keep), atol=1e-5, rtol=0)
+    full = sdpa_over_views(q, ks, vs, k_tier, v_tier, LENGTH)
+    assert (out - full).abs().max() > 1e-4  # the cut tokens are really gone
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
@@ -200,7 +240,7 @@ def test_never_decodes_or_reads_the_view(tier, monkeypatch):
     assert torch.equal(codec_attention_reference(q, state, state, codec.spec, codec.spec), expected)
     if codec.rows < codec.block_size:
         largest = largest_operand(lambda: codec_attention_reference(q, state, state, codec.spec, codec.spec))
-        assert state[0].numel() <= largest < view_size, (largest, view_size)
+        assert state.data.numel() <= largest < view_size, (largest, view_size)
 
 
 def attention_args(**changes):
@@ -213,13 +253,6 @@ def attention_args(**changes):
             "k_new": None, "v_new": None, "mask": None}
     args.update(changes)
     return args
-
-
-def v_state_with(**fields):
-    vs = list(attention_args()["v_state"])
-    for name, t in fields.items():
-        vs[("data", "scale", "zero", "index", "mean", "sink", "tail", "length").index(name)] = t
-    return vs
 
 
 BAD_ATTENTION = {

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _op_states import chunks, fill, new_state
+from _op_states import chunks, fill, new_state, uncropped_start
 from codec_tiers import grid_data, kv_like, tier_table
-
-from flashcodec_fx.ops import archived_end
 
 ops = torch.ops.flashcodec
 R = 8
@@ -26,13 +24,14 @@ def test_view_is_sinks_raw_archive_decoded_tail_raw(tier, dtype):
     x = kv_like((2, 2, total, 16), dtype, seed=1)
     state, _ = fill(codec, x, chunks(total, seed=2, first=9), positions=total + 2 * codec.group)
     view = ops.read(state, codec.spec)
-    cap = codec.sinks + state[0].shape[2] * codec.group
+    cap = codec.sinks + state.data.shape[2] * codec.group
     assert view.shape == (2, 2, cap, 16) and view.dtype == dtype
-    end = int(archived_end(codec, torch.tensor(total)))
+    end = int(state.start)
+    assert end == uncropped_start(codec, total)
     groups = (end - codec.sinks) // codec.group
     s = codec.sinks
     assert torch.equal(view[:, :, :s], x[:, :, :s])
-    mean = state[4] if codec.center else None
+    mean = state.mean if codec.center else None
     archive = codec.decode(codec.encode(x[:, :, s:end], mean), dtype, mean)
     assert groups > 0 and torch.equal(view[:, :, s:end], archive)
     assert torch.equal(view[:, :, end:total], x[:, :, end:])
@@ -74,7 +73,7 @@ def test_empty_state_reads_zeros():
     for codec in TIERS.values():
         state = new_state(codec, torch.zeros(1, 2, 1, 8), 20)
         view = ops.read(state, codec.spec)
-        assert view.shape == (1, 2, codec.sinks + state[0].shape[2] * codec.group, 8) and not view.any()
+        assert view.shape == (1, 2, codec.sinks + state.data.shape[2] * codec.group, 8) and not view.any()
 
 
 def test_bad_new_is_rejected():

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _op_states import fill, new_state
+from _op_states import fill, new_state, uncropped_start
 from codec_tiers import FAST, tier_table
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcodec_fx.ops import StreamState, archived_end, capacity, completable_groups, empty_state
+from flashcodec_fx.codecs import make_codec
+from flashcodec_fx.ops import StreamState, advance, capacity, completable_groups, empty_state
 
 ops = torch.ops.flashcodec
 R = 4
@@ -22,44 +23,44 @@ TIERS = tier_table(R, low_keep=2)
 def test_empty_state_layout(tier, dtype):
     codec = TIERS[tier]
     st_ = empty_state(codec, 2, 3, 5, 16, dtype, "cpu")
-    assert isinstance(st_, StreamState) and len(st_) == 8
+    assert isinstance(st_, StreamState) and len(st_) == 9
     for t, (shape, want) in zip(st_[:4], codec.archive_shapes(16, dtype).values(), strict=True):
         assert t.shape == (2, 3, 5, *shape) and t.dtype == want
     assert st_.mean.shape == (2, 3, 16 if codec.center else 0) and st_.mean.dtype == torch.float32
     assert st_.sink.shape == (2, 3, codec.sinks, 16) and st_.sink.dtype == dtype
     assert st_.tail.shape == (2, 3, codec.window + codec.group, 16) and st_.tail.dtype == dtype
     assert st_.length.shape == () and st_.length.dtype == torch.int64 and int(st_.length) == 0
-    assert all(not t.any() for t in st_)
+    assert st_.start.shape == () and st_.start.dtype == torch.int64 and int(st_.start) == codec.sinks
+    assert all(not t.any() for t in st_[:8])
     assert capacity(codec, st_) == codec.sinks + 5 * codec.group
 
 
 @FAST
 @given(sinks=st.integers(0, 5), window=st.integers(0, 9), group=st.sampled_from([1, 2, 4, 8, 16]),
-       length=st.integers(0, 80))
-def test_archived_end_is_the_last_complete_group_out_of_the_window(sinks, window, group, length):
-    from flashcodec_fx.codecs import make_codec
-
+       groups=st.integers(0, 4), behind=st.integers(0, 60))
+def test_advance_archives_whole_groups_while_the_window_stays_raw(sinks, window, group, groups, behind):
+    """From any archive end ``start`` (a crop may have left the tail short), appending up to ``end`` archives the
+    most whole groups that leave at least ``window`` tokens in the tail: fewer than ``window + G`` remain."""
     codec = make_codec("jpeg", block_size=group, sinks=sinks, window=window)
-    got = int(archived_end(codec, torch.tensor(length)))
-    n = 0
-    while sinks + (n + 1) * group + window <= length:  # group n + 1 complete and older than the window
-        n += 1
-    assert got == sinks + n * group
-    if length >= sinks + window:
-        assert window <= length - got < window + group
+    start = sinks + groups * group
+    for end in range(start, start + behind + 1):
+        got = advance(codec, start, end)
+        assert int(advance(codec, torch.tensor(start), torch.tensor(end))) == got  # device and host agree
+        assert (got - start) % group == 0 and got >= start
+        assert end - got >= window or got == start
+        assert end - got < window + group or end - start < window
+    assert advance(codec, sinks, sinks + behind) == uncropped_start(codec, sinks + behind)
 
 
-@pytest.mark.parametrize(("sinks", "window", "group"), [(0, 0, 1), (0, 0, 8), (2, 3, 4), (4, 16, 8), (1, 0, 3)])
+@pytest.mark.parametrize(("sinks", "window", "group"), [(0, 0, 2), (0, 0, 8), (2, 3, 4), (4, 16, 8), (1, 0, 3)])
 def test_completable_groups_bounds_every_append(sinks, window, group):
-    """``ceil(T / G)`` groups at most complete in one append of T tokens, at any length, and that bound is reached."""
-    from flashcodec_fx.codecs import make_codec
-
-    codec = make_codec("png", block_size=max(group, 2), sinks=sinks, window=window)
-    g = codec.group
-    for t in range(1, 3 * g + 2):
-        done = [(int(archived_end(codec, torch.tensor(n + t))) - int(archived_end(codec, torch.tensor(n)))) // g
-                for n in range(0, 4 * g + sinks + window)]
-        assert max(done) == completable_groups(t, g) == -(-t // g), (t, done)
+    """``ceil(T / G)`` groups at most complete in one append of T tokens, from any archive end, and that bound is
+    reached."""
+    codec = make_codec("png", block_size=group, sinks=sinks, window=window)
+    for t in range(1, 3 * group + 2):
+        done = [(advance(codec, start, end + t) - advance(codec, start, end)) // group
+                for start in (sinks, sinks + group) for end in range(start, start + 4 * group + window)]
+        assert max(done) == completable_groups(t, group) == -(-t // group), (t, done)
 
 
 def valid_state(codec, dtype=torch.float32):
@@ -111,11 +112,11 @@ def test_tail_dtype_and_state_size_errors():
     codec = TIERS["jpeg-int8"]
     state = valid_state(codec)
     with pytest.raises(TypeError, match="state.tail must be a floating tensor"):
-        ops.read([*state[:6], state[6].int(), state[7]], codec.spec)
-    with pytest.raises(ValueError, match="state must hold the 8 tensors"):
-        ops.read(state[:7], codec.spec)
+        ops.read(state._replace(tail=state.tail.int()), codec.spec)
+    with pytest.raises(ValueError, match="state must hold the 9 tensors"):
+        ops.read(state[:8], codec.spec)
     with pytest.raises(ValueError, match=r"state.tail must be \(B, H, window \+ G, D\)"):
-        ops.read([*state[:6], state[6][0], state[7]], codec.spec)
+        ops.read(state._replace(tail=state.tail[0]), codec.spec)
 
 
 def test_state_of_another_codec_is_rejected():
