@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _op_states import chunks, fill, new_memo, new_state, uncropped_start
-from codec_tiers import grid_data, kv_like, tier_table
+from codec_tiers import FAST, grid_data, kv_like, tier_table
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flashcodec_fx.ops import StreamState
+from flashcodec_fx.ops.append import write_prefix
 
 ops = torch.ops.flashcodec
 R = 8
@@ -146,7 +149,7 @@ def test_capacity_exactly_used():
     """A state of exactly ``sinks + NG * G`` positions takes that many tokens (the window's tokens live in the tail);
     the newest token reads back raw when it is not archived."""
     for codec in TIERS.values():
-        for length in (codec.sinks + 1, codec.sinks + codec.group, 3 * codec.group + codec.sinks + 1):
+        for length in (1, codec.sinks + codec.group, 3 * codec.group + codec.sinks + 1):
             x = kv_like((1, 1, length, 8), torch.float32, seed=length)
             state, _ = fill(codec, x, [length])
             view = ops.read(state, codec.spec)
@@ -156,10 +159,8 @@ def test_capacity_exactly_used():
                 assert torch.equal(view[:, :, length - 1], x[:, :, -1])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a state with no archive group (capacity = sinks, e.g. a static cache with "
-                   "max_length <= sinks) cannot take any token: append raises 'index_select(): self indexing axis dim "
-                   "should be positive' although length + T <= capacity")
 def test_sinks_only_state_takes_tokens():
+    """A state with no archive group (capacity = sinks: a static cache with max_length <= sinks)."""
     codec = TIERS["token-lloyd2"]  # sinks=2
     x = kv_like((1, 1, 2, 8), torch.float32, seed=9)
     state, _ = fill(codec, x, [1, 1])
@@ -193,3 +194,44 @@ def test_rollback_inside_the_tail_then_reappend_is_the_uncut_fill(tier):
         ops.append(cut, x[:, :, keep:], codec.spec)
         for name, a, b in zip(StreamState._fields, cut, want, strict=True):
             assert torch.equal(a, b), (keep, name)
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_overflow_writes_nothing_past_the_capacity(tier):
+    """An append past the capacity (which a compiled step cannot check on the host) raises nothing and writes only
+    inside the state: the groups that fit and the memo hold what a larger state holds there, the sinks are the first
+    tokens, and the length records the overflow."""
+    codec = TIERS[tier]
+    cap = codec.sinks + 2 * codec.group
+    total = cap + 2 * codec.group + codec.window + 3
+    x = kv_like((2, 2, total, 8), torch.float32, seed=12)
+    state = new_state(codec, x, cap)
+    memo = new_memo(codec, state)
+    assert state.data.shape[2] == 2 and memo.shape[2] == cap
+    sizes = [cap - 3, total - cap + 3]
+    for lo, hi in ((0, sizes[0]), (sizes[0], total)):
+        ops.append(state, x[:, :, lo:hi], codec.spec, memo)
+    big, big_memo = fill(codec, x, sizes, positions=total, memo=True)
+    assert int(state.length) == total
+    for a, b in zip(state[:4], big[:4], strict=True):
+        assert torch.equal(a, b[:, :, :2])
+    assert torch.equal(state.sink, big.sink) and torch.equal(state.mean, big.mean)
+    assert torch.equal(memo, big_memo[:, :, :cap])
+
+
+@FAST
+@given(slots=st.integers(0, 6), n=st.integers(1, 5), first=st.integers(0, 8), prefix=st.integers(0, 5),
+       trailing=st.integers(0, 2))
+def test_write_prefix_writes_exactly_the_prefix(slots, n, first, prefix, trailing):
+    """``store[:, :, first + j] = values[:, :, j]`` for the True prefix of ``write`` (never past the store), every
+    other slot unchanged, whatever the trailing dims."""
+    store = torch.arange(2 * slots * 3**trailing, dtype=torch.float32).view(1, 2, slots, *[3] * trailing)
+    values = -1 - torch.arange(2 * n * 3**trailing, dtype=torch.float32).view(1, 2, n, *[3] * trailing)
+    j = torch.arange(n)
+    write = (j < prefix) & (first + j < slots)
+    want = store.clone()
+    for k in range(n):
+        if write[k]:
+            want[:, :, first + k] = values[:, :, k]
+    write_prefix(store, torch.tensor(first), values, write)
+    assert torch.equal(store, want)
