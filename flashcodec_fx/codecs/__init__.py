@@ -45,6 +45,19 @@ def _int(fields: dict, key: str) -> int:
         raise ValueError(f"spec field {key!r} missing or not an int in {fields}") from None
 
 
+def _field(fields: dict, key: str) -> str:
+    if key not in fields:
+        raise ValueError(f"spec field {key!r} missing in {fields}")
+    return fields[key]
+
+
+def _ints(fields: dict, key: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in _field(fields, key).split("."))
+    except ValueError:
+        raise ValueError(f"spec field {key!r} must be dot-separated ints, got {fields[key]!r}") from None
+
+
 @functools.lru_cache(maxsize=512)
 def _codec_from_spec(spec: str) -> Codec:
     mode, *items = spec.split(";")
@@ -63,9 +76,9 @@ def _codec_from_spec(spec: str) -> Codec:
                        center=bool(_int(fields, "center")), **residual)
         r = _int(fields, "r")
         if "bits" in fields:
-            options.update(quant_bits=tuple(int(b) for b in fields["bits"].split(".")),
-                           levels=tuple(fields["levels"].split(".")), scale_axis=fields["axis"],
-                           group=_int(fields, "blocks") * r, scale_search=bool(_int(fields, "search")))
+            options.update(quant_bits=_ints(fields, "bits"), levels=tuple(_field(fields, "levels").split(".")),
+                           scale_axis=_field(fields, "axis"), group=_int(fields, "blocks") * r,
+                           scale_search=bool(_int(fields, "search")))
         codec = JPEGCodec(r, _int(fields, "k"), **options)
     else:
         raise ValueError(f"spec mode must be 'jpeg' or 'png', got {mode!r} in {spec!r}")

@@ -25,12 +25,18 @@ def _check_bool(name: str, value) -> bool:
     return value
 
 
+MAX_SEED = 2**63 - 1
+
+
 def _seed(rotate) -> int | None:
     if rotate is None or rotate is False:
         return None
     if rotate is True:
         return 0
-    return check_count("rotate (a seed)", rotate)
+    seed = check_count("rotate (a seed)", rotate)
+    if seed > MAX_SEED:
+        raise ValueError(f"rotate (a seed) must be in 0..2**63 - 1, got {seed}")
+    return seed
 
 
 def _bits(quant_bits, keep: int) -> tuple[int, ...] | None:
@@ -106,6 +112,8 @@ class JPEGCodec(Codec):
         self.rotate, self.center = _seed(rotate), _check_bool("center", center)
         self._set_residual(sinks, window)
         bits = _bits(quant_bits, keep)
+        if not isinstance(scale_axis, str):
+            raise TypeError(f"scale_axis must be one of {AXES}, got {type(scale_axis).__name__} {scale_axis!r}")
         if scale_axis not in AXES:
             raise ValueError(f"scale_axis must be one of {AXES}, got {scale_axis!r}")
         _check_bool("scale_search", scale_search)
@@ -114,8 +122,8 @@ class JPEGCodec(Codec):
                 raise ValueError("levels, scale_axis, group and scale_search apply to quantized coefficients: set "
                                  "quant_bits too")
             return
-        if group is None:
-            group = block_size if scale_axis == "token" else max(block_size, DEFAULT_CHANNEL_GROUP)
+        if group is None:  # channel axis: the smallest multiple of block_size covering 128 tokens
+            group = block_size if scale_axis == "token" else -(-DEFAULT_CHANNEL_GROUP // block_size) * block_size
         check_count("group", group, least=1)
         if group % block_size:
             raise ValueError(f"group must be a multiple of block_size={block_size}, got {group}")

@@ -72,13 +72,13 @@ class PNGCodec(Codec):
         """``(..., NB, r, D)`` -> ``(..., NB, 1 + M, D)`` fp32 anchor + deltas (+ uint8 positions)."""
         deltas = blocks[..., 1:, :] - blocks[..., :-1, :]
         lead = blocks.shape[:-2]
-        empty = torch.zeros(*lead, 0, dtype=SCALE_DTYPE, device=blocks.device)
+        scale, zero = (torch.zeros(*lead, 0, dtype=SCALE_DTYPE, device=blocks.device) for _ in range(2))
         if not self.pruned:
             index = torch.zeros(*lead, 0, blocks.shape[-1], dtype=torch.uint8, device=blocks.device)
-            return Encoded(torch.cat([blocks[..., :1, :], deltas], dim=-2), empty, empty, index)
+            return Encoded(torch.cat([blocks[..., :1, :], deltas], dim=-2), scale, zero, index)
         top = deltas.abs().topk(self.kept_deltas, dim=-2, sorted=False).indices
         kept = deltas.gather(-2, top)
-        return Encoded(torch.cat([blocks[..., :1, :], kept], dim=-2), empty, empty, top.to(torch.uint8))
+        return Encoded(torch.cat([blocks[..., :1, :], kept], dim=-2), scale, zero, top.to(torch.uint8))
 
     def stored_rows(self, enc: Encoded, head_dim: int) -> torch.Tensor:
         if not self.pruned:

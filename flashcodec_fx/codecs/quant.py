@@ -153,12 +153,12 @@ class Quantizer:
             factors = (1.0,)
         f = torch.tensor(factors, dtype=x.dtype, device=x.device).view(-1, *[1] * base.dim())
         scale = base * f
-        if lv == "uniform":
-            mid = zero + base * ((1 << self.bits[rows[0]]) - 1) / 2
-            zero = mid - scale * ((1 << self.bits[rows[0]]) - 1) / 2
-        else:
-            zero = zero.expand_as(scale)
-        return _fp16(scale), _fp16(zero)
+        if lv != "uniform":
+            return fp16_toward(scale, up=True), torch.zeros_like(scale)
+        steps = (1 << self.bits[rows[0]]) - 1
+        mid = zero + base * steps / 2
+        low = fp16_toward(mid - scale * steps / 2, up=False)
+        return fp16_toward((mid + scale * steps / 2 - low) / steps, up=True), low
 
     def _nearest(self, x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, c: int) -> torch.Tensor:
         """Codes of the levels nearest to ``x`` (class ``c``): grids round half to even, Lloyd-Max ties go down."""
@@ -246,6 +246,19 @@ class Quantizer:
         return out
 
 
-def _fp16(x: torch.Tensor) -> torch.Tensor:
-    """Round to what an fp16 scale stores (clamped to the fp16 range), back in fp32."""
-    return x.clamp(-_FP16_MAX, _FP16_MAX).to(SCALE_DTYPE).float()
+def fp16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """The nearest fp16 value ``>= x`` (``up``) or ``<= x``, in fp32 (clamped to the fp16 range): scales round up and
+    zero points down, so the stored grid still covers every value the unrounded one covered."""
+    x = x.float()
+    half = x.clamp(-_FP16_MAX, _FP16_MAX).to(SCALE_DTYPE)
+    near = half.float()
+    off = ((near < x) if up else (near > x)) & (x.abs() <= _FP16_MAX)
+    bits = half.view(torch.int16).to(torch.int32)
+    negative, magnitude = bits < 0, bits & 0x7FFF
+    grow = negative != up  # moving away from zero: up from a positive value, down from a negative one
+    magnitude = torch.where(grow, magnitude + 1, magnitude - 1)
+    crossing = magnitude < 0  # from a zero of the other sign: the smallest subnormal of the direction's sign
+    negative = torch.where(crossing, torch.full_like(negative, not up), negative)
+    magnitude = torch.where(crossing, torch.ones_like(magnitude), magnitude)
+    stepped = ((negative.to(torch.int32) << 15) | magnitude).to(torch.int16).view(SCALE_DTYPE)
+    return torch.where(off, stepped, half).float()

@@ -8,6 +8,7 @@ from codec_tiers import FAST
 from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import LEVELS
+from flashcodec_fx.codecs.levels import LLOYD_MAX_BITS
 
 __all__ = ["DTYPES", "EPS", "FAST", "MANTISSA_BITS", "bit_table_and_levels", "png_exact_data", "randn"]
 
@@ -45,14 +46,14 @@ def randn(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 
 def bit_table_and_levels(draw, axis: str, rows: int, levels=LEVELS) -> tuple[list[int], list[str]]:
     """Inside ``st.composite``: a valid per-row bit table (1-8 bits) and one level set per scale class of ``axis``
     (token: one class per row; channel: DC, then the AC rows): ``int`` rows get >= 2 bits, a ``uniform`` class one
-    width."""
+    width, ``lloyd`` rows at most 6 bits."""
     bits = draw(st.lists(st.integers(1, 8), min_size=rows, max_size=rows))
     classes = [(j,) for j in range(rows)] if axis == "token" else [(0,)] + ([tuple(range(1, rows))] if rows > 1 else [])
     chosen = []
     for members in classes:
         lv = draw(st.sampled_from(levels))
         for j in members:
-            bits[j] = max(2, bits[j]) if lv == "int" else bits[j]
+            bits[j] = max(2, bits[j]) if lv == "int" else min(LLOYD_MAX_BITS, bits[j]) if lv == "lloyd" else bits[j]
             bits[j] = bits[members[0]] if lv == "uniform" else bits[j]
         chosen.append(lv)
     return bits, chosen

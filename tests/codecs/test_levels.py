@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import LEVELS, level_table, qmax
-from flashcodec_fx.codecs.levels import MAX_BITS, base_scale, code_range
+from flashcodec_fx.codecs.levels import LLOYD_MAX_BITS, MAX_BITS, base_scale, code_range
 
 BITS = range(1, MAX_BITS + 1)
 # Max (1960), "Quantizing for minimum distortion", Table I: the positive output levels for N(0, 1).
@@ -24,7 +24,7 @@ PUBLISHED_LLOYD = {
 
 
 def levels_bits():
-    return [(lv, b) for lv in LEVELS for b in BITS if not (lv == "int" and b < 2)]
+    return [(lv, b) for lv in LEVELS for b in BITS if not (lv == "int" and b < 2 or lv == "lloyd" and b > LLOYD_MAX_BITS)]
 
 
 @pytest.mark.parametrize("bits", list(PUBLISHED_LLOYD))
@@ -44,16 +44,20 @@ def _normal_centroids(levels: torch.Tensor) -> torch.Tensor:
     return (pdf[:-1] - pdf[1:]) / (cdf[1:] - cdf[:-1])
 
 
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits", range(1, LLOYD_MAX_BITS + 1))
 def test_lloyd_levels_are_centroids_of_their_cells(bits):
-    """The Lloyd-Max fixed point: each level is the mean of N(0, 1) over its cell (to 3% of the local spacing)."""
+    """The Lloyd-Max fixed point: each level is the mean of N(0, 1) over its cell (to 1e-6 of the local spacing)."""
     table = level_table("lloyd", bits).double()
     residual = (_normal_centroids(table) - table).abs()
     spacing = torch.cat([table[1:2] - table[:1], torch.minimum(table[1:-1] - table[:-2], table[2:] - table[1:-1]),
                          table[-1:] - table[-2:-1]]) if bits > 1 else table.abs()
-    assert bool((residual <= 0.03 * spacing + 1e-6).all()), float((residual / spacing).max())
-    if bits <= 4:
-        assert float(residual.max()) < 1e-5
+    assert bool((residual <= 1e-6 * spacing).all()), float((residual / spacing).max())
+
+
+@pytest.mark.parametrize("bits", range(LLOYD_MAX_BITS + 1, MAX_BITS + 1))
+def test_lloyd_levels_stop_at_six_bits(bits):
+    with pytest.raises(ValueError, match="'lloyd' is for 1..6 bits"):
+        level_table("lloyd", bits)
 
 
 @pytest.mark.parametrize(("levels", "bits"), levels_bits())
@@ -98,7 +102,7 @@ def test_tables_are_cached_per_device():
 
 
 @FAST
-@given(levels=st.sampled_from(LEVELS), bits=st.integers(2, MAX_BITS), seed=st.integers(0, 2**31),
+@given(levels=st.sampled_from(LEVELS), bits=st.integers(2, LLOYD_MAX_BITS), seed=st.integers(0, 2**31),
        offset=st.floats(-3, 3))
 def test_base_scale_spans_the_slice(levels, bits, seed, offset):
     """The no-clipping scale of each level set: the outermost levels reach the slice's extremes (lloyd: the RMS)."""

@@ -34,12 +34,7 @@ def mean_of(codec, x):
 ROTATION = [("jpeg", torch.float32), ("jpeg-int8", torch.bfloat16), ("png-half", torch.float16),
             ("jpeg-table", torch.float32), ("token-lloyd2", torch.bfloat16), ("channel-uniform4", torch.float16),
             ("jpeg-midrise4", torch.bfloat16)]
-PNG_ENCODE_BUG = pytest.mark.xfail(strict=True, reason="bug: flashcodec::encode of a png codec returns one tensor as "
-                                   "both scale and zero (see test_reference_blocks.py)")
-
-
-@pytest.mark.parametrize(("tier", "dtype"), [pytest.param(*c, marks=PNG_ENCODE_BUG) if c[0].startswith("png") else c
-                                             for c in ROTATION])
+@pytest.mark.parametrize(("tier", "dtype"), ROTATION)
 def test_opcheck_encode(tier, dtype):
     codec = TIERS[tier]
     x = kv_like((2, 3, 2 * codec.group, D), dtype, seed=1)

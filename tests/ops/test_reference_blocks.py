@@ -17,11 +17,6 @@ TIERS = tier_table(R, low_keep=3)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-PNG_ALIAS_BUG = pytest.mark.xfail(strict=True, raises=RuntimeError, reason="bug: flashcodec::encode of a png codec "
-                                  "returns one empty tensor as both scale and zero (png encode_rows reuses `empty`), "
-                                  "so the custom op raises 'may not alias any inputs ... or other returns'")
-
-
 def mean_for(codec, x: torch.Tensor) -> torch.Tensor | None:
     return x.float().mean(2) if codec.center else None
 
@@ -31,11 +26,8 @@ def stored(codec, x: torch.Tensor, mean=None):
     return Encoded(*(t.contiguous() for t in codec.encode(x, mean)))
 
 
-PNG_TIERS = [t for t in TIERS if t.startswith("png")]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tier", [t for t in TIERS if t not in PNG_TIERS])
+@pytest.mark.parametrize("tier", list(TIERS))
 def test_ops_match_codec(tier, dtype):
     codec = TIERS[tier]
     x = kv_like((2, 3, 2 * max(16, codec.group), 16), dtype, seed=1)
@@ -51,21 +43,6 @@ def test_ops_match_codec(tier, dtype):
         torch.testing.assert_close(out.float(), x.float(), atol={torch.float32: 1e-5}.get(dtype, 0.1), rtol=0)
     if tier in ("png", "jpeg-int8", "jpeg-table"):  # a different output dtype than the stream's
         assert torch.equal(ops.decode(*enc, codec.spec, torch.float32, mean), codec.decode(ref, torch.float32, mean))
-
-
-@PNG_ALIAS_BUG
-@pytest.mark.parametrize("tier", PNG_TIERS)
-def test_png_ops_match_codec(tier):
-    test_ops_match_codec(tier, torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tier", PNG_TIERS)
-def test_png_decode_op_matches_codec(tier, dtype):
-    codec = TIERS[tier]
-    x = kv_like((2, 3, 32, 16), dtype, seed=1)
-    enc = stored(codec, x)
-    assert torch.equal(ops.decode(*enc, codec.spec, dtype), codec.decode(enc, dtype))
 
 
 def test_encode_rejects_partial_groups_bad_rank_dtype_and_mean():
