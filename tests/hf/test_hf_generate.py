@@ -115,9 +115,9 @@ def _padded_batch():
 @pytest.mark.parametrize("options", [dict(mode="png"), dict()], ids=["png", "jpeg-int8"])
 def test_left_padded_batch_equals_per_sequence_runs(options):
     """png keep=1.0: the padded batch gives exactly the unpatched padded batch's and the per-sequence runs' tokens.
-    jpeg int8: padding is stored as zeros (a block of padding only has zero scales and decodes to zeros); the unpadded row keeps its block
-    boundaries; the padded row's boundaries shift by its pad count, so equality is not guaranteed by construction:
-    here all 12 tokens still equal the per-sequence runs."""
+    jpeg int8: padding is stored as zeros (a block of padding only has zero scales and decodes to zeros); the
+    unpadded row keeps its block boundaries; the padded row's boundaries shift by its pad count, so equality is not
+    guaranteed by construction: here all 12 tokens still equal the per-sequence runs."""
     model = tiny_model("llama")
     long, short, ids, mask = _padded_batch()
     reference = _generate(model, ids, attention_mask=mask)
