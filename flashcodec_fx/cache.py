@@ -361,16 +361,18 @@ class CodecKVCache:
         return self.keys.layout
 
     def forward(self, k_seq: torch.Tensor, v_seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill from a full sequence ``(B, H, S, D)`` (forgetting what was stored); returns the views."""
+        """Fill from a full sequence ``(B, H, S, D)`` (forgetting what was stored); returns the stored views."""
         self.reset()
         return self.decode_step(k_seq, v_seq)
 
     __call__ = forward
 
     def decode_step(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``(B, H, T, D)`` keys and values; returns the views attention reads (the new tokens exact)."""
+        """Append ``(B, H, T, D)`` keys and values; returns the stored views ``(B, H, L, D)`` (what
+        :meth:`attention` without ``new`` reads; ``attention(q, new=(new_k, new_v))`` reads this call's tokens
+        exactly instead)."""
         self.append(new_k, new_v)
-        return self.keys.read(new_k), self.values.read(new_v)
+        return self.read()
 
     def check_new(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         self.keys.check_new(new_k)

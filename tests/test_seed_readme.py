@@ -62,10 +62,16 @@ def run(chunk: str, namespace: dict) -> list[warnings.WarningMessage]:
     return caught
 
 
-def only_cache_keyword_deprecation(caught: list[warnings.WarningMessage]) -> bool:
-    """The seed passes ``past_key_values=``; transformers >= 5.24 deprecates that name (FutureWarning), nothing else."""
-    expected = [w for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
-    return len(expected) == len(caught) and (len(caught) > 0) == (GENERATE_CACHE_KWARG == "cache")
+def only_expected_warnings(caught: list[warnings.WarningMessage]) -> bool:
+    """The seed passes ``past_key_values=``; transformers >= 5.24 deprecates that name (FutureWarning). And it hands
+    a FlashCodecCache to a model it never patched: attention on the stored form needs the ``"kvcodec"`` attention
+    function, so the cache says once per layer that it attends on the decoded view instead (the seed's own
+    behaviour), and how to get the memory saving. Nothing else."""
+    keyword = [w for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
+    fallback = [w for w in caught if issubclass(w.category, flashcodec_fx.MaterializationFreeFallback)
+                and "apply_flash_codec(model)" in str(w.message)]
+    return len(keyword) + len(fallback) == len(caught) and len(fallback) > 0 \
+        and (len(keyword) > 0) == (GENERATE_CACHE_KWARG == "cache")
 
 
 def test_quick_start_runs_unchanged(capsys):
@@ -90,7 +96,7 @@ def test_quick_start_runs_unchanged(capsys):
         assert run(jpeg, ns) == []
         assert isinstance(ns["cache"], flashcodec_fx.FlashCodecCache)
 
-        assert only_cache_keyword_deprecation(run(jpeg_int8, ns))
+        assert only_expected_warnings(run(jpeg_int8, ns))
         cache = ns["cache"]
         assert cache.get_seq_length() == input_ids.shape[1] + 63 and ns["out"].shape == reference.shape
         assert type(cache.storage_bytes()) is int and 0 < cache.storage_bytes()

@@ -34,7 +34,7 @@ def _by_name(names):
 
 def test_lockstep_rows_measure_kl_ppl_and_bits(model):
     batch = tiny_prompt(3, LENGTH)
-    tiers = _by_name(["png keep=1.0", "KIVI-2", "TurboQuant-style K3V2"])
+    tiers = _by_name(["flashcodec lossless", "KIVI-2", "TurboQuant-style K3V2"])
     rows = {r["tier"]: r for r in bench_ppl.stream_all(model, batch, tiers, PREFILL, CHUNK)}
     raw = rows[RAW.name]
     config = model.config
@@ -44,7 +44,7 @@ def test_lockstep_rows_measure_kl_ppl_and_bits(model):
         logprobs = torch.log_softmax(model(input_ids=batch).logits.float(), -1)[:, PREFILL - 1:-1]
     full_nll = -logprobs.gather(-1, batch[:, PREFILL:, None]).mean()
     assert raw["nll"] == pytest.approx(float(full_nll), abs=0.02)
-    assert rows["png keep=1.0"]["kl"] < 1e-3 * rows["KIVI-2"]["kl"]  # lossless up to bf16 rounding of the view
+    assert rows["flashcodec lossless"]["kl"] < 1e-3 * rows["KIVI-2"]["kl"]  # lossless up to bf16 rounding
     assert rows["KIVI-2"]["kl"] > 0 and rows["TurboQuant-style K3V2"]["kl"] > 0
     assert rows["TurboQuant-style K3V2"]["bits_end"] == pytest.approx(2.5 + 16 / 32)
     assert len(raw["kl_per_window"]) == 3

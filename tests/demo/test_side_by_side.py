@@ -60,7 +60,7 @@ def test_every_tier_the_package_offers_builds_a_cache(engine):
 
 
 def test_turn_streams_the_native_greedy_decode_on_the_left_and_the_tier_on_the_right(engine, ids):
-    updates, last = _finish(engine.turn(ids, ids, engine.tiers()["png keep=1.0"], NEW))
+    updates, last = _finish(engine.turn(ids, ids, engine.tiers()["lossless"], NEW))
     reference = greedy(engine.model, ids, make_cache(engine.model, RAW), NEW).tokens[0].tolist()
     assert last.finished and last.status == "finished"
     assert len(updates) == 2 * NEW + 1  # one per forward call of each panel (prefill + NEW - 1 steps), then the end
@@ -97,9 +97,9 @@ def test_compiled_turn_decodes_the_same_tokens_as_eager(engine, ids):
 def test_requests_outside_the_model_or_the_budget_are_refused(engine, ids):
     limit = engine.max_positions
     with pytest.raises(sbs.RequestError, match=f"{limit} positions"):
-        next(engine.turn(ids, ids, engine.tiers()["png keep=1.0"], limit - ids.shape[1] + 1))
+        next(engine.turn(ids, ids, engine.tiers()["lossless"], limit - ids.shape[1] + 1))
     with pytest.raises(sbs.RequestError, match="max new tokens"):
-        next(engine.turn(ids, ids, engine.tiers()["png keep=1.0"], 0))
+        next(engine.turn(ids, ids, engine.tiers()["lossless"], 0))
     with pytest.raises(sbs.RequestError, match="empty"):
         engine.check_request(ids[:, :0], 4)
     with pytest.raises(sbs.RequestError, match="at least 2"):
@@ -130,7 +130,7 @@ def test_comparison_has_the_native_row_then_one_row_per_tier(engine):
     assert [r["tier"] for r in rows] == [RAW.name, *(t.name for t in tiers)]
     native, by_name = rows[0], {r["tier"]: r for r in rows}
     assert native["kv_ratio"] == 1.0 and native["kl"] == 0.0 and native["match"] == 1.0 and native["bits_per_value"] == 32
-    assert by_name["png keep=1.0"]["nll"] == pytest.approx(native["nll"], abs=1e-4)
+    assert by_name["lossless"]["nll"] == pytest.approx(native["nll"], abs=1e-4)
     assert by_name["jpeg r=8 K=8 int8"]["kv_ratio"] < 1 and by_name["jpeg r=8 K=8 int8"]["bits_per_value"] < 32
     for row in rows:
         assert row["peak_held"] >= row["steady_held"] > 0 and row["decode_tok_s"] > 0 and math.isfinite(row["nll"])

@@ -19,7 +19,7 @@ B, HQ, HKV, D, R, CAP = 2, 4, 2, 16, 8, 32
 
 KEY_CODEC = fc.make_codec("jpeg", block_size=R, quant_bits=8)
 VALUE_CODEC = fc.make_codec("jpeg", block_size=1, quant_bits=2, levels="lloyd", rotate=1, center=True, window=4)
-N_STATE = 8
+N_STATE = len(fc.ops.StreamState._fields)
 
 
 def _streams(length: int):
