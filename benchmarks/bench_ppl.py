@@ -186,6 +186,8 @@ def worst_bits(model: Any, tier: Tier, length: int, span: int = WORST_SPAN) -> d
     layers, heads, head_dim = _kv_shape(model.config)
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
+    if tier.factory is None and tier.options is not None:  # no attention runs here: the view path, no memo
+        tier = Tier(tier.name, {**tier.options, "materialization_free": False, "memoize": False})
     cache, raw = make_cache(model, tier), make_cache(model, RAW)
     worst, worst_at = -math.inf, None
     for start, end in [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]:

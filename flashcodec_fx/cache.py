@@ -280,9 +280,10 @@ class CodecStream:
     def storage_breakdown(self) -> dict[str, int]:
         """Every byte held, by part: ``archive`` (codes / coefficients, allocated capacity), ``scales`` (scales, zero
         points, png indices), ``sinks``, ``tail`` (raw rows + length), ``mean``, ``memo``, and ``total``.
-        ``archive_used`` (not added into ``total``): the filled groups' archive + scales."""
+        Not added into ``total``: ``archive_used``, the filled groups' archive + scales; ``stored``, what the stored
+        tokens take as stored (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean)."""
         if self.state is None:
-            return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, "archive_used": 0}
+            return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, "archive_used": 0, "stored": 0}
         st = self.state
         nbytes = {"archive": st.data.nbytes, "scales": st.scale.nbytes + st.zero.nbytes + st.index.nbytes,
                   "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes + st.start.nbytes, "mean": st.mean.nbytes,
@@ -291,6 +292,7 @@ class CodecStream:
         groups = max(0, self.archived_tokens - self.codec.sinks) // self.codec.group
         per_group = (st.data.nbytes + nbytes["scales"]) // max(1, st.data.shape[2])
         nbytes["archive_used"] = groups * per_group
+        nbytes["stored"] = self.stored_bits() // 8
         return nbytes
 
     def storage_bytes(self) -> int:

@@ -20,16 +20,17 @@ def _tensor_bytes(obj: Any) -> int:
 def cache_bytes(cache: Any) -> dict[str, int]:
     """``{"kv": bytes kept for the tokens, "held": every byte held}``.
 
-    A cache with ``storage_breakdown()`` (FlashCodecCache, the benchmark peers): ``kv`` = ``archive_used`` (filled
-    archive blocks: codes, scales, indices) + ``tail`` (raw tokens) + ``native`` (uncompressed layers);
-    ``held`` = its ``total`` (allocated capacity, memoized views). Other caches: every tensor attribute of every
-    layer (a raw ``DynamicCache`` holds exactly its tokens).
+    A cache with ``storage_breakdown()``: FlashCodecCache: ``kv`` = ``stored`` (the tokens as stored: filled archive
+    groups with scales and zero points, raw sinks, the tail rows holding tokens, the mean) + ``native`` (layers
+    without a codec); the benchmark peers: ``archive_used`` + ``tail`` (+ ``native``); ``held`` = its ``total``
+    (allocated capacity, memoized views). Other caches: every tensor attribute of every layer (a raw
+    ``DynamicCache`` holds exactly its tokens).
     """
     storage = getattr(cache, "storage_breakdown", None)
     if callable(storage):
         parts = storage()
-        kv = parts["archive_used"] + parts["tail"] + parts.get("native", 0)
-        return {"kv": kv, "held": parts["total"]}
+        kept = parts["stored"] if "stored" in parts else parts["archive_used"] + parts["tail"]
+        return {"kv": kept + parts.get("native", 0), "held": parts["total"]}
     total = 0
     for layer in cache.layers:
         total += sum(_tensor_bytes(value) for value in vars(layer).values())
