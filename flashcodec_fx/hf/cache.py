@@ -436,8 +436,8 @@ class FlashCodecCache(Cache):
         """Every byte the cache holds, by part, summed over layers: the codec parts of
         :meth:`flashcodec_fx.CodecStream.storage_breakdown` (``archive``, ``scales``, ``sinks``, ``tail``, ``mean``,
         ``memo``; not in ``total``: ``archive_used``, filled groups only, and ``stored``, the tokens as stored),
-        ``native``: tensors of the layers without a codec, ``total``. ``raw_equivalent``: what the codec layers' stored tokens would take uncompressed (not in
-        ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead."""
+        ``native``: tensors of the layers without a codec, ``total``. ``raw_equivalent``: what the codec layers'
+        stored tokens would take uncompressed (not in ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead."""
         rows = {}
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, FlashCodecLayer):
