@@ -177,6 +177,16 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
     return text.num_hidden_layers, text.num_key_value_heads, head_dim
 
 
+def _store(cache: Any, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
+    """Store ``k, v`` in ``cache``'s layer: a codec layer appends without reading back (only bytes are counted
+    here; no attention runs), any other cache through ``update``."""
+    codec_layer = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
+    if hasattr(codec_layer, "codec_cache"):
+        codec_layer.codec_cache.append(k, v)
+    else:
+        cache.update(k, v, layer)
+
+
 def worst_bits(model: Any, tier: Tier, length: int, span: int = WORST_SPAN) -> dict[str, float | int]:
     """The most bits/value over lengths ``length - span + 1 .. length`` (and at ``length``) when one cache of
     ``tier`` (batch 1) is filled with random states by one prefill of ``length - span`` tokens, then token by token;
@@ -186,14 +196,12 @@ def worst_bits(model: Any, tier: Tier, length: int, span: int = WORST_SPAN) -> d
     layers, heads, head_dim = _kv_shape(model.config)
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
-    if tier.factory is None and tier.options is not None:  # no attention runs here: the view path, no memo
-        tier = Tier(tier.name, {**tier.options, "materialization_free": False, "memoize": False})
     cache, raw = make_cache(model, tier), make_cache(model, RAW)
     worst, worst_at = -math.inf, None
     for start, end in [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]:
         for layer in range(layers):
             k, v = (torch.randn(1, heads, end - start, head_dim, generator=gen).to(dtype) for _ in range(2))
-            cache.update(k, v, layer)
+            _store(cache, k, v, layer)
             raw.update(k, v, layer)
         if start == 0:
             continue
