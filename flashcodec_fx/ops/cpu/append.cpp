@@ -1,9 +1,10 @@
 // flashcodec::append on the CPU (see ops/append.py for the spec): the new tokens go to the sinks and the tail; a
-// group is encoded only when it completes and leaves the window, decided here from the stored length, so every step
-// is the same call. Encoding follows codecs/ (prepare: center and rotate; jpeg: DCT rows kept, raw or quantized by
-// the quantizer of codecs/quant.py with its scale search; png: anchor + deltas, Top-M through at::topk so the kept
-// positions are the reference's). The per-channel mean is computed with the reference's own ATen ops (once per
-// stream), so it is bitwise the reference's.
+// group is encoded only when it completes and leaves the window, decided here from the stored length, so a decode
+// step is the same call every time and runs no ATen op. When groups complete, their products run through the
+// reference's own ATen expressions on the reference's shapes (centering, `x @ R.T`, `M @ blocks`; for the memo
+// `A @ S`, `x @ R`), so BLAS rounds them as it rounds the reference's; the quantizer of codecs/quant.py (scale
+// search, every level set and axis) runs here in C++ with torch's summation order; png Top-M goes through at::topk.
+// The per-channel mean (once per stream) uses the reference's own ATen ops. The result is bitwise the reference's.
 
 namespace fc {
 
@@ -17,27 +18,21 @@ struct Slot {
   uint8_t* index;
 };
 
-inline float fp16_round(float x) {
-  return static_cast<float>(at::Half(std::min(std::max(x, -kFp16Max), kFp16Max)));
-}
-
-// x (n x D) -> x - mean, then x @ R^T (the codec's prepare).
-inline void prepare_rows(const Codec& c, const float* mean, float* x, int n, float* tmp) {
-  const int D = c.head_dim;
-  if (c.center && mean != nullptr)
-    for (int i = 0; i < n; ++i)
-      for (int d = 0; d < D; ++d) x[i * D + d] = x[i * D + d] - mean[d];
-  if (!c.rotate) return;
-  for (int i = 0; i < n; ++i) {
-    const float* xi = x + i * D;
-    for (int d = 0; d < D; ++d) {
-      const float* rd = c.rot + d * D;
-      float s = 0.0f;
-      for (int e = 0; e < D; ++e) s = std::fma(xi[e], rd[e], s);
-      tmp[d] = s;
-    }
-    std::memcpy(x + i * D, tmp, sizeof(float) * D);
+// The nearest fp16 value >= x (up) or <= x, in fp32, clamped to the fp16 range (quant.fp16_toward): scales round up
+// and zero points down, so the stored grid still covers every value the unrounded one covered.
+inline float fp16_toward(float x, bool up) {
+  const at::Half half(std::min(std::max(x, -kFp16Max), kFp16Max));
+  const float near = static_cast<float>(half);
+  const bool off = (up ? near < x : near > x) && std::fabs(x) <= kFp16Max;
+  if (!off) return near;
+  bool negative = (half.x & 0x8000) != 0;
+  int magnitude = half.x & 0x7FFF;
+  magnitude += negative != up ? 1 : -1;  // away from zero: up from a positive value, down from a negative one
+  if (magnitude < 0) {  // from a zero of the other sign: the smallest subnormal of the direction's sign
+    negative = !up;
+    magnitude = 1;
   }
+  return static_cast<float>(at::Half(static_cast<uint16_t>((negative ? 0x8000 : 0) | magnitude), at::Half::from_bits()));
 }
 
 // --- sums in torch's order --------------------------------------------------------------------------------------
@@ -204,15 +199,17 @@ inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_st
   if (!c.search) factors = &one;
   float cand_s[kMaxFactors], cand_z[kMaxFactors];
   const float span = static_cast<float>((1 << bits) - 1);
-  for (int f = 0; f < nf; ++f) {
+  for (int f = 0; f < nf; ++f) {  // quant._candidates
     const float sf = base * factors[f];
-    float zf = zero0;
-    if (kind == kUniform) {
-      const float mid = zero0 + base * span / 2.0f;
-      zf = mid - sf * span / 2.0f;
+    if (kind != kUniform) {
+      cand_s[f] = fp16_toward(sf, true);
+      cand_z[f] = 0.0f;
+      continue;
     }
-    cand_s[f] = fp16_round(sf);
-    cand_z[f] = fp16_round(zf);
+    const float mid = zero0 + base * span / 2.0f;
+    const float low = fp16_toward(mid - sf * span / 2.0f, false);
+    cand_s[f] = fp16_toward((mid + sf * span / 2.0f - low) / span, true);
+    cand_z[f] = low;
   }
   int best = 0;
   if (nf > 1) {
@@ -296,132 +293,144 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
     for (int j = 0; j < K; ++j) pack_row(codes.data() + (blk * K + j) * D, c.bits[j], D, data + blk * c.row_bytes + c.byte_off[j]);
 }
 
-// --- encode / decode of one group ----------------------------------------------------------------------------------
+// --- encode / decode ------------------------------------------------------------------------------------------------
 
 struct Buffers {
-  std::vector<float> x, coefs, tmp, xs, dense, out, sq;
+  std::vector<float> xs, tmp, sq;
   std::vector<int> rows;
   std::vector<int32_t> cbuf, codes;
 };
 
-// Prepared tokens x (G x D) -> the stored form at `slot`.
-void encode_group(const Codec& c, at::ScalarType data_dtype, const float* x, const Slot& slot, Buffers& buf) {
-  const int D = c.head_dim, r = c.r, K = c.rows, nb = c.blocks;
-  if (c.mode == kJpeg) {
-    buf.coefs.resize(static_cast<size_t>(nb) * K * D);
-    for (int blk = 0; blk < nb; ++blk)
-      for (int j = 0; j < K; ++j) {
-        const float* a = c.analysis + j * r;
-        float* out = buf.coefs.data() + (blk * K + j) * D;
-        for (int d = 0; d < D; ++d) {
-          float s = 0.0f;
-          for (int p = 0; p < r; ++p) s = std::fma(a[p], x[(blk * r + p) * D + d], s);
-          out[d] = s;
-        }
+// The plan's matrices as tensors (the same values the reference's codec uses).
+struct Matrices {
+  at::Tensor synth, analysis, rot;
+  explicit Matrices(const std::vector<at::Tensor>& plan) : synth(plan[1]), analysis(plan[2]), rot(plan[4]) {}
+};
+
+// Groups k < `written` of the work buffer (row p = position start + p) -> what the codec's transform produces for
+// them: jpeg coefficients (B, H, n * blocks, K, D), png prepared blocks (B, H, n, r, D); fp32. The tensors have the
+// reference's shapes and layouts (its `work[:, :, :n * G]`, a slice of a (B, H, tail + T, D) buffer, stays a slice
+// for fp32 streams without a center), so torch's matmul takes the same BLAS path and rounds the same way; the rows
+// of the groups that are not written are zero.
+template <typename Work>
+at::Tensor transform_groups(const Codec& c, const Matrices& mx, const Stream& s, int64_t B, int64_t H, int64_t T,
+                            int64_t n, int64_t written, Work&& work) {
+  const int64_t D = c.head_dim, G = c.group, rows = c.tail_cap + T;
+  at::Tensor buffer = at::zeros({B, H, rows, D}, at::TensorOptions().dtype(at::kFloat));
+  float* px = buffer.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t bh = i0; bh < i1; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+      for (int64_t p = 0; p < written * G; ++p) {
+        float* row = px + (bh * rows + p) * D;
+        to_float(work(b, h, p), s.dtype, row, static_cast<int>(D));
+        if (mean != nullptr)
+          for (int64_t d = 0; d < D; ++d) row[d] = row[d] - mean[d];
       }
+    }
+  });
+  at::Tensor x = buffer.narrow(2, 0, n * G);
+  if (c.center || s.dtype != at::kFloat) x = x.contiguous();  // there the reference's x is a new tensor
+  if (c.rotate) x = at::matmul(x, mx.rot.t());
+  at::Tensor blocks = x.reshape({B, H, n * G / c.r, c.r, D});
+  return (c.mode == kJpeg ? at::matmul(mx.analysis, blocks) : blocks).contiguous();
+}
+
+// One written group from its transform (`rows`: the group's g x K x D coefficients, or png's r x D block).
+void store_group(const Codec& c, at::ScalarType data_dtype, const float* rows, const Slot& slot, Buffers& buf) {
+  const int D = c.head_dim, r = c.r;
+  if (c.mode == kJpeg) {
     if (c.quant == kNone) {
-      from_float(buf.coefs.data(), data_dtype, slot.data, K * D);
+      from_float(rows, data_dtype, slot.data, c.rows * D);
     } else {
-      quantize_group(c, buf.coefs.data(), slot, buf.xs, buf.rows, buf.cbuf, buf.codes, buf.sq);
+      quantize_group(c, rows, slot, buf.xs, buf.rows, buf.cbuf, buf.codes, buf.sq);
     }
     return;
   }
-  float* data = reinterpret_cast<float*>(slot.data);  // png: one block per group
-  std::memcpy(data, x, sizeof(float) * D);
-  if (!c.pruned) {
-    for (int i = 1; i < r; ++i)
-      for (int d = 0; d < D; ++d) data[i * D + d] = x[i * D + d] - x[(i - 1) * D + d];
-    return;
-  }
-  buf.tmp.resize(static_cast<size_t>(r - 1) * D);
+  float* data = reinterpret_cast<float*>(slot.data);  // png: anchor, then the deltas (or the kept ones)
+  std::memcpy(data, rows, sizeof(float) * D);
+  float* deltas = c.pruned ? (buf.tmp.resize(static_cast<size_t>(r - 1) * D), buf.tmp.data()) : data + D;
   for (int i = 1; i < r; ++i)
-    for (int d = 0; d < D; ++d) buf.tmp[(i - 1) * D + d] = x[i * D + d] - x[(i - 1) * D + d];
-  at::Tensor deltas = at::from_blob(buf.tmp.data(), {1, r - 1, D}, at::TensorOptions().dtype(at::kFloat));
-  at::Tensor top = std::get<1>(at::topk(deltas.abs(), c.pruned, 1, true, false));
+    for (int d = 0; d < D; ++d) deltas[(i - 1) * D + d] = rows[i * D + d] - rows[(i - 1) * D + d];
+  if (!c.pruned) return;
+  at::Tensor all = at::from_blob(deltas, {1, r - 1, D}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor top = std::get<1>(at::topk(all.abs(), c.pruned, 1, true, false));
   const int64_t* idx = top.data_ptr<int64_t>();
   for (int i = 0; i < c.pruned; ++i)
     for (int d = 0; d < D; ++d) {
-      const int64_t at_row = idx[i * D + d];
-      data[(1 + i) * D + d] = buf.tmp[at_row * D + d];
-      slot.index[i * D + d] = static_cast<uint8_t>(at_row);
+      const int64_t row = idx[i * D + d];
+      data[(1 + i) * D + d] = deltas[row * D + d];
+      slot.index[i * D + d] = static_cast<uint8_t>(row);
     }
 }
 
-// The stored group at `slot` -> its decoded tokens (G x D, fp32, rotated back and mean added): the memo's values.
-void decode_group(const Codec& c, const Slot& slot, const float* mean, at::ScalarType data_dtype, float* out,
-                  Buffers& buf) {
-  const int D = c.head_dim, r = c.r, R = c.dense, nb = c.blocks;
-  buf.dense.resize(static_cast<size_t>(kMaxRows) * D);
-  buf.codes.resize(D);
-  for (int blk = 0; blk < nb; ++blk) {
-    const float* rows;
-    if (c.quant != kNone) {
-      const uint8_t* block = reinterpret_cast<const uint8_t*>(slot.data) + blk * c.row_bytes;
-      for (int j = 0; j < c.rows; ++j) {
-        float* dst = buf.dense.data() + j * D;
-        row_levels(c, block, j, buf.codes.data(), dst);
-        const int k = c.row_class[j], zs = c.zero_slot[k];
-        for (int d = 0; d < D; ++d) {
-          const float sc = c.quant == kToken ? static_cast<float>(slot.scale[blk * c.classes + k])
-                                             : static_cast<float>(slot.scale[k * D + d]);
-          const float zr = zs < 0 ? 0.0f
-                           : c.quant == kToken ? static_cast<float>(slot.zero[blk * c.zero_classes + zs])
-                                               : static_cast<float>(slot.zero[zs * D + d]);
-          dst[d] = dst[d] * sc + zr;
-        }
-      }
-      rows = buf.dense.data();
-    } else if (c.mode == kJpeg) {
-      rows = float_row(slot.data, data_dtype, buf.dense.data(), c.rows * D);
-    } else {
-      const float* png = reinterpret_cast<const float*>(slot.data);
-      if (c.pruned) {
-        std::memcpy(buf.dense.data(), png, sizeof(float) * D);
-        std::fill(buf.dense.begin() + D, buf.dense.begin() + r * D, 0.0f);
-        for (int i = 0; i < c.pruned; ++i)
-          for (int d = 0; d < D; ++d) buf.dense[(1 + slot.index[i * D + d]) * D + d] = png[(1 + i) * D + d];
-        rows = buf.dense.data();
-      } else {
-        rows = png;
-      }
-    }
-    float* blk_out = out + blk * r * D;
-    if (c.cumsum) {  // png: sequential fp32 cumsum, as PNGCodec.decode
-      for (int d = 0; d < D; ++d) blk_out[d] = rows[d];
-      for (int i = 1; i < r; ++i)
-        for (int d = 0; d < D; ++d) blk_out[i * D + d] = blk_out[(i - 1) * D + d] + rows[i * D + d];
-      continue;
-    }
-    for (int i = 0; i < r; ++i)
+// Dense stored rows (R x D, fp32, scales applied as the reference's dequantize does) of block `blk` of a slot.
+void dense_rows(const Codec& c, at::ScalarType data_dtype, const Slot& slot, int blk, float* out, int32_t* codes) {
+  const int D = c.head_dim;
+  if (c.quant != kNone) {
+    const uint8_t* block = reinterpret_cast<const uint8_t*>(slot.data) + blk * c.row_bytes;
+    for (int j = 0; j < c.rows; ++j) {
+      float* dst = out + j * D;
+      row_levels(c, block, j, codes, dst);
+      const int k = c.row_class[j], zs = c.zero_slot[k];
       for (int d = 0; d < D; ++d) {
-        float s = 0.0f;
-        for (int j = 0; j < R; ++j) s = std::fma(c.synth[i * R + j], rows[j * D + d], s);
-        blk_out[i * D + d] = s;
+        const float sc = c.quant == kToken ? static_cast<float>(slot.scale[blk * c.classes + k])
+                                           : static_cast<float>(slot.scale[k * D + d]);
+        const float zr = zs < 0 ? 0.0f
+                         : c.quant == kToken ? static_cast<float>(slot.zero[blk * c.zero_classes + zs])
+                                             : static_cast<float>(slot.zero[zs * D + d]);
+        dst[d] = dst[d] * sc + zr;
       }
-  }
-  if (c.mode != kJpeg) return;
-  const int n = nb * r;
-  if (c.rotate) {  // x @ R
-    buf.tmp.resize(D);
-    for (int i = 0; i < n; ++i) {
-      float* xi = out + i * D;
-      for (int d = 0; d < D; ++d) {
-        float s = 0.0f;
-        for (int e = 0; e < D; ++e) s = std::fma(xi[e], c.rot[e * D + d], s);
-        buf.tmp[d] = s;
-      }
-      std::memcpy(xi, buf.tmp.data(), sizeof(float) * D);
     }
+  } else if (c.mode == kJpeg) {
+    to_float(slot.data, data_dtype, out, c.rows * D);
+  } else {
+    const float* png = reinterpret_cast<const float*>(slot.data);
+    if (!c.pruned) {
+      std::memcpy(out, png, sizeof(float) * c.r * D);
+      return;
+    }
+    std::memcpy(out, png, sizeof(float) * D);
+    std::fill(out + D, out + c.r * D, 0.0f);
+    for (int i = 0; i < c.pruned; ++i)
+      for (int d = 0; d < D; ++d) out[(1 + slot.index[i * D + d]) * D + d] = png[(1 + i) * D + d];
   }
-  if (c.center && mean != nullptr)
-    for (int i = 0; i < n; ++i)
-      for (int d = 0; d < D; ++d) out[i * D + d] = out[i * D + d] + mean[d];
+}
+
+// The decoded tokens of the written groups (the memo's values), (B, H, n * G, D) fp32 before the mean: jpeg through
+// the reference's products `A @ S` then `x @ R`, png by its sequential cumsum.
+template <typename SlotAt>
+at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data_dtype, int64_t B, int64_t H,
+                         int64_t n, int64_t written, SlotAt&& slot_at) {
+  const int64_t D = c.head_dim, R = c.dense, nb = c.blocks;
+  at::Tensor rows = at::zeros({B, H, n * nb, R, D}, at::TensorOptions().dtype(at::kFloat));
+  float* pr = rows.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int32_t> codes(D);
+    for (int64_t bh = i0; bh < i1; ++bh)
+      for (int64_t k = 0; k < written; ++k)
+        for (int64_t blk = 0; blk < nb; ++blk)
+          dense_rows(c, data_dtype, slot_at(bh / H, bh % H, k), static_cast<int>(blk),
+                     pr + ((bh * n + k) * nb + blk) * R * D, codes.data());
+  });
+  if (c.mode != kJpeg) {  // png: X[i] = X[i - 1] + S[i], in order
+    float* p = pr;
+    for (int64_t block = 0; block < B * H * n; ++block, p += R * D)
+      for (int64_t i = 1; i < R; ++i)
+        for (int64_t d = 0; d < D; ++d) p[i * D + d] = p[(i - 1) * D + d] + p[i * D + d];
+    return rows.view({B, H, n * c.group, D});
+  }
+  at::Tensor x = at::matmul(mx.synth, rows).flatten(-3, -2);
+  return c.rotate ? at::matmul(x, mx.rot) : x;
 }
 
 // --- driver ----------------------------------------------------------------------------------------------------------
 
-void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const Codec& c,
+void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
                        const c10::optional<at::Tensor>& memo) {
+  const Codec c = Codec::parse(plan);
+  const Matrices mx(plan);
   Stream s(c, state);
   const int64_t B = x_new.size(0), H = x_new.size(1), T = x_new.size(2), D = x_new.size(3);
   const int64_t L = s.length, end = L + T;
@@ -431,16 +440,29 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
     state[4].copy_(mean);
   }
   const int64_t start = s.start, new_start = c.advance(start, end);
-  const int64_t n_groups = (new_start - start) / c.group;
   const int64_t first_slot = (start - c.sinks) / c.group;
-  const int64_t written = std::max<int64_t>(0, std::min(n_groups, s.groups - first_slot));  // never past the capacity
+  // groups the reference encodes (ceil(T / G)); of those, the ones that complete and fit in the capacity are written
+  const int64_t n_enc = (T + c.group - 1) / c.group;
+  const int64_t written = std::max<int64_t>(0, std::min((new_start - start) / c.group, s.groups - first_slot));
   const int64_t elem = s.elem;
   const char* nptr = static_cast<const char*>(x_new.data_ptr());
   const int64_t nsb = x_new.stride(0) * elem, nsh = x_new.stride(1) * elem, nst = x_new.stride(2) * elem;
   const int64_t row_bytes = D * elem;
+  // work row i = position start + i: the new token start + i - L when it exists, else tail row i
+  auto work = [&](int64_t b, int64_t h, int64_t i) -> const char* {
+    const int64_t token = start + i - L;
+    return token >= 0 ? nptr + b * nsb + h * nsh + token * nst : s.tail.at(b, h) + i * s.tail.sn;
+  };
+  auto slot_at = [&](int64_t b, int64_t h, int64_t k) {
+    const int64_t g = first_slot + k;
+    return Slot{s.data.at(b, h, g), s.scale.at(b, h, g), s.zero.at(b, h, g), s.index.at(b, h, g)};
+  };
+  at::Tensor transformed;
+  if (written > 0) transformed = transform_groups(c, mx, s, B, H, T, n_enc, written, work);
+  const float* pt = written > 0 ? transformed.data_ptr<float>() : nullptr;
+  const int64_t group_floats = static_cast<int64_t>(c.group / c.r) * (c.mode == kJpeg ? c.rows : c.r) * D;
   char* mptr = memo.has_value() ? static_cast<char*>(memo->data_ptr()) : nullptr;
-  int64_t msb = 0, msh = 0, mst = 0;
-  int64_t memo_len = 0;
+  int64_t msb = 0, msh = 0, mst = 0, memo_len = 0;
   if (mptr != nullptr) {
     msb = memo->stride(0) * elem; msh = memo->stride(1) * elem; mst = memo->stride(2) * elem;
     memo_len = memo->size(2);
@@ -458,36 +480,34 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
       if (mptr != nullptr)
         for (int64_t j = 0; j < std::min(T, memo_len - L); ++j)
           std::memcpy(mptr + b * msb + h * msh + (L + j) * mst, nb + j * nst, row_bytes);
+      for (int64_t k = 0; k < written; ++k)
+        store_group(c, s.data_dtype, pt + (bh * n_enc + k) * group_floats, slot_at(b, h, k), buf);
       char* tail = s.tail.at(b, h);
-      // work row i = position start + i: the new token start + i - L when it exists, else tail row i
-      auto work = [&](int64_t i) -> const char* {
-        const int64_t token = start + i - L;
-        return token >= 0 ? nb + token * nst : tail + i * s.tail.sn;
-      };
-      const float* mean = c.center ? s.mean.at(b, h) : nullptr;
-      for (int64_t k = 0; k < written; ++k) {
-        buf.x.resize(static_cast<size_t>(c.group) * D);
-        for (int64_t p = 0; p < c.group; ++p) to_float(work(k * c.group + p), s.dtype, buf.x.data() + p * D, D);
-        buf.tmp.resize(D);
-        prepare_rows(c, mean, buf.x.data(), c.group, buf.tmp.data());
-        const int64_t g = first_slot + k;
-        Slot slot{s.data.at(b, h, g), s.scale.at(b, h, g), s.zero.at(b, h, g), s.index.at(b, h, g)};
-        encode_group(c, s.data_dtype, buf.x.data(), slot, buf);
-        if (mptr != nullptr) {
-          buf.out.resize(static_cast<size_t>(c.group) * D);
-          decode_group(c, slot, mean, s.data_dtype, buf.out.data(), buf);
-          char* dst = mptr + b * msb + h * msh + (c.sinks + g * c.group) * mst;
-          for (int64_t p = 0; p < c.group; ++p) from_float(buf.out.data() + p * D, s.dtype, dst + p * mst, D);
-        }
-      }
       for (int64_t i = 0; i < new_rows; ++i) {
         const int64_t src = shift + i;
         if (shift == 0 && start + src - L < 0) continue;  // the row stays where it is
-        std::memmove(tail + i * s.tail.sn, work(src), row_bytes);
+        std::memmove(tail + i * s.tail.sn, work(b, h, src), row_bytes);
       }
       for (int64_t i = std::max<int64_t>(new_rows, 0); i < c.tail_cap; ++i) std::memset(tail + i * s.tail.sn, 0, row_bytes);
     }
   });
+  if (mptr != nullptr && written > 0) {
+    const at::Tensor decoded = decode_groups(c, mx, s.data_dtype, B, H, n_enc, written, slot_at).contiguous();
+    const float* pd = decoded.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> row(D);
+      for (int64_t bh = i0; bh < i1; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+        for (int64_t p = 0; p < written * c.group; ++p) {
+          const float* src = pd + (bh * n_enc * c.group + p) * D;
+          for (int64_t d = 0; d < D; ++d) row[d] = mean != nullptr ? src[d] + mean[d] : src[d];
+          from_float(row.data(), s.dtype, mptr + b * msb + h * msh + (c.sinks + first_slot * c.group + p) * mst,
+                     static_cast<int>(D));
+        }
+      }
+    });
+  }
   *state[8].data_ptr<int64_t>() = new_start;
   *state[7].data_ptr<int64_t>() += T;
 }
@@ -496,11 +516,10 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
 // that are written back.
 void append(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
             const c10::optional<at::Tensor>& memo) {
-  const Codec c = Codec::parse(plan);
   const std::vector<at::Tensor> work = readable_state(state);
   c10::optional<at::Tensor> mem = memo;
   if (memo.has_value() && !inner_contiguous(*memo, -1)) mem = memo->contiguous();
-  append_contiguous(work, readable_rows(x_new), c, mem);
+  append_contiguous(work, readable_rows(x_new), plan, mem);
   for (size_t i = 0; i < state.size(); ++i)
     if (!work[i].is_same(state[i])) state[i].copy_(work[i]);
   if (memo.has_value() && !mem->is_same(*memo)) memo->copy_(*mem);

@@ -38,7 +38,6 @@ struct Codec {
   float level_off[kMaxRows];  // affine level sets: level[c] == c + level_off (int, uniform, midrise)
   bool affine[kMaxRows];
   const float* synth;     // (r, dense)
-  const float* analysis;  // (rows, r), jpeg only
   const float* levels;    // (rows, kLevelWidth)
   const float* rot;       // (D, D) or nullptr
   const float* factors;   // shrink factors, then lloyd factors
@@ -67,7 +66,6 @@ struct Codec {
       }
     }
     c.synth = plan[1].data_ptr<float>();
-    c.analysis = plan[2].numel() ? plan[2].data_ptr<float>() : nullptr;
     c.levels = plan[3].numel() ? plan[3].data_ptr<float>() : nullptr;
     c.rot = plan[4].numel() ? plan[4].data_ptr<float>() : nullptr;
     c.factors = plan[5].data_ptr<float>();
@@ -110,8 +108,8 @@ struct Stream {
   Stream(const Codec& codec, const std::vector<at::Tensor>& st)
       : c(&codec), dtype(st[6].scalar_type()), data_dtype(st[0].scalar_type()), data(st[0]),
         data_elem(st[0].element_size()), scale(st[1]), zero(st[2]), index(st[3]), mean(st[4]), sink(st[5]),
-        tail(st[6]), elem(st[6].element_size()), groups(st[0].size(2)), length(st[7].item<int64_t>()),
-        start(st[8].item<int64_t>()) {
+        tail(st[6]), elem(st[6].element_size()), groups(st[0].size(2)), length(*st[7].data_ptr<int64_t>()),
+        start(*st[8].data_ptr<int64_t>()) {
     // Lead3<char> strides count elements; convert to bytes.
     data.sb *= data_elem; data.sh *= data_elem; data.sn *= data_elem;
     sink.sb *= elem; sink.sh *= elem; sink.sn *= elem;
@@ -239,14 +237,14 @@ inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* cod
 inline float dot(const float* a, const float* b, int n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int i = 0; i < n; ++i) s = std::fma(a[i], b[i], s);
   return s;
 }
 
 // y += a * x
 inline void axpy(float* y, float a, const float* x, int n) {
 #pragma omp simd
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
 }
 
 inline void scale_row(float* y, float a, int n) {
@@ -270,7 +268,7 @@ inline void lane_dots(const float* qt, const float* rows, int64_t row_stride, in
     for (int j = 0; j < N; ++j) {
       const float r = rows[j * row_stride + d];
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) acc[j][l] += qd[l] * r;
+      for (int l = 0; l < kLanes; ++l) acc[j][l] = std::fma(qd[l], r, acc[j][l]);
     }
   }
   for (int j = 0; j < N; ++j)
@@ -289,11 +287,11 @@ inline void lane_dot1(const float* qt, const float* row, int D, float* out) {
       const float r = row[d + k];
       const float* qd = qt + (d + k) * kLanes;
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) acc[k][l] += qd[l] * r;
+      for (int l = 0; l < kLanes; ++l) acc[k][l] = std::fma(qd[l], r, acc[k][l]);
     }
   for (; d < D; ++d) {
     const float* qd = qt + d * kLanes;
-    for (int l = 0; l < kLanes; ++l) acc[0][l] += qd[l] * row[d];
+    for (int l = 0; l < kLanes; ++l) acc[0][l] = std::fma(qd[l], row[d], acc[0][l]);
   }
   for (int l = 0; l < kLanes; ++l) out[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
 }
@@ -328,7 +326,7 @@ inline void lane_axpys(const float* w, int n, const float* rows, int64_t row_str
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k)
 #pragma omp simd
-          for (int l = 0; l < 16; ++l) t[k][l] += s * r[16 * k + l];
+          for (int l = 0; l < 16; ++l) t[k][l] = std::fma(s, r[16 * k + l], t[k][l]);
       }
       for (int k = 0; k < 4; ++k)
         for (int l = 0; l < 16; ++l) am[d0 + 16 * k + l] = t[k][l];
@@ -340,12 +338,12 @@ inline void lane_axpys(const float* w, int n, const float* rows, int64_t row_str
         const float s = w[j * kLanes + m];
         const float* r = rows + j * row_stride + d0;
 #pragma omp simd
-        for (int l = 0; l < 16; ++l) t[l] += s * r[l];
+        for (int l = 0; l < 16; ++l) t[l] = std::fma(s, r[l], t[l]);
       }
       for (int l = 0; l < 16; ++l) am[d0 + l] = t[l];
     }
     for (; d0 < D; ++d0)
-      for (int j = 0; j < n; ++j) am[d0] += w[j * kLanes + m] * rows[j * row_stride + d0];
+      for (int j = 0; j < n; ++j) am[d0] = std::fma(w[j * kLanes + m], rows[j * row_stride + d0], am[d0]);
   }
 }
 
@@ -363,7 +361,7 @@ inline void lane_matmul_tile(const float* a, int64_t lda, int64_t step, const fl
     for (int ii = 0; ii < NI; ++ii) {
       const float c = a[ii * lda + j * step];
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) acc[ii][l] += c * xj[l];
+      for (int l = 0; l < kLanes; ++l) acc[ii][l] = std::fma(c, xj[l], acc[ii][l]);
     }
   }
   for (int ii = 0; ii < NI; ++ii)
@@ -388,16 +386,16 @@ inline void exp_row(const float* x, float* y, int n) {
     v = v > 88.3762626647949f ? 88.3762626647949f : v;
     const float t = v * 1.44269504088896341f;
     const float fx = (t + 12582912.0f) - 12582912.0f;
-    float r = v - fx * 0.693359375f;
-    r = r - fx * -2.12194440e-4f;
+    float r = std::fma(fx, -0.693359375f, v);
+    r = std::fma(fx, 2.12194440e-4f, r);
     const float z = r * r;
     float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * z + r + 1.0f;
+    p = std::fma(p, r, 1.3981999507E-3f);
+    p = std::fma(p, r, 8.3334519073E-3f);
+    p = std::fma(p, r, 4.1665795894E-2f);
+    p = std::fma(p, r, 1.6666665459E-1f);
+    p = std::fma(p, r, 5.0000001201E-1f);
+    p = std::fma(p, z, r + 1.0f);
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
     float pow2;
     std::memcpy(&pow2, &bits, sizeof(float));
