@@ -19,9 +19,12 @@ DEVICES = ("cpu", "cuda")
 
 
 def kernel_kind(function: str) -> str:
-    """``"triton"``, ``"reference"`` (plain torch, the spec) or the kernel's full name for anything else."""
+    """``"triton"``, ``"cpu"`` (the C++ kernels of ``ops/cpu``), ``"reference"`` (plain torch, the spec) or the
+    kernel's full name for anything else."""
     if function.startswith("flashcodec_fx.ops.triton_"):
         return "triton"
+    if function.startswith("flashcodec_fx.ops.cpu."):
+        return "cpu"
     return "reference" if function.startswith("flashcodec_fx.ops.") else function
 
 

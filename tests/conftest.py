@@ -135,3 +135,19 @@ def save_tiny_model(folder, family: str = "llama") -> None:
     fresh_tiny_model(family).save_pretrained(folder)
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
                             bos_token="<s>").save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The compiled C++ CPU kernels (``flashcodec_fx.ops.cpu``), built once per machine (about 30 s the first time,
+    then loaded from the user cache). Skips only where no C++ compiler exists; a failed build with one is an error."""
+    import os
+    import shutil
+
+    from flashcodec_fx.ops.cpu import EXTENSION
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the CPU kernels fall back to the reference ops (tests/ops/test_cpu_build.py)")
+    module = EXTENSION.module()
+    assert module is not None, f"the CPU kernels failed to build: {EXTENSION.error}"
+    return module

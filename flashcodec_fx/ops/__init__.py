@@ -1,6 +1,8 @@
 """`torch.ops.flashcodec.*` custom ops: reference (plain torch, the spec) and fake kernels.
 
-Importing this package registers every op; fast kernels (Triton for CUDA) register on top where available.
+Importing this package registers every op; fast kernels register on top where available: Triton for CUDA, and the
+fused C++ kernels of ``codec_attention`` and ``append`` for the CPU (``ops/cpu``, built on first use;
+``FLASHCODEC_KERNELS=reference`` keeps the reference ops, ``fast`` requires the C++ kernels).
 """
 
 from __future__ import annotations
@@ -8,8 +10,11 @@ from __future__ import annotations
 from .append import append, completable_groups
 from .attention import codec_attention
 from .blocks import decode, encode
+from .cpu import register as _register_cpu_kernels
 from .read import read
 from .state import StreamState, advance, capacity, empty_state
+
+_register_cpu_kernels()
 
 __all__ = ["StreamState", "append", "advance", "capacity", "codec_attention", "completable_groups", "decode",
            "empty_state", "encode", "read"]

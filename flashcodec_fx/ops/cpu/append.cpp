@@ -1,0 +1,545 @@
+// flashcodec::append on the CPU (see ops/append.py for the spec): the new tokens go to the sinks and the tail; a
+// group is encoded only when it completes and leaves the window, decided here from the stored length, so a decode
+// step is the same call every time and runs no ATen op. When groups complete, their products run through the
+// reference's own ATen expressions on the reference's shapes (centering, `x @ R.T`, `M @ blocks`; for the memo
+// `A @ S`, `x @ R`), so BLAS rounds them as it rounds the reference's; the quantizer of codecs/quant.py (scale
+// search, every level set and axis) runs here in C++ with torch's summation order; png Top-M goes through at::topk.
+// The per-channel mean (once per stream) uses the reference's own ATen ops. The result is bitwise the reference's.
+
+namespace fc {
+
+constexpr int kMaxFactors = 16;
+
+// Mutable pointers of one archive slot (a group) of one (b, h).
+struct Slot {
+  char* data;
+  at::Half* scale;
+  at::Half* zero;
+  uint8_t* index;
+};
+
+// The nearest fp16 value >= x (up) or <= x, in fp32, clamped to the fp16 range (quant.fp16_toward): scales round up
+// and zero points down, so the stored grid still covers every value the unrounded one covered.
+inline float fp16_toward(float x, bool up) {
+  const at::Half half(std::min(std::max(x, -kFp16Max), kFp16Max));
+  const float near = static_cast<float>(half);
+  const bool off = (up ? near < x : near > x) && std::fabs(x) <= kFp16Max;
+  if (!off) return near;
+  bool negative = (half.x & 0x8000) != 0;
+  int magnitude = half.x & 0x7FFF;
+  magnitude += negative != up ? 1 : -1;  // away from zero: up from a positive value, down from a negative one
+  if (magnitude < 0) {  // from a zero of the other sign: the smallest subnormal of the direction's sign
+    negative = !up;
+    magnitude = 1;
+  }
+  return static_cast<float>(at::Half(static_cast<uint16_t>((negative ? 0x8000 : 0) | magnitude), at::Half::from_bits()));
+}
+
+// --- sums in torch's order --------------------------------------------------------------------------------------
+//
+// The quantizer's RMS scales and search errors are float sums; the reference computes them with torch's CPU sum
+// kernel (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum), whose order depends on its vector width W. These
+// functions add in that same order, so the sums, hence the scales and codes, are bitwise the reference's.
+
+inline int ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  int r = 0;
+  while ((int64_t(1) << r) < x) ++r;
+  return r;
+}
+
+// multi_row_sum: `size` steps of `lanes` parallel sums, flushed through four cascade levels.
+template <typename F>
+inline void cascade_sum(int64_t size, int lanes, F elem, float* out) {
+  constexpr int kLevels = 4;
+  const int power = std::max(4, ceil_log2(size) / kLevels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  float acc[kLevels][64];
+  for (int l = 0; l < kLevels; ++l)
+    for (int k = 0; k < lanes; ++k) acc[l][k] = 0.0f;
+  int64_t i = 0;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < lanes; ++k) acc[0][k] += elem(i, k);
+    for (int l = 1; l < kLevels; ++l) {
+      for (int k = 0; k < lanes; ++k) {
+        acc[l][k] += acc[l - 1][k];
+        acc[l - 1][k] = 0.0f;
+      }
+      if ((i & (mask << (l * power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < lanes; ++k) acc[0][k] += elem(i, k);
+  for (int l = 1; l < kLevels; ++l)
+    for (int k = 0; k < lanes; ++k) acc[0][k] += acc[l][k];
+  for (int k = 0; k < lanes; ++k) out[k] = acc[0][k];
+}
+
+// row_sum: `size` elements of `width` lanes each (width 1: scalars), read four at a time as one cascade row.
+template <typename F>
+inline void row_sum(int64_t size, int width, F elem, float* out) {
+  constexpr int kIlp = 4;
+  const int64_t rows = size / kIlp;
+  float part[kIlp * 16];
+  cascade_sum(rows, kIlp * width, [&](int64_t i, int k) { return elem(i * kIlp + k / width, k % width); }, part);
+  for (int64_t i = rows * kIlp; i < size; ++i)
+    for (int k = 0; k < width; ++k) part[k] += elem(i, k);
+  for (int p = 1; p < kIlp; ++p)
+    for (int k = 0; k < width; ++k) part[k] += part[p * width + k];
+  for (int k = 0; k < width; ++k) out[k] = part[k];
+}
+
+// Sum of a contiguous row of n floats, reduced along the row (vectorized_inner_sum / scalar_inner_sum).
+inline float torch_inner_sum(const float* x, int64_t n, int width) {
+  if (n < width) {
+    float s;
+    row_sum(n, 1, [&](int64_t i, int) { return x[i]; }, &s);
+    return s;
+  }
+  const int64_t vecs = n / width;
+  float lanes[16];
+  row_sum(vecs, width, [&](int64_t i, int k) { return x[i * width + k]; }, lanes);
+  float total = 0.0f;
+  for (int64_t k = vecs * width; k < n; ++k) total += x[k];
+  for (int k = 0; k < width; ++k) total += lanes[k];
+  return total;
+}
+
+// Sum of n values (x, in reduction order) of output channel d of D contiguous outputs: the first channels in blocks
+// of four vectors (vectorized_outer_sum; D < W: four scalars, scalar_outer_sum) add sequentially through the
+// cascade, the others four reduced elements at a time (row_sum).
+inline float torch_outer_sum(const float* x, int64_t n, int d, int D, int width) {
+  float s;
+  const int block = D >= width ? 4 * width : 4;
+  if (d < D / block * block) {
+    cascade_sum(n, 1, [&](int64_t i, int) { return x[i]; }, &s);
+  } else {
+    row_sum(n, 1, [&](int64_t i, int) { return x[i]; }, &s);
+  }
+  return s;
+}
+
+// --- the quantizer (codecs/quant.py) -------------------------------------------------------------------------------
+
+// Values of one scale slice: token axis = one row over D channels; channel axis = one channel over the class rows of
+// every block of the group. `row[i]` is the stored row of value i (its bit width and level table).
+struct Slice {
+  const float* x;
+  const int* row;
+  int n;
+  int channel;  // -1: a token-axis row (summed along D); else the channel of a channel-axis slice
+
+  float sum(const Codec& c, const float* v) const {
+    return channel < 0 ? torch_inner_sum(v, n, c.sum_width) : torch_outer_sum(v, n, channel, c.head_dim, c.sum_width);
+  }
+};
+
+inline int qmax_of(int bits) { return (1 << (bits - 1)) - 1; }
+
+inline int nearest_code(const Codec& c, int j, int kind, float x, float scale, float zero) {
+  const float safe = scale > 0.0f ? scale : 1.0f;
+  const float y = (x - zero) / safe;
+  const int bits = c.bits[j];
+  const int lo = kind == kInt ? 1 : 0, hi = (1 << bits) - 1;
+  const float* table = c.levels + j * kLevelWidth;
+  int code;
+  if (kind == kLloyd) {  // bucketize(right=False): the number of midpoints strictly below y (ties go down)
+    code = 0;
+    for (int e = 0; e + 1 < (1 << bits); ++e) code += (table[e + 1] + table[e]) / 2.0f < y;
+  } else {
+    const float u = y - table[0];
+    const float rounded = std::nearbyint(u);
+    code = rounded < lo ? lo : rounded > hi ? hi : static_cast<int>(rounded);
+  }
+  return std::min(std::max(code, lo), hi);
+}
+
+// The base (no-clipping) scale and zero of a slice of class k (levels.base_scale and the shared-step rule).
+inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq, float& base,
+                       float& zero) {
+  const int kind = c.level_kind[k], bits = c.bits[c.class_first[k]];
+  zero = 0.0f;
+  if (shared_step) {  // int / midrise over several rows: amax per row over the blocks, / per-row divisor, max
+    base = 0.0f;
+    const int first = c.class_first[k], nrows = c.class_last[k] - first + 1;
+    for (int jr = 0; jr < nrows; ++jr) {
+      float amax = 0.0f;
+      for (int blk = 0; blk < blocks; ++blk) amax = std::max(amax, std::fabs(s.x[blk * nrows + jr]));
+      const int bj = c.bits[first + jr];
+      const float div = kind == kInt ? static_cast<float>(qmax_of(bj)) : static_cast<float>(1 << (bj - 1));
+      base = std::max(base, amax / div);
+    }
+    return;
+  }
+  if (kind == kUniform) {
+    float low = s.x[0], high = s.x[0];
+    for (int i = 1; i < s.n; ++i) { low = std::min(low, s.x[i]); high = std::max(high, s.x[i]); }
+    base = (high - low) / static_cast<float>((1 << bits) - 1);
+    zero = low;
+  } else if (kind == kLloyd) {
+    for (int i = 0; i < s.n; ++i) sq[i] = s.x[i] * s.x[i];
+    base = std::sqrt(s.sum(c, sq) / static_cast<float>(s.n));
+  } else {
+    float amax = 0.0f;
+    for (int i = 0; i < s.n; ++i) amax = std::max(amax, std::fabs(s.x[i]));
+    base = amax / (kind == kInt ? static_cast<float>(qmax_of(bits)) : static_cast<float>(1 << (bits - 1)));
+  }
+}
+
+// Scale and zero of one slice (with the clipping search) and its codes.
+inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq,
+                           float& scale, float& zero, int32_t* codes) {
+  const int kind = c.level_kind[k], bits = c.bits[c.class_first[k]];
+  float base, zero0;
+  base_scale(c, k, s, shared_step, blocks, sq, base, zero0);
+  const float* factors = kind == kLloyd ? c.factors + c.n_shrink : c.factors;
+  const int nf = c.search ? (kind == kLloyd ? c.n_lloyd : c.n_shrink) : 1;
+  const float one = 1.0f;
+  if (!c.search) factors = &one;
+  float cand_s[kMaxFactors], cand_z[kMaxFactors];
+  const float span = static_cast<float>((1 << bits) - 1);
+  for (int f = 0; f < nf; ++f) {  // quant._candidates
+    const float sf = base * factors[f];
+    if (kind != kUniform) {
+      cand_s[f] = fp16_toward(sf, true);
+      cand_z[f] = 0.0f;
+      continue;
+    }
+    const float mid = zero0 + base * span / 2.0f;
+    const float low = fp16_toward(mid - sf * span / 2.0f, false);
+    cand_s[f] = fp16_toward((mid + sf * span / 2.0f - low) / span, true);
+    cand_z[f] = low;
+  }
+  int best = 0;
+  if (nf > 1) {
+    float best_err = 0.0f;
+    for (int f = 0; f < nf; ++f) {
+      for (int i = 0; i < s.n; ++i) {
+        const int j = s.row[i];
+        const float lv = c.levels[j * kLevelWidth + nearest_code(c, j, kind, s.x[i], cand_s[f], cand_z[f])];
+        const float diff = lv * cand_s[f] + cand_z[f] - s.x[i];
+        sq[i] = diff * diff;
+      }
+      const float e = s.sum(c, sq);
+      if (f == 0 || e < best_err) { best_err = e; best = f; }
+    }
+  }
+  scale = cand_s[best];
+  zero = cand_z[best];
+  for (int i = 0; i < s.n; ++i) codes[i] = nearest_code(c, s.row[i], kind, s.x[i], scale, zero);
+}
+
+inline void pack_row(const int32_t* codes, int bits, int D, uint8_t* out) {
+  int shift = 0;
+  const int widths[4] = {8, 4, 2, 1};
+  for (int w : widths) {
+    if (bits - shift < w) continue;
+    const int per = 8 / w;
+    const uint32_t mask = (1u << w) - 1;
+    for (int i = 0; i < D / per; ++i) {
+      uint32_t byte = 0;
+      for (int k = 0; k < per; ++k) byte |= ((static_cast<uint32_t>(codes[i * per + k]) >> shift) & mask) << (k * w);
+      out[i] = static_cast<uint8_t>(byte);
+    }
+    out += D * w / 8;
+    shift += w;
+  }
+}
+
+// coefs (g x K x D) of one scale group -> packed codes, fp16 scales and zero points at `slot`.
+void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::vector<float>& xbuf,
+                    std::vector<int>& rbuf, std::vector<int32_t>& cbuf, std::vector<int32_t>& codes,
+                    std::vector<float>& sq) {
+  const int D = c.head_dim, K = c.rows, g = c.blocks;
+  codes.assign(static_cast<size_t>(g) * K * D, 0);
+  sq.resize(static_cast<size_t>(std::max(D, g * K)));
+  for (int k = 0; k < c.classes; ++k) {
+    const int first = c.class_first[k], nrows = c.class_last[k] - first + 1;
+    const int zslot = c.zero_slot[k];
+    const bool shared = (c.level_kind[k] == kInt || c.level_kind[k] == kMidrise) && nrows > 1;
+    if (c.quant == kToken) {
+      rbuf.assign(D, first);
+      for (int blk = 0; blk < g; ++blk) {
+        Slice s{coefs + (blk * K + first) * D, rbuf.data(), D, -1};
+        float sc, zr;
+        quantize_slice(c, k, s, false, 1, sq.data(), sc, zr, codes.data() + (blk * K + first) * D);
+        slot.scale[blk * c.classes + k] = at::Half(sc);
+        if (zslot >= 0) slot.zero[blk * c.zero_classes + zslot] = at::Half(zr);
+      }
+    } else {
+      const int n = g * nrows;
+      xbuf.resize(n);
+      rbuf.resize(n);
+      cbuf.resize(n);
+      for (int d = 0; d < D; ++d) {
+        for (int blk = 0; blk < g; ++blk)
+          for (int jr = 0; jr < nrows; ++jr) {
+            xbuf[blk * nrows + jr] = coefs[(blk * K + first + jr) * D + d];
+            rbuf[blk * nrows + jr] = first + jr;
+          }
+        Slice s{xbuf.data(), rbuf.data(), n, d};
+        float sc, zr;
+        quantize_slice(c, k, s, shared, g, sq.data(), sc, zr, cbuf.data());
+        for (int blk = 0; blk < g; ++blk)
+          for (int jr = 0; jr < nrows; ++jr) codes[(blk * K + first + jr) * D + d] = cbuf[blk * nrows + jr];
+        slot.scale[k * D + d] = at::Half(sc);
+        if (zslot >= 0) slot.zero[zslot * D + d] = at::Half(zr);
+      }
+    }
+  }
+  uint8_t* data = reinterpret_cast<uint8_t*>(slot.data);
+  for (int blk = 0; blk < g; ++blk)
+    for (int j = 0; j < K; ++j) pack_row(codes.data() + (blk * K + j) * D, c.bits[j], D, data + blk * c.row_bytes + c.byte_off[j]);
+}
+
+// --- encode / decode ------------------------------------------------------------------------------------------------
+
+struct Buffers {
+  std::vector<float> xs, tmp, sq;
+  std::vector<int> rows;
+  std::vector<int32_t> cbuf, codes;
+};
+
+// The plan's matrices as tensors (the same values the reference's codec uses).
+struct Matrices {
+  at::Tensor synth, analysis, rot;
+  explicit Matrices(const std::vector<at::Tensor>& plan) : synth(plan[1]), analysis(plan[2]), rot(plan[4]) {}
+};
+
+// Groups k < `written` of the work buffer (row p = position start + p) -> what the codec's transform produces for
+// them: jpeg coefficients (B, H, n * blocks, K, D), png prepared blocks (B, H, n, r, D); fp32. The tensors have the
+// reference's shapes and layouts (its `work[:, :, :n * G]`, a slice of a (B, H, tail + T, D) buffer, stays a slice
+// for fp32 streams without a center), so torch's matmul takes the same BLAS path and rounds the same way; the rows
+// of the groups that are not written are zero.
+template <typename Work>
+at::Tensor transform_groups(const Codec& c, const Matrices& mx, const Stream& s, int64_t B, int64_t H, int64_t T,
+                            int64_t n, int64_t written, Work&& work) {
+  const int64_t D = c.head_dim, G = c.group, rows = c.tail_cap + T;
+  at::Tensor buffer = at::zeros({B, H, rows, D}, at::TensorOptions().dtype(at::kFloat));
+  float* px = buffer.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t bh = i0; bh < i1; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+      for (int64_t p = 0; p < written * G; ++p) {
+        float* row = px + (bh * rows + p) * D;
+        to_float(work(b, h, p), s.dtype, row, static_cast<int>(D));
+        if (mean != nullptr)
+          for (int64_t d = 0; d < D; ++d) row[d] = row[d] - mean[d];
+      }
+    }
+  });
+  at::Tensor x = buffer.narrow(2, 0, n * G);
+  if (c.center || s.dtype != at::kFloat) x = x.contiguous();  // there the reference's x is a new tensor
+  if (c.rotate) x = at::matmul(x, mx.rot.t());
+  at::Tensor blocks = x.reshape({B, H, n * G / c.r, c.r, D});
+  return (c.mode == kJpeg ? at::matmul(mx.analysis, blocks) : blocks).contiguous();
+}
+
+// One written group from its transform (`rows`: the group's g x K x D coefficients, or png's r x D block).
+void store_group(const Codec& c, at::ScalarType data_dtype, const float* rows, const Slot& slot, Buffers& buf) {
+  const int D = c.head_dim, r = c.r;
+  if (c.mode == kJpeg) {
+    if (c.quant == kNone) {
+      from_float(rows, data_dtype, slot.data, c.rows * D);
+    } else {
+      quantize_group(c, rows, slot, buf.xs, buf.rows, buf.cbuf, buf.codes, buf.sq);
+    }
+    return;
+  }
+  float* data = reinterpret_cast<float*>(slot.data);  // png: anchor, then the deltas (or the kept ones)
+  std::memcpy(data, rows, sizeof(float) * D);
+  float* deltas = c.pruned ? (buf.tmp.resize(static_cast<size_t>(r - 1) * D), buf.tmp.data()) : data + D;
+  for (int i = 1; i < r; ++i)
+    for (int d = 0; d < D; ++d) deltas[(i - 1) * D + d] = rows[i * D + d] - rows[(i - 1) * D + d];
+  if (!c.pruned) return;
+  at::Tensor all = at::from_blob(deltas, {1, r - 1, D}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor top = std::get<1>(at::topk(all.abs(), c.pruned, 1, true, false));
+  const int64_t* idx = top.data_ptr<int64_t>();
+  for (int i = 0; i < c.pruned; ++i)
+    for (int d = 0; d < D; ++d) {
+      const int64_t row = idx[i * D + d];
+      data[(1 + i) * D + d] = deltas[row * D + d];
+      slot.index[i * D + d] = static_cast<uint8_t>(row);
+    }
+}
+
+// Dense stored rows (R x D, fp32, scales applied as the reference's dequantize does) of block `blk` of a slot.
+void dense_rows(const Codec& c, at::ScalarType data_dtype, const Slot& slot, int blk, float* out, int32_t* codes) {
+  const int D = c.head_dim;
+  if (c.quant != kNone) {
+    const uint8_t* block = reinterpret_cast<const uint8_t*>(slot.data) + blk * c.row_bytes;
+    for (int j = 0; j < c.rows; ++j) {
+      float* dst = out + j * D;
+      row_levels(c, block, j, codes, dst);
+      const int k = c.row_class[j], zs = c.zero_slot[k];
+      for (int d = 0; d < D; ++d) {
+        const float sc = c.quant == kToken ? static_cast<float>(slot.scale[blk * c.classes + k])
+                                           : static_cast<float>(slot.scale[k * D + d]);
+        const float zr = zs < 0 ? 0.0f
+                         : c.quant == kToken ? static_cast<float>(slot.zero[blk * c.zero_classes + zs])
+                                             : static_cast<float>(slot.zero[zs * D + d]);
+        dst[d] = dst[d] * sc + zr;
+      }
+    }
+  } else if (c.mode == kJpeg) {
+    to_float(slot.data, data_dtype, out, c.rows * D);
+  } else {
+    const float* png = reinterpret_cast<const float*>(slot.data);
+    if (!c.pruned) {
+      std::memcpy(out, png, sizeof(float) * c.r * D);
+      return;
+    }
+    std::memcpy(out, png, sizeof(float) * D);
+    std::fill(out + D, out + c.r * D, 0.0f);
+    for (int i = 0; i < c.pruned; ++i)
+      for (int d = 0; d < D; ++d) out[(1 + slot.index[i * D + d]) * D + d] = png[(1 + i) * D + d];
+  }
+}
+
+// The decoded tokens of the written groups (the memo's values), (B, H, n * G, D) fp32 before the mean: jpeg through
+// the reference's products `A @ S` then `x @ R`, png by its sequential cumsum.
+template <typename SlotAt>
+at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data_dtype, int64_t B, int64_t H,
+                         int64_t n, int64_t written, SlotAt&& slot_at) {
+  const int64_t D = c.head_dim, R = c.dense, nb = c.blocks;
+  at::Tensor rows = at::zeros({B, H, n * nb, R, D}, at::TensorOptions().dtype(at::kFloat));
+  float* pr = rows.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int32_t> codes(D);
+    for (int64_t bh = i0; bh < i1; ++bh)
+      for (int64_t k = 0; k < written; ++k)
+        for (int64_t blk = 0; blk < nb; ++blk)
+          dense_rows(c, data_dtype, slot_at(bh / H, bh % H, k), static_cast<int>(blk),
+                     pr + ((bh * n + k) * nb + blk) * R * D, codes.data());
+  });
+  if (c.mode != kJpeg) {  // png: X[i] = X[i - 1] + S[i], in order
+    float* p = pr;
+    for (int64_t block = 0; block < B * H * n; ++block, p += R * D)
+      for (int64_t i = 1; i < R; ++i)
+        for (int64_t d = 0; d < D; ++d) p[i * D + d] = p[(i - 1) * D + d] + p[i * D + d];
+    return rows.view({B, H, n * c.group, D});
+  }
+  at::Tensor x = at::matmul(mx.synth, rows).flatten(-3, -2);
+  return c.rotate ? at::matmul(x, mx.rot) : x;
+}
+
+// --- driver ----------------------------------------------------------------------------------------------------------
+
+void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
+                       const c10::optional<at::Tensor>& memo) {
+  const Codec c = Codec::parse(plan);
+  const Matrices mx(plan);
+  Stream s(c, state);
+  const int64_t B = x_new.size(0), H = x_new.size(1), T = x_new.size(2), D = x_new.size(3);
+  const int64_t L = s.length, end = L + T;
+  if (c.center && L <= c.sinks && end > c.sinks) {  // the reference's ops, so the mean is bitwise its own
+    at::Tensor counted = ((at::arange(T, state[7].options()) + state[7]) >= c.sinks).to(at::kFloat);
+    at::Tensor mean = (x_new.to(at::kFloat) * counted.view({1, 1, -1, 1})).sum(2) / counted.sum().clamp_min(1);
+    state[4].copy_(mean);
+  }
+  const int64_t start = s.start, new_start = c.advance(start, end);
+  const int64_t first_slot = (start - c.sinks) / c.group;
+  // groups the reference encodes (ceil(T / G)); of those, the ones that complete and fit in the capacity are written
+  const int64_t n_enc = (T + c.group - 1) / c.group;
+  const int64_t written = std::max<int64_t>(0, std::min((new_start - start) / c.group, s.groups - first_slot));
+  const int64_t elem = s.elem;
+  const char* nptr = static_cast<const char*>(x_new.data_ptr());
+  const int64_t nsb = x_new.stride(0) * elem, nsh = x_new.stride(1) * elem, nst = x_new.stride(2) * elem;
+  const int64_t row_bytes = D * elem;
+  // work row i = position start + i: the new token start + i - L when it exists, else tail row i
+  auto work = [&](int64_t b, int64_t h, int64_t i) -> const char* {
+    const int64_t token = start + i - L;
+    return token >= 0 ? nptr + b * nsb + h * nsh + token * nst : s.tail.at(b, h) + i * s.tail.sn;
+  };
+  auto slot_at = [&](int64_t b, int64_t h, int64_t k) {
+    const int64_t g = first_slot + k;
+    return Slot{s.data.at(b, h, g), s.scale.at(b, h, g), s.zero.at(b, h, g), s.index.at(b, h, g)};
+  };
+  at::Tensor transformed;
+  if (written > 0) transformed = transform_groups(c, mx, s, B, H, T, n_enc, written, work);
+  const float* pt = written > 0 ? transformed.data_ptr<float>() : nullptr;
+  const int64_t group_floats = static_cast<int64_t>(c.group / c.r) * (c.mode == kJpeg ? c.rows : c.r) * D;
+  char* mptr = memo.has_value() ? static_cast<char*>(memo->data_ptr()) : nullptr;
+  int64_t msb = 0, msh = 0, mst = 0, memo_len = 0;
+  if (mptr != nullptr) {
+    msb = memo->stride(0) * elem; msh = memo->stride(1) * elem; mst = memo->stride(2) * elem;
+    memo_len = memo->size(2);
+  }
+  const int64_t new_rows = std::min<int64_t>(end - new_start, c.tail_cap);
+  const int64_t shift = new_start - start;
+  const int64_t grain = (written > 0 || T > 1) ? 1 : B * H;  // a plain decode step: one thread, no fork
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+    Buffers buf;
+    for (int64_t bh = i0; bh < i1; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const char* nb = nptr + b * nsb + h * nsh;
+      for (int64_t p = L; p < std::min<int64_t>(c.sinks, end); ++p)
+        std::memcpy(s.sink.at(b, h, p), nb + (p - L) * nst, row_bytes);
+      if (mptr != nullptr)
+        for (int64_t j = 0; j < std::min(T, memo_len - L); ++j)
+          std::memcpy(mptr + b * msb + h * msh + (L + j) * mst, nb + j * nst, row_bytes);
+      for (int64_t k = 0; k < written; ++k)
+        store_group(c, s.data_dtype, pt + (bh * n_enc + k) * group_floats, slot_at(b, h, k), buf);
+      char* tail = s.tail.at(b, h);
+      for (int64_t i = 0; i < new_rows; ++i) {
+        const int64_t src = shift + i;
+        if (shift == 0 && start + src - L < 0) continue;  // the row stays where it is
+        std::memmove(tail + i * s.tail.sn, work(b, h, src), row_bytes);
+      }
+      for (int64_t i = std::max<int64_t>(new_rows, 0); i < c.tail_cap; ++i) std::memset(tail + i * s.tail.sn, 0, row_bytes);
+    }
+  });
+  if (mptr != nullptr && written > 0) {
+    const at::Tensor decoded = decode_groups(c, mx, s.data_dtype, B, H, n_enc, written, slot_at).contiguous();
+    const float* pd = decoded.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> row(D);
+      for (int64_t bh = i0; bh < i1; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+        for (int64_t p = 0; p < written * c.group; ++p) {
+          const float* src = pd + (bh * n_enc * c.group + p) * D;
+          for (int64_t d = 0; d < D; ++d) row[d] = mean != nullptr ? src[d] + mean[d] : src[d];
+          from_float(row.data(), s.dtype, mptr + b * msb + h * msh + (c.sinks + first_slot * c.group + p) * mst,
+                     static_cast<int>(D));
+        }
+      }
+    });
+  }
+  *state[8].data_ptr<int64_t>() = new_start;
+  *state[7].data_ptr<int64_t>() += T;
+}
+
+// State tensors the kernel cannot address in place (inner dims not contiguous) are computed on contiguous copies
+// that are written back.
+void append(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
+            const c10::optional<at::Tensor>& memo) {
+  const std::vector<at::Tensor> work = readable_state(state);
+  c10::optional<at::Tensor> mem = memo;
+  if (memo.has_value() && !inner_contiguous(*memo, -1)) mem = memo->contiguous();
+  append_contiguous(work, readable_rows(x_new), plan, mem);
+  for (size_t i = 0; i < state.size(); ++i)
+    if (!work[i].is_same(state[i])) state[i].copy_(work[i]);
+  if (memo.has_value() && !mem->is_same(*memo)) memo->copy_(*mem);
+}
+
+// Sums of x (N, M) fp32 along its rows and along its columns in torch's order for vector width `width`: the
+// launcher compares them with torch's own sums to learn the width torch's sum kernel uses on this machine.
+std::vector<at::Tensor> sum_probe(const at::Tensor& x_in, int64_t width) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(0), m = x.size(1);
+  const float* p = x.data_ptr<float>();
+  at::Tensor rows = at::empty({n}, x.options()), cols = at::empty({m}, x.options());
+  for (int64_t i = 0; i < n; ++i) rows.data_ptr<float>()[i] = torch_inner_sum(p + i * m, m, static_cast<int>(width));
+  std::vector<float> column(n);
+  for (int64_t d = 0; d < m; ++d) {
+    for (int64_t i = 0; i < n; ++i) column[i] = p[i * m + d];
+    cols.data_ptr<float>()[d] =
+        torch_outer_sum(column.data(), n, static_cast<int>(d), static_cast<int>(m), static_cast<int>(width));
+  }
+  return {rows, cols};
+}
+
+}  // namespace fc

@@ -1,0 +1,9 @@
+// Python bindings of the CPU kernels (the launchers in launch.py validate and call these).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("codec_attention", &fc::codec_attention, "flashcodec::codec_attention on the stored form",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attention_workspace", &fc::attention_workspace, "floats of codec_attention's workspace");
+  m.def("append", &fc::append, "flashcodec::append", py::call_guard<py::gil_scoped_release>());
+  m.def("sum_probe", &fc::sum_probe, "row and column sums in torch's order for a vector width");
+}

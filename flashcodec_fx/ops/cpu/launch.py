@@ -1,0 +1,106 @@
+"""Launchers of the CPU kernels: validate once per argument layout, look up the codec plans, call the C++.
+
+Validation (the reference ops' own checks) depends only on the specs and the tensors' shapes and dtypes, so a
+layout that passed is remembered and not checked again (``VALIDATED``, bounded). The kernels address every state
+tensor through the strides of its first three dims and need the rest contiguous (what ``empty_state`` allocates);
+the C++ copies other layouts (and, for append, writes the copies back). Stream dtypes other than fp32 / bf16 / fp16,
+and every call when the kernels could not be built, run the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..append import append_reference, check_append_args
+from ..attention import check_attention_args, codec_attention_reference
+from .build import EXTENSION
+from .plan import codec_plan
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_VALIDATED = 4096
+
+
+class _Validated:
+    """Argument layouts (specs, shapes, dtypes) that passed validation."""
+
+    def __init__(self, limit: int = MAX_VALIDATED):
+        self._seen: set = set()
+        self._limit = limit
+
+    def check(self, key, validate) -> None:
+        if key in self._seen:
+            return
+        validate()
+        if len(self._seen) >= self._limit:
+            self._seen.clear()
+        self._seen.add(key)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+VALIDATED = _Validated()
+SUM_WIDTHS = (8, 16)  # Vectorized<float> sizes of torch's CPU kernels (AVX2 / default, AVX-512)
+PROBE_SHAPES = ((67, 64), (130, 24), (9, 32))  # rows and columns of every length class the encoder sums
+
+
+@functools.cache
+def sum_width(module) -> int:
+    """The vector width whose summation order reproduces torch's own float sums on this machine (rows and columns of
+    probe tensors, compared exactly), so the encoder's RMS scales and search errors round as the reference's; 8 when
+    none does (then a scale may land one fp16 step away at a tie; see ``cpu_append``)."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randn(shape, generator=gen).square() for shape in PROBE_SHAPES]
+    for width in SUM_WIDTHS:
+        sums = [module.sum_probe(x, width) for x in probes]
+        if all(torch.equal(r, x.sum(1)) and torch.equal(c, x.sum(0)) for (r, c), x in zip(sums, probes, strict=True)):
+            return width
+    return SUM_WIDTHS[0]
+
+
+def _layout(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.dtype)
+
+
+def _state_layout(state) -> tuple:
+    return tuple((t.shape, t.dtype) for t in state)
+
+
+def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=None, mask=None, scale=None):
+    """CPU kernel of ``flashcodec::codec_attention`` (same contract as ``codec_attention_reference``).
+
+    Tolerance against the reference (tests/ops/test_cpu_attention.py): fp32 outputs within 1e-5 absolute for
+    inputs of unit scale (fp32 accumulation in another order, a polynomial exp within 2 ulp); fp16 / bf16 outputs are
+    one rounding of that fp32 result, so within one ulp of the output (2**-8 / 2**-5 at magnitudes 4..8).
+    """
+    module = EXTENSION.module()
+    if module is None or q.dtype not in KERNEL_DTYPES:
+        return codec_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale)
+    key = ("attention", spec_k, spec_v, _layout(q), _state_layout(k_state), _state_layout(v_state), _layout(k_new),
+           _layout(v_new), _layout(mask))
+    VALIDATED.check(key, lambda: check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask))
+    d = q.shape[3]
+    softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
+                                  mask, softmax_scale)
+
+
+def cpu_append(state, new, spec, memo=None) -> None:
+    """CPU kernel of ``flashcodec::append`` (same contract as ``append_reference``).
+
+    Bitwise the reference's: the products (centering, rotation, DCT; the memo's decode) run through the reference's
+    own ATen expressions on its shapes, and the quantizer's float sums (Lloyd RMS scales, search errors) follow
+    torch's summation order (``sum_width``). Where that order is not reproduced (no probed width matches), an fp16
+    scale may land one step away at a rounding tie and a code move by one step; tests/ops/test_cpu_append.py measures
+    and bounds that rate.
+    """
+    module = EXTENSION.module()
+    if module is None or new.dtype not in KERNEL_DTYPES:
+        append_reference(state, new, spec, memo)
+        return
+    key = ("append", spec, _state_layout(state), _layout(new), _layout(memo))
+    VALIDATED.check(key, lambda: check_append_args(state, new, spec, memo))
+    module.append(state, new, codec_plan(spec, new.shape[3], sum_width(module)), memo)

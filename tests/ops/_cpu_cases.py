@@ -1,0 +1,64 @@
+"""Shared cases of the CPU kernel tests: codecs covering every stored form, states filled by the reference ops."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from flashcodec_fx.codecs import make_codec
+from flashcodec_fx.ops.append import append_reference
+from flashcodec_fx.ops.state import empty_state
+
+# Every stored form: raw / truncated DCT, png exact and pruned, each level set on each scale axis, bit tables,
+# sub-byte widths 1..8, sinks, windows, centers and rotations (small blocks keep the reference fast).
+CODECS = {
+    "jpeg": ("jpeg", {"block_size": 4}),
+    "jpeg-k2-residual": ("jpeg", {"block_size": 4, "keep_freqs": 2, "sinks": 1, "window": 3}),
+    "jpeg-rot-center": ("jpeg", {"block_size": 4, "rotate": 1, "center": True, "sinks": 2}),
+    "jpeg-int8": ("jpeg", {"block_size": 4, "quant_bits": 8}),
+    "token-table": ("jpeg", {"block_size": 4, "quant_bits": (6, 4, 3, 2), "levels": ("int", "uniform", "midrise", "lloyd"),
+                             "scale_search": True, "window": 2}),
+    "channel-key": ("jpeg", {"block_size": 4, "quant_bits": (5, 3, 3, 2), "levels": ("uniform", "midrise"),
+                             "scale_axis": "channel", "group": 8, "scale_search": True, "rotate": 1, "center": True,
+                             "sinks": 2}),
+    "channel-int": ("jpeg", {"block_size": 4, "quant_bits": (8, 4, 4, 2), "levels": ("int", "int"),
+                             "scale_axis": "channel", "group": 12}),
+    "channel-lloyd": ("jpeg", {"block_size": 2, "quant_bits": 3, "levels": "lloyd", "scale_axis": "channel", "group": 4,
+                               "scale_search": True}),
+    "channel-dc-1bit": ("jpeg", {"block_size": 4, "keep_freqs": 1, "quant_bits": 1, "levels": "midrise",
+                                 "scale_axis": "channel", "group": 4}),
+    "token-lloyd-value": ("jpeg", {"block_size": 1, "quant_bits": 2, "levels": "lloyd", "rotate": 2, "center": True,
+                                   "scale_search": True, "sinks": 3, "window": 5}),
+    "token-uniform-4bit": ("jpeg", {"block_size": 1, "quant_bits": 4, "levels": "uniform", "center": True}),
+    "png": ("png", {"block_size": 4}),
+    "png-pruned": ("png", {"block_size": 4, "keep_ratio": 0.5, "sinks": 1, "window": 2}),
+}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+def codec(name: str):
+    mode, options = CODECS[name]
+    return make_codec(mode, **options)
+
+
+def chunks(total: int, seed: int, pieces: int = 6) -> list[int]:
+    """A prefill, single tokens and random chunks summing to ``total``, in at most ``pieces`` appends."""
+    rng = random.Random(seed)
+    sizes: list[int] = []
+    while sum(sizes) < total:
+        left = total - sum(sizes)
+        sizes.append(left if len(sizes) == pieces - 1 else min(left, rng.choice([1, 1, rng.randint(1, left)])))
+    return sizes
+
+
+def filled(c, x: torch.Tensor, sizes: list[int], groups: int | None = None, appender=append_reference):
+    """A state of ``groups`` archive groups (default: room for ``x``) after appending ``x`` in chunks of ``sizes``."""
+    b, h, s, d = x.shape
+    state = list(empty_state(c, b, h, s // c.group + 1 if groups is None else groups, d, x.dtype, "cpu"))
+    at = 0
+    for n in sizes:
+        appender(state, x[:, :, at: at + n], c.spec)
+        at += n
+    return state
