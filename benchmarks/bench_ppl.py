@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from common import RESULTS_DIR, write_result
-from corpus import STREAMING_TEXTS, TEXTS, load_tokens, windows
+from corpus import STREAMING_TEXTS, TEXTS, leading_tokens, load_tokens, windows
 from peers import peer_tiers
 
 import flashcodec_fx
@@ -207,7 +207,7 @@ def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefil
 
     model, tokenizer = load_pretrained(name, dtype=dtype)
     texts = load_tokens(tokenizer, STREAMING_TEXTS)
-    batch = windows(texts, count, length)
+    batch = windows(texts, count, length, leading_tokens(tokenizer))
     ok, skipped = runnable(model, tiers)
     layers, heads, head_dim = _kv_shape(model.config)
     print(f"\n{name}: {layers} layers, {heads} KV heads, head_dim {head_dim}, {dtype}; {count} windows x {length} "
