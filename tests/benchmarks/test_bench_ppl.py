@@ -38,23 +38,22 @@ def test_lockstep_rows_measure_kl_ppl_and_bits(model):
     rows = {r["tier"]: r for r in bench_ppl.stream_all(model, batch, tiers, PREFILL, CHUNK)}
     raw = rows[RAW.name]
     config = model.config
-    assert raw["raw_values_end"] == 2 * config.num_hidden_layers * 3 * config.num_key_value_heads * LENGTH * 32
-    assert raw["kl"] == 0.0 and raw["bits_end"] == 16.0 and raw["delta_ppl"] == 0.0
+    assert raw["run_values_end"] == 2 * config.num_hidden_layers * 3 * config.num_key_value_heads * LENGTH * 32
+    assert raw["kl"] == 0.0 and raw["run_bits_end"] == 16.0 and raw["delta_ppl"] == 0.0
     with torch.no_grad():  # the raw row's NLL is the full forward's over the scored tokens
         logprobs = torch.log_softmax(model(input_ids=batch).logits.float(), -1)[:, PREFILL - 1:-1]
     full_nll = -logprobs.gather(-1, batch[:, PREFILL:, None]).mean()
     assert raw["nll"] == pytest.approx(float(full_nll), abs=0.02)
     assert rows["png keep=1.0"]["kl"] < 1e-3 * rows["KIVI-2"]["kl"]  # lossless up to bf16 rounding of the view
     assert rows["KIVI-2"]["kl"] > 0 and rows["TurboQuant-style K3V2"]["kl"] > 0
-    assert rows["TurboQuant-style K3V2"]["bits_end"] == pytest.approx(2.5 + 16 / 32)
+    assert rows["TurboQuant-style K3V2"]["run_bits_end"] == pytest.approx(2.5 + 16 / 32)
     assert len(raw["kl_per_window"]) == 3
     assert math.isclose(raw["ppl"], math.exp(raw["nll"]))
 
 
 def test_worst_bits_is_the_maximum_of_the_format_over_the_last_lengths(model):
     policy = KiviPolicy(2)
-    result = bench_ppl.worst_bits(model, bench_ppl.peer_tiers()[0][1],
-                                  280, 64)
+    result = bench_ppl.stored_bits(model, bench_ppl.peer_tiers()[0][1], 1, 280, PREFILL, CHUNK, 64)
     heads, d = model.config.num_key_value_heads, 32
 
     def bits(n):
@@ -64,10 +63,20 @@ def test_worst_bits_is_the_maximum_of_the_format_over_the_last_lengths(model):
 
     expected = max(range(280 - 63, 280 + 1), key=bits)
     assert result["worst_at"] == expected and result["bits_worst"] == pytest.approx(bits(expected))
-    assert result["bits_at_length_decoded"] == pytest.approx(bits(280))
-    assert result["bits_worst"] > result["bits_at_length_decoded"]  # keys waiting for their 128-token flush
-    raw = bench_ppl.worst_bits(model, RAW, LENGTH, 64)
-    assert raw["bits_worst"] == raw["bits_at_length_decoded"] == 16.0
+    assert result["bits_end"] == pytest.approx(bits(280))
+    assert result["bits_worst"] > result["bits_end"]  # keys waiting for their 128-token flush
+    raw = bench_ppl.stored_bits(model, RAW, 1, LENGTH, PREFILL, CHUNK, 64)
+    assert raw["bits_worst"] == raw["bits_end"] == 16.0
+
+
+def test_bf16_replica_bits_equal_the_run_caches_bits(model):
+    """The replica (random states, same updates) is what bits_end reports: in a bf16 run it must equal the bytes
+    of the caches that produced the KL."""
+    tiers = _by_name(["png keep=1.0", "jpeg r=8 K=8 int8", "jpeg r=8 K=2 int8", "KIVI-4", "TurboQuant-style K4V4"])
+    rows = bench_ppl.stream_all(model, tiny_prompt(2, LENGTH), tiers, PREFILL, CHUNK)
+    for row, cand in zip(rows[1:], tiers, strict=True):
+        replica = bench_ppl.stored_bits(model, cand.tier, 2, LENGTH, PREFILL, CHUNK, 64)
+        assert replica["bits_end"] == pytest.approx(row["run_bits_end"], rel=1e-12), cand.tier.name
 
 
 def test_tier_selection_and_json_tiers():
