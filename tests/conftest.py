@@ -135,3 +135,11 @@ def save_tiny_model(folder, family: str = "llama") -> None:
     fresh_tiny_model(family).save_pretrained(folder)
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
                             bos_token="<s>").save_pretrained(folder)
+
+
+@pytest.fixture
+def tiny_model_folder(tmp_path):
+    """``save_tiny_model`` into a fresh folder (what ``load_pretrained`` / ``flashcodec run --model`` read)."""
+    folder = tmp_path / "tiny-model"
+    save_tiny_model(folder)
+    return folder
