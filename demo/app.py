@@ -28,10 +28,10 @@ DEFAULT_TIER = "jpeg r=8 K=8 int8"
 DEFAULT_PROMPT = "Explain to a curious twelve-year-old how a refrigerator keeps food cold."
 EXTRA_MISSING = "the demo needs gradio and matplotlib: pip install 'flashcodec-fx[demo]'"
 CSS = """
-.fx-stats { width: 100%; font-size: 0.82em; border-collapse: collapse; }
-.fx-stats th { text-align: left; white-space: nowrap; padding: 2px 10px 2px 0; color: var(--body-text-color-subdued); }
-.fx-stats td { padding: 2px 0; }
-.fx-stats tr + tr { border-top: 1px solid var(--border-color-primary); }
+.fx-stats { width: 100%; font-size: 0.82em; border-collapse: collapse; border: none !important; margin: 0 !important; }
+.fx-stats th, .fx-stats td { border: none !important; padding: 3px 6px !important; vertical-align: top; }
+.fx-stats th { text-align: left; white-space: nowrap; font-weight: 600; color: var(--body-text-color-subdued); }
+.fx-stats tr + tr { border-top: 1px solid var(--border-color-primary) !important; }
 .fx-stats-empty { font-size: 0.85em; color: var(--body-text-color-subdued); }
 #model-line { opacity: 0.85; }
 """
