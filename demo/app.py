@@ -315,7 +315,7 @@ def load_engine(model: str | None, device: Any, dtype: str) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, load the model once, serve the app until interrupted. Exit code 2 (one line on stderr)
-    when the demo cannot start: missing extra, bad --model, --device or --dtype."""
+    when the demo cannot start: missing extra, bad --model or --device, a port it cannot listen on."""
     start = time.perf_counter()
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no telemetry, no version check
@@ -332,8 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine)
     app.queue(default_concurrency_limit=1)
     theme = gr.themes.Soft(primary_hue="blue", font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
-    _, url, _ = app.launch(server_name=args.host, server_port=args.port, theme=theme, css=CSS, ssr_mode=False,
-                           prevent_thread_lock=True, show_error=True, quiet=True, footer_links=[])
+    try:
+        _, url, _ = app.launch(server_name=args.host, server_port=args.port, theme=theme, css=CSS, ssr_mode=False,
+                               prevent_thread_lock=True, show_error=True, quiet=True, footer_links=[])
+    except OSError as err:  # port taken, address not available
+        print(f"flashcodec demo: cannot listen on {args.host}:{args.port} ({err}); pick another --port / --host",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"flashcodec demo: {engine.describe()}; ready in {time.perf_counter() - start:.1f} s at {url}", flush=True)
     try:
         app.block_thread()
