@@ -29,7 +29,7 @@ DEFAULT_PROMPT = "Explain to a curious twelve-year-old how a refrigerator keeps 
 EXTRA_MISSING = "the demo needs gradio and matplotlib: pip install 'flashcodec-fx[demo]'"
 CSS = """
 .fx-stats { width: 100%; font-size: 0.82em; border-collapse: collapse; border: none !important; margin: 0 !important; }
-.fx-stats th, .fx-stats td { border: none !important; padding: 3px 6px !important; vertical-align: top; }
+.fx-stats tr, .fx-stats th, .fx-stats td { border: none !important; padding: 3px 6px !important; vertical-align: top; }
 .fx-stats th { text-align: left; white-space: nowrap; font-weight: 600; color: var(--body-text-color-subdued); }
 .fx-stats tr + tr { border-top: 1px solid var(--border-color-primary) !important; }
 .fx-stats-empty { font-size: 0.85em; color: var(--body-text-color-subdued); }
