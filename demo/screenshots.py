@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cold", action="store_true", help="first time the start-up with an empty model cache "
                         "(FLASHCODEC_CACHE in a temporary folder: the bundled GGUF is converted again)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    sys.path[:0] = [str(HERE.parent), str(HERE.parent / "benchmarks")]  # this checkout's package and its commit
     from common import write_result
 
     record: dict[str, Any] = {"model": args.model or "SmolLM2-135M-Instruct", "prompt": args.prompt}
