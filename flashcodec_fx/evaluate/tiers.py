@@ -64,9 +64,10 @@ def make_cache(model: Any, tier: Tier) -> Any:
 
 @contextlib.contextmanager
 def prepared(model: Any, tier: Tier) -> Iterator[None]:
-    """Run ``tier`` on ``model``: a materialization-free tier installs the ``"kvcodec"`` attention function for the
-    duration (and removes it after), so its decode steps attend on the stored coefficients."""
-    if not (tier.options or {}).get("materialization_free"):
+    """Run ``tier`` on ``model``: a ``FlashCodecCache`` tier installs the ``"kvcodec"`` attention function for the
+    duration (and removes it after), so layers that attend on their stored form (materialization-free) do; layers
+    that do not compute exactly as without it. Other tiers run the model as it is."""
+    if tier.options is None or tier.factory is not None:
         yield
         return
     from flashcodec_fx.hf import apply_codec_attention, remove_codec_attention
