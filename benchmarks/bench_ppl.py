@@ -4,6 +4,7 @@
     python benchmarks/bench_ppl.py --quick               # SmolLM2, 2 windows x 256 tokens: smoke run, about a minute
     python benchmarks/bench_ppl.py --model smollm2 --tiers KIVI-2 --tier-json '{"name": "try", "options": {...}}'
     python benchmarks/bench_ppl.py --plot-only           # redraw results/frontier.png from results/ppl.json
+    python benchmarks/bench_ppl.py --merge A.json B.json # one ppl.json from single-model runs (e.g. run in parallel)
 
 Protocol (issue 9): non-overlapping windows of real text (``corpus.py``: Alice in Wonderland and the Library of
 Congress' Workshop on Electronic Texts, alternately), all windows of a model in one batch. Per window the first
@@ -288,6 +289,24 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+def merge(paths: list[Path]) -> dict:
+    """One payload from bench_ppl results of different models run with the same protocol and dtype; each model's
+    entry keeps the date, machine and versions of the run that measured it (``run``)."""
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    keys = ("protocol", "dtype", "stored_dtype", "raw_bits_per_value", "quick", "method")
+    for path, result in zip(paths, results, strict=True):
+        if result.get("benchmark") != "ppl" or any(result.get(k) != results[0].get(k) for k in keys):
+            raise ValueError(f"--merge: {path} is not a bench_ppl result with the protocol and dtype of {paths[0]}")
+    models = {}
+    for path, result in zip(paths, results, strict=True):
+        for model, data in result["models"].items():
+            if model in models:
+                raise ValueError(f"--merge: model {model!r} appears twice (in {path})")
+            run = {k: result[k] for k in ("date", "machine", "versions", "total_seconds")}
+            models[model] = {**data, "run": {"file": Path(path).name, **run}}
+    return {**{k: results[0][k] for k in keys}, "merged_from": [Path(p).name for p in paths], "models": models}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", choices=sorted(MODELS), default=None,
@@ -311,15 +330,26 @@ def main(argv: list[str] | None = None) -> None:
                         "results/ppl_experiment.json otherwise)")
     parser.add_argument("--plot", default=None, help="plot path (default next to the JSON: frontier.png for ppl.json)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the plot from the JSON (--out)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="write one result (--out, default results/ppl.json) from single-model result files")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     count, length = args.windows or shape["windows"], args.window_tokens or shape["window_tokens"]
     default_run = not (args.quick or args.tiers or args.tier_json or args.model or args.windows or args.window_tokens
                        or args.prefill != 128 or args.chunk != 16 or args.dtype != "float32")
-    out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if default_run or args.plot_only else "ppl_experiment.json")
+    whole = default_run or args.plot_only or args.merge
+    out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if whole else "ppl_experiment.json")
     plot_path = Path(args.plot) if args.plot else out.with_name("frontier.png" if out.name == "ppl.json" else f"{out.stem}.png")
     if args.plot_only:
         print(f"wrote {plot(json.loads(out.read_text()), plot_path)}")
+        return
+    if args.merge:
+        try:
+            payload = merge(args.merge)
+        except ValueError as err:
+            parser.error(str(err))
+        path = write_result("ppl", payload, out=out)
+        print(f"wrote {path} and {plot(json.loads(path.read_text()), plot_path)}")
         return
     if count < 1 or length < 2 or not 1 <= args.prefill < length or args.chunk < 1:
         parser.error(f"need windows >= 1, 1 <= prefill < window tokens, chunk >= 1; got windows={count}, "

@@ -3,6 +3,7 @@ streaming rows, the worst-case bit accounting and the tier selection."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -105,3 +106,23 @@ def test_runnable_reports_why_a_peer_cannot_run():
     if skipped:  # optimum-quanto installed or not, transformers refuses sliding layers (or the import fails)
         assert "quanto int4" == skipped[0]["tier"] and skipped[0]["reason"]
     assert not ok
+
+
+def _result(tmp_path, name, model, windows=6):
+    result = {"benchmark": "ppl", "date": "2026-12-01", "machine": {"cpu_count": 2}, "versions": {"git_commit": "a" * 40},
+              "total_seconds": 1.0, "protocol": {"windows": windows}, "dtype": "float32", "stored_dtype": "bfloat16",
+              "raw_bits_per_value": 16, "quick": False, "method": "m", "models": {model: {"rows": [{"tier": "t"}]}}}
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_merge_joins_single_model_runs_of_one_protocol(tmp_path):
+    a, b = _result(tmp_path, "a.json", "m1"), _result(tmp_path, "b.json", "m2")
+    merged = bench_ppl.merge([a, b])
+    assert list(merged["models"]) == ["m1", "m2"] and merged["merged_from"] == ["a.json", "b.json"]
+    assert merged["models"]["m2"]["run"]["file"] == "b.json" and merged["models"]["m2"]["rows"] == [{"tier": "t"}]
+    with pytest.raises(ValueError, match="protocol"):
+        bench_ppl.merge([a, _result(tmp_path, "c.json", "m3", windows=2)])
+    with pytest.raises(ValueError, match="appears twice"):
+        bench_ppl.merge([a, _result(tmp_path, "d.json", "m1")])
