@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import bench, demo, info, run
@@ -47,3 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"flashcodec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout piped into `head` or the like, which stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 1

@@ -35,10 +35,11 @@ from ..evaluate import (
 
 DEFAULT_PROMPT = ("Explain to a curious twelve-year-old how a refrigerator keeps food cold. Describe the main parts, "
                   "what each one does, and why the back of the fridge feels warm.")
-NAMED = {"raw": RAW.name, "png": "png keep=1.0", "jpeg": "jpeg r=8 K=8", "int8": "jpeg r=8 K=8 int8",
-         "k4-int8": "jpeg r=8 K=4 int8", "k2-int8": "jpeg r=8 K=2 int8", "mat-free": "jpeg r=8 K=8 int8 mat-free"}
+NAMED = {"raw": RAW.name, "png": "png keep=1.0", "jpeg": "jpeg r=8 K=8", "jpeg-int8": "jpeg r=8 K=8 int8",
+         "jpeg-k4-int8": "jpeg r=8 K=4 int8", "jpeg-k2-int8": "jpeg r=8 K=2 int8",
+         "mat-free": "jpeg r=8 K=8 int8 mat-free"}
 """Short names of the main job's named tiers (``--tiers``) -> tier names."""
-DEFAULT_NAMED = ("raw", "png", "int8")
+DEFAULT_NAMED = ("raw", "png", "jpeg-int8")  # without presets: the lossless tier and the 8-bit tier
 FP32_EPS = torch.finfo(torch.float32).eps
 COLUMNS = [
     ("tier", "tier", "s"), ("KV bytes vs raw", "kv_ratio", ".3f"), ("bits/value", "bits_per_value", ".2f"),
@@ -72,8 +73,10 @@ def available_tiers() -> dict[str, Tier]:
 
 
 def default_tier_names() -> list[str]:
-    """raw, png lossless, the 8-bit tier, then every preset."""
-    return [*DEFAULT_NAMED, *presets()]
+    """raw, then every preset of ``flashcodec_fx.PRESETS`` (the lossless and 8-bit tiers among them) when the package
+    defines presets; else raw, png lossless and the 8-bit tier."""
+    found = presets()
+    return ["raw", *found] if found else list(DEFAULT_NAMED)
 
 
 def resolve_tiers(names: list[str]) -> list[Tier]:

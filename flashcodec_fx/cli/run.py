@@ -14,7 +14,6 @@ from . import main_job
 from .errors import CLIError
 
 DTYPES = ("float32", "bfloat16", "float16")
-SHOWN_TEXT_OF = ("raw", "int8")  # tiers whose generated text is printed after the table (when run)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -49,6 +48,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError(f"--new-tokens must be >= 2, got {args.new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    if args.out is not None and Path(args.out).is_dir():
+        raise CLIError(f"--out {args.out!r} is a folder; give a file name, e.g. {Path(args.out) / 'main_job.json'}")
     import torch
 
     try:
@@ -128,11 +129,9 @@ def run(args: argparse.Namespace) -> int:
     for result in main_job.measure(model, ids, args.new_tokens, tiers, _progress_bar):
         rows.append(result)
         print(main_job.markdown_rows([result], main_job.COLUMNS)[2], flush=True)
-    shown = {tier.name for key, tier in main_job.available_tiers().items() if key in SHOWN_TEXT_OF}
-    for result in rows:
-        if result["tier"] in shown:
-            text = tokenizer.decode(result["tokens"], skip_special_tokens=True)
-            print(f"\n--- {result['tier']} ---\n{text}", flush=True)
+    for result in (rows[0], rows[-1]) if len(rows) > 1 else rows:  # the raw text and the last tier's
+        text = tokenizer.decode(result["tokens"], skip_special_tokens=True)
+        print(f"\n--- {result['tier']} ---\n{text}", flush=True)
     wall = time.perf_counter() - started
     if args.out is None:
         print(f"\n{wall:.0f} s in all; run with --out FILE to keep the JSON (every column, tokens, provenance)")

@@ -4,6 +4,7 @@ line with exit status 2, ``bench`` / ``demo`` / ``info``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_run_help_lists_the_tiers(capsys):
     for option in ("--model", "--tiers", "--preset", "--prompt", "--new-tokens", "--device", "--dtype", "--threads",
                    "--out"):
         assert option in out
-    assert "tiers: raw, png, jpeg, int8" in out and "(default: raw, png, int8" in out
+    assert "tiers: raw, png, jpeg, jpeg-int8, jpeg-k4-int8" in out and "(default: raw" in out
 
 
 def test_console_script_is_declared():
@@ -64,6 +65,7 @@ def test_python_dash_m_runs_the_command():
     (["run", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["run", "--device", "tpu9"], "--device 'tpu9' is not a torch device"),
     (["bench", "nope"], "no benchmark 'nope'; choose from ["),
+    (["run", "--out", "."], "--out '.' is a folder; give a file name"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     before = git_status()
@@ -106,7 +108,7 @@ def test_run_on_a_tiny_saved_model_prints_in_order_and_writes_only_out(tiny_mode
     out = tmp_path / "results" / "run.json"
     before = git_status()
     lines, err = run_lines(capsys, ["run", "--model", str(tiny_model_folder), "--prompt", "hello world",
-                                    "--new-tokens", "10", "--tiers", "png,k2-int8", "--threads", "1", "--out", str(out)])
+                                    "--new-tokens", "10", "--tiers", "png,jpeg-k2-int8", "--threads", "1", "--out", str(out)])
     assert git_status() == before  # nothing written into the repository
     assert lines[0].startswith(f"flashcodec run: {tiny_model_folder} (2 layers, float32, cpu, 1 CPU threads)")
     assert lines[1].startswith("| tier | KV bytes vs raw |") and lines[2].startswith("|---|")
@@ -200,3 +202,13 @@ def test_info_reports_versions_device_and_kernels(capsys):
 ])
 def test_arguments_of_benchmarks_and_the_app_pass_through(argv, ours, theirs):
     assert cli.split_passthrough(argv) == (ours, theirs)
+
+
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    """``flashcodec info | head -1``: the reader is gone before the output is written."""
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run([sys.executable, "-m", "flashcodec_fx.cli", "info"], stdout=write, stderr=subprocess.PIPE,
+                          text=True, cwd=ROOT)
+    os.close(write)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr

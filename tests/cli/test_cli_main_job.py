@@ -117,19 +117,20 @@ def test_measure_requires_the_raw_reference_first():
 
 
 def test_resolve_tiers_puts_raw_first_once_and_names_what_is_allowed():
-    assert [t.name for t in main_job.resolve_tiers(["int8", "png", "int8"])] == [RAW.name, "jpeg r=8 K=8 int8",
-                                                                                  "png keep=1.0"]
+    assert [t.name for t in main_job.resolve_tiers(["jpeg-int8", "png", "jpeg-int8"])] == [RAW.name, "jpeg r=8 K=8 int8",
+                                                                                            "png keep=1.0"]
     assert [t.name for t in main_job.resolve_tiers(["png", "raw"])] == [RAW.name, "png keep=1.0"]
     with pytest.raises(ValueError, match=r"unknown tier\(s\) \['gif'\]; choose from \['raw', 'png'"):
         main_job.resolve_tiers(["gif"])
 
 
-def test_default_tiers_are_raw_png_int8_and_the_presets(monkeypatch):
+def test_default_tiers_are_raw_and_the_presets_else_png_and_int8(monkeypatch):
     import flashcodec_fx
 
-    assert main_job.default_tier_names()[:3] == ["raw", "png", "int8"]
-    monkeypatch.setattr(flashcodec_fx, "PRESETS", {"tiny": {"mode": "jpeg", "keep_freqs": 4}}, raising=False)
-    assert main_job.default_tier_names() == ["raw", "png", "int8", "tiny"]
+    monkeypatch.setattr(flashcodec_fx, "PRESETS", {}, raising=False)
+    assert main_job.default_tier_names() == ["raw", "png", "jpeg-int8"]
+    monkeypatch.setattr(flashcodec_fx, "PRESETS", {"tiny": {"mode": "jpeg", "keep_freqs": 4}, "int8": {}}, raising=False)
+    assert main_job.default_tier_names() == ["raw", "tiny", "int8"]
     tier = main_job.resolve_tiers(["tiny"])[1]
     assert tier.name == "preset tiny" and tier.options == {"mode": "jpeg", "keep_freqs": 4}
     monkeypatch.setattr(flashcodec_fx, "PRESETS", {"png": {"mode": "png"}}, raising=False)
