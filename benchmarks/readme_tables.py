@@ -74,11 +74,21 @@ def main_job_table() -> str:
 
 
 def ppl_table() -> str:
+    """One table per model of ppl.json (bench_ppl's streaming protocol: ``models``), then the skipped tiers and
+    their reason; a ppl.json of the earlier teacher-forced protocol (top-level ``rows``) renders as it did."""
     import bench_ppl
 
-    legacy = [("bytes vs raw", "kv_ratio", ".3f"), ("bits/value", "bits_per_value", ".2f")]
-    columns = [bench_ppl.COLUMNS[0], *legacy, *bench_ppl.COLUMNS[1:]]
-    return markdown(load("ppl")["rows"], columns) + "\n\n" + provenance("ppl")
+    result = load("ppl")
+    if "models" not in result:
+        legacy = [("bytes vs raw", "kv_ratio", ".3f"), ("bits/value", "bits_per_value", ".2f"),
+                  ("KL vs raw", "kl", ".2e"), ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f"),
+                  ("seconds", "seconds", ".1f")]
+        return markdown(result["rows"], [bench_ppl.COLUMNS[0], *legacy]) + "\n\n" + provenance("ppl")
+    parts = []
+    for model, data in result["models"].items():
+        parts.append(f"**{model}**\n\n" + markdown(data["rows"], bench_ppl.COLUMNS))
+        parts += [f"skipped on {model}: {s['tier']} ({s['reason']})" for s in data.get("skipped", [])]
+    return "\n\n".join(parts) + "\n\n" + provenance("ppl")
 
 
 def reconstruct_table() -> str:

@@ -126,3 +126,18 @@ def test_merge_joins_single_model_runs_of_one_protocol(tmp_path):
         bench_ppl.merge([a, _result(tmp_path, "c.json", "m3", windows=2)])
     with pytest.raises(ValueError, match="appears twice"):
         bench_ppl.merge([a, _result(tmp_path, "d.json", "m1")])
+
+
+def test_readme_table_renders_one_table_per_model_and_the_skipped_peers(monkeypatch):
+    import readme_tables
+
+    row = {"tier": "KIVI-2", "family": "KIVI", "bits_end": 3.8125, "bits_worst": 4.1, "kl": 0.2, "ppl": 20.0,
+           "delta_ppl": 1.0, "seconds": 3.0}
+    result = {"date": "2026-12-01T00:00:00", "machine": {"load_avg_1_5_15m": [1.0]}, "versions": {"git_commit": "b" * 40},
+              "models": {"m1": {"rows": [row], "skipped": []},
+                         "m2": {"rows": [row], "skipped": [{"tier": "quanto int4", "reason": "ValueError: no"}]}}}
+    monkeypatch.setattr(readme_tables, "load", lambda name: result)
+    table = readme_tables.ppl_table()
+    assert table.count("| KIVI-2 | KIVI | 3.81 | 4.10 | 2.00e-01 | 20.000 | +1.000 | 3.0 |") == 2
+    assert "**m1**" in table and "**m2**" in table and "skipped on m2: quanto int4 (ValueError: no)" in table
+    assert "commit bbbbbbb" in table
