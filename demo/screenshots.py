@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     from common import write_result
 
     record: dict[str, Any] = {"model": args.model or "SmolLM2-135M-Instruct", "prompt": args.prompt}
+    staging = Path(tempfile.mkdtemp(prefix="demo_screenshots-"))  # moved into --out after the JSON records the commit
     if args.cold:
         with tempfile.TemporaryDirectory() as empty, running_app(args.model, env={"FLASHCODEC_CACHE": empty}) as app:
             record["startup_cold_s"] = round(app.startup_s, 1)
@@ -215,16 +217,19 @@ def main(argv: list[str] | None = None) -> None:
         record["chat"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in chat.items()} | {"max_new": args.max_new}
         print(f"chat: {chat['status']} in {chat['seconds']:.1f} s\n  left:  {chat['left'][:200]!r}\n"
               f"  right: {chat['right'][:200]!r}\n  right stats: {chat['right_stats']!r}")
-        print(f"wrote {screenshot(page, args.out / 'demo_chat.png')}")
+        print(f"wrote {screenshot(page, staging / 'demo_chat.png')}")
         compare = run_comparison(page, args.prompt, args.compare_tokens)
         record["comparison"] = {"status": compare["status"], "seconds": round(compare["seconds"], 1),
                                 "new_tokens": args.compare_tokens, "headers": compare["headers"], "rows": compare["rows"]}
         print(f"comparison: {compare['status']} in {compare['seconds']:.1f} s, {len(compare['rows'])} rows")
-        print(f"wrote {screenshot(page, args.out / 'demo_compare.png')}")
+        print(f"wrote {screenshot(page, staging / 'demo_compare.png')}")
         frontier = open_frontier(page)
         print("frontier: " + ", ".join(f"{key} {len(v['images'])} image(s)" for key, v in frontier.items()))
-        print(f"wrote {screenshot(page, args.out / 'demo_frontier.png')}")
+        print(f"wrote {screenshot(page, staging / 'demo_frontier.png')}")
     print(f"wrote {write_result('demo_screenshots', record, out=args.out / 'demo_screenshots.json')}")
+    for shot in sorted(staging.glob("*.png")):
+        print(f"wrote {shutil.move(shot, args.out / shot.name)}")
+    staging.rmdir()
 
 
 if __name__ == "__main__":
