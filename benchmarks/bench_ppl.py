@@ -4,6 +4,7 @@
     python benchmarks/bench_ppl.py --quick               # SmolLM2, 2 windows x 256 tokens: smoke run, about a minute
     python benchmarks/bench_ppl.py --model smollm2 --tiers KIVI-2 --tier-json '{"name": "try", "options": {...}}'
     python benchmarks/bench_ppl.py --plot-only           # redraw results/frontier.png from results/ppl.json
+    python benchmarks/bench_ppl.py --merge A.json B.json # one ppl.json from single-model runs (e.g. run in parallel)
 
 Protocol (issue 9): non-overlapping windows of real text (``corpus.py``: Alice in Wonderland and the Library of
 Congress' Workshop on Electronic Texts, alternately), all windows of a model in one batch. Per window the first
@@ -12,11 +13,14 @@ through the cache: a chunk's queries read the history through the cache, and eve
 scored (``flashcodec_fx.evaluate.streaming``). Every tier runs in lockstep with the raw ``DynamicCache`` on the same
 calls, so KL(raw || tier) is taken per scored token and averaged over all of them; perplexity over the same tokens.
 
-Bits per cached value, as stored (every byte the cache keeps: codes, scales, raw tokens), over the values the raw
-cache keeps (a sliding layer's window only): ``bits_end`` at the end of the windows, and ``bits_worst``, the most
-over every length from ``L - 127`` to ``L`` when one cache (batch 1, random states; the bytes depend only on the
-lengths) is filled by one prefill of ``L - 128`` tokens and then token by token, which is where groups waiting for
-completion and raw windows cost most. The model runs in bf16: a raw cache is 16 bits/value.
+The model runs in fp32 (``--dtype``): in bf16 any change of the K/V states, even the lossless jpeg K=8 round trip,
+moves SmolLM2's next-token distributions about as much as the 8-bit tier (bf16 rounding through 30 layers).
+Bits per cached value are counted as a bf16 cache keeps them (a raw cache is 16 bits/value): every byte the cache
+keeps (codes, scales, raw tokens) over the values the raw cache keeps (a sliding layer's window only), measured on a
+bf16 replica of each cache fed random states by the same updates (the bytes of every method here depend only on
+the lengths): ``bits_end`` after the protocol's own updates, and ``bits_worst``, the most over every length from
+``L - 127`` to ``L`` when one prefill of ``L - 128`` tokens is followed by single tokens, which is where groups
+waiting for completion and raw windows cost most. ``run_bits_end``: the run's own caches, in the run dtype.
 
 Tiers: every ``flashcodec_fx.PRESETS`` entry when the package has presets, else the existing tiers (png keep=1,
 jpeg r=8 K=8 / 4 / 2 int8), plus ``--tier-json`` ones; peers (``benchmarks/peers``): KIVI-2/4, TurboQuant-style
@@ -39,7 +43,7 @@ from typing import Any
 
 import torch
 from common import RESULTS_DIR, write_result
-from corpus import STREAMING_TEXTS, TEXTS, load_tokens, windows
+from corpus import STREAMING_TEXTS, TEXTS, leading_tokens, load_tokens, windows
 from peers import peer_tiers
 
 import flashcodec_fx
@@ -52,6 +56,7 @@ from flashcodec_fx.evaluate import (
     make_cache,
     markdown_table,
     prepared,
+    stream_steps,
     streaming,
     token_kl,
     token_nll,
@@ -60,6 +65,7 @@ from flashcodec_fx.evaluate import (
 FLASHCODEC = "flashcodec"
 CUSTOM = "flashcodec (--tier-json)"
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
+STORED_DTYPE = torch.bfloat16  # bits are counted as a bf16 cache keeps them (raw = 16 bits/value)
 WORST_SPAN = 128  # lengths L-127..L: one period of the longest grouping in use (128-token groups / raw windows)
 FULL = {"windows": 6, "window_tokens": 1024}
 QUICK = {"windows": 2, "window_tokens": 256}
@@ -144,8 +150,9 @@ def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill:
         reported = getattr(cache, "bits_per_value", None)
         rows.append({
             "tier": cand.tier.name, "family": cand.family, "options": None if cand.tier.options is None else
-            dict(cand.tier.options), "note": cand.tier.note, "kv_bytes_end": kv, "raw_values_end": values,
-            "bits_end": bits_per_value(kv, values), "reported_bits_per_value": reported() if callable(reported) else None,
+            dict(cand.tier.options), "note": cand.tier.note, "run_kv_bytes_end": kv, "run_values_end": values,
+            "run_bits_end": bits_per_value(kv, values),
+            "reported_bits_per_value": reported() if callable(reported) else None,
             "kl": float(k.sum() / (scored * batch.shape[0])), "kl_per_window": (k / scored).tolist(),
             "nll": float(n.sum() / (scored * batch.shape[0])), "seconds": s,
         })
@@ -187,28 +194,40 @@ def _store(cache: Any, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
         cache.update(k, v, layer)
 
 
-def worst_bits(model: Any, tier: Tier, length: int, span: int = WORST_SPAN) -> dict[str, float | int]:
-    """The most bits/value over lengths ``length - span + 1 .. length`` (and at ``length``) when one cache of
-    ``tier`` (batch 1) is filled with random states by one prefill of ``length - span`` tokens, then token by token;
-    the raw ``DynamicCache`` fed the same way gives the values counted."""
-    if not 1 <= span < length:
-        raise ValueError(f"span must be in [1, length), got span={span}, length={length}")
+def replica_bits(model: Any, tier: Tier, batch: int, steps: list[tuple[int, int]], record_from: int,
+                 dtype: torch.dtype = STORED_DTYPE) -> list[tuple[int, float]]:
+    """``(length, bits/value)`` after every update that reaches ``record_from`` tokens, when a fresh cache of
+    ``tier`` (and a raw ``DynamicCache``, whose kept values are the denominator) receive random ``dtype`` states of
+    ``batch`` rows by the update ``steps`` (``(start, end)`` token ranges, in order), every layer per step.
+    Every method measured here keeps bytes that depend only on the lengths and the schedule, not on the values."""
     layers, heads, head_dim = _kv_shape(model.config)
-    dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
     cache, raw = make_cache(model, tier), make_cache(model, RAW)
-    worst, worst_at = -math.inf, None
-    for start, end in [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]:
+    curve = []
+    for start, end in steps:
         for layer in range(layers):
-            k, v = (torch.randn(1, heads, end - start, head_dim, generator=gen).to(dtype) for _ in range(2))
+            k, v = (torch.randn(batch, heads, end - start, head_dim, generator=gen).to(dtype) for _ in range(2))
             _store(cache, k, v, layer)
             raw.update(k, v, layer)
-        if start == 0:
-            continue
-        bits = bits_per_value(cache_bytes(cache)["kv"], cached_values(raw))
-        if bits > worst:
-            worst, worst_at = bits, end
-    return {"bits_worst": worst, "worst_at": worst_at, "bits_at_length_decoded": bits}
+        if end >= record_from:
+            curve.append((end, bits_per_value(cache_bytes(cache)["kv"], cached_values(raw))))
+    return curve
+
+
+def stored_bits(model: Any, tier: Tier, batch: int, length: int, prefill: int, chunk: int,
+                span: int = WORST_SPAN) -> dict[str, float | int]:
+    """Bits/value of ``tier`` as a bf16 cache keeps them: ``bits_end`` after the streaming protocol's own updates
+    (``batch`` windows of ``length``), ``bits_worst`` / ``worst_at`` the most over lengths ``length - span + 1 ..
+    length`` when one prefill of ``length - span`` tokens is followed by single tokens (decode)."""
+    if not 1 <= span < length:
+        raise ValueError(f"span must be in [1, length), got span={span}, length={length}")
+    streamed = replica_bits(model, tier, batch, [(f.start, f.stop) for f, _ in stream_steps(length, prefill, chunk)],
+                            length)
+    decoded = replica_bits(model, tier, batch, [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1,
+                                                                                              length + 1)],
+                           length - span + 1)
+    worst_at, worst = max(decoded, key=lambda point: point[1])
+    return {"bits_end": streamed[-1][1], "bits_worst": worst, "worst_at": worst_at}
 
 
 def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefill: int, chunk: int,
@@ -217,7 +236,7 @@ def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefil
 
     model, tokenizer = load_pretrained(name, dtype=dtype)
     texts = load_tokens(tokenizer, STREAMING_TEXTS)
-    batch = windows(texts, count, length)
+    batch = windows(texts, count, length, leading_tokens(tokenizer))
     ok, skipped = runnable(model, tiers)
     layers, heads, head_dim = _kv_shape(model.config)
     print(f"\n{name}: {layers} layers, {heads} KV heads, head_dim {head_dim}, {dtype}; {count} windows x {length} "
@@ -229,7 +248,7 @@ def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefil
     rows = stream_all(model, batch, ok, prefill, chunk)
     print(f"  streamed {len(rows)} caches in lockstep: {time.perf_counter() - start:.0f} s", flush=True)
     for row, cand in zip(rows, [Candidate("raw", RAW)] + ok, strict=True):
-        row.update(worst_bits(model, cand.tier, length, min(WORST_SPAN, length - 1)))
+        row.update(stored_bits(model, cand.tier, count, length, prefill, chunk, min(WORST_SPAN, length - 1)))
     print(markdown_table(rows, COLUMNS), flush=True)
     return {"layers": layers, "kv_heads": heads, "head_dim": head_dim,
             "layer_types": list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []),
@@ -275,6 +294,24 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+def merge(paths: list[Path]) -> dict:
+    """One payload from bench_ppl results of different models run with the same protocol and dtype; each model's
+    entry keeps the date, machine and versions of the run that measured it (``run``)."""
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    keys = ("protocol", "dtype", "stored_dtype", "raw_bits_per_value", "quick", "method")
+    for path, result in zip(paths, results, strict=True):
+        if result.get("benchmark") != "ppl" or any(result.get(k) != results[0].get(k) for k in keys):
+            raise ValueError(f"--merge: {path} is not a bench_ppl result with the protocol and dtype of {paths[0]}")
+    models = {}
+    for path, result in zip(paths, results, strict=True):
+        for model, data in result["models"].items():
+            if model in models:
+                raise ValueError(f"--merge: model {model!r} appears twice (in {path})")
+            run = {k: result[k] for k in ("date", "machine", "versions", "total_seconds")}
+            models[model] = {**data, "run": {"file": Path(path).name, **run}}
+    return {**{k: results[0][k] for k in keys}, "merged_from": [Path(p).name for p in paths], "models": models}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", choices=sorted(MODELS), default=None,
@@ -288,23 +325,36 @@ def main(argv: list[str] | None = None) -> None:
                         help="only these tiers or families (e.g. KIVI-2 'TurboQuant-style' flashcodec)")
     parser.add_argument("--tier-json", action="append", default=[], metavar="JSON",
                         help='extra tier: \'{"name": ..., "options": {FlashCodecCache options}}\' (repeatable)')
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="model dtype (default bfloat16: a raw cache is 16 bits/value)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="model dtype for the quality run (default float32: in bf16 even a lossless round "
+                             "trip of the K/V states moves the outputs about as much as the 8-bit tier); bits are "
+                             "always counted as a bf16 cache keeps them")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small ops on a shared "
                         "2-core machine run faster on one thread)")
     parser.add_argument("--out", default=None, help="JSON path (default results/ppl.json for the full default run, "
                         "results/ppl_experiment.json otherwise)")
     parser.add_argument("--plot", default=None, help="plot path (default next to the JSON: frontier.png for ppl.json)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the plot from the JSON (--out)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="write one result (--out, default results/ppl.json) from single-model result files")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     count, length = args.windows or shape["windows"], args.window_tokens or shape["window_tokens"]
     default_run = not (args.quick or args.tiers or args.tier_json or args.model or args.windows or args.window_tokens
-                       or args.prefill != 128 or args.chunk != 16 or args.dtype != "bfloat16")
-    out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if default_run or args.plot_only else "ppl_experiment.json")
+                       or args.prefill != 128 or args.chunk != 16 or args.dtype != "float32")
+    whole = default_run or args.plot_only or args.merge
+    out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if whole else "ppl_experiment.json")
     plot_path = Path(args.plot) if args.plot else out.with_name("frontier.png" if out.name == "ppl.json" else f"{out.stem}.png")
     if args.plot_only:
         print(f"wrote {plot(json.loads(out.read_text()), plot_path)}")
+        return
+    if args.merge:
+        try:
+            payload = merge(args.merge)
+        except ValueError as err:
+            parser.error(str(err))
+        path = write_result("ppl", payload, out=out)
+        print(f"wrote {path} and {plot(json.loads(path.read_text()), plot_path)}")
         return
     if count < 1 or length < 2 or not 1 <= args.prefill < length or args.chunk < 1:
         parser.error(f"need windows >= 1, 1 <= prefill < window tokens, chunk >= 1; got windows={count}, "
@@ -320,13 +370,15 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     results = {MODELS[m]: run_model(MODELS[m], tiers, count, length, args.prefill, args.chunk, dtype) for m in models}
     payload = {
-        "dtype": args.dtype, "raw_bits_per_value": torch.finfo(dtype).bits, "quick": args.quick,
+        "dtype": args.dtype, "stored_dtype": "bfloat16", "raw_bits_per_value": 16, "quick": args.quick,
         "protocol": {"windows": count, "window_tokens": length, "prefill": args.prefill, "chunk": args.chunk,
                      "scored_tokens_per_window": length - args.prefill, "worst_span": min(WORST_SPAN, length - 1)},
         "method": "windows batched; prefill exact, then chunks through the cache (a call attends to its own new "
                   "states exactly in every peer; flashcodec tiers as the package does); KL(raw || tier) per scored "
-                  "token, mean over all; bits = 8 * bytes kept / values the raw cache keeps; bits_end at the end of "
-                  "the windows, bits_worst over lengths L-127..L (one prefill of L-128 then token by token)",
+                  "token, mean over all; bits = 8 * bytes kept / values the raw cache keeps, counted on a bf16 "
+                  "replica of each cache fed random states by the same updates (bytes depend on lengths only): "
+                  "bits_end after the protocol's updates, bits_worst over lengths L-127..L (one prefill of L-128 "
+                  "then token by token); run_* fields: the run's own caches in the run dtype",
         "total_seconds": time.perf_counter() - start, "models": results,
     }
     path = write_result("ppl", payload, out=out)

@@ -8,11 +8,6 @@ Usage from a script in ``benchmarks/``::
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
-import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -20,51 +15,17 @@ from pathlib import Path
 
 import torch
 
+from flashcodec_fx.provenance import metadata, write_json
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-_VERSIONED = ("torch", "transformers", "triton")
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    head = Path(__file__).resolve().parent.parent / ".git"
-    try:
-        ref = (head / "HEAD").read_text().strip()
-        return (head / ref[5:]).read_text().strip() if ref.startswith("ref: ") else ref
-    except OSError:
-        return None
-
-
-def metadata() -> dict:
-    """Date (UTC, ISO 8601), machine (platform, processor, cpu count, torch threads, GPU, load average), versions
-    (python, torch, transformers, triton: None when absent; flashcodec_fx and the git commit of this checkout)."""
-    machine = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_avg_1_5_15m": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # other work slows timings
-    }
-    import flashcodec_fx
-
-    versions = {"python": platform.python_version(), **{name: _version(name) for name in _VERSIONED},
-                "flashcodec_fx": flashcodec_fx.__version__, "git_commit": _git_commit()}
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine, "versions": versions}
+__all__ = ["RESULTS_DIR", "median_time", "median_times", "metadata", "write_result"]
 
 
 def write_result(name: str, payload: dict, out: str | Path | None = None) -> Path:
-    """Write ``{**metadata(), **payload}`` as indented JSON to ``out`` (default ``benchmarks/results/<name>.json``)."""
-    path = Path(out) if out is not None else RESULTS_DIR / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": name, **metadata(), **payload}, indent=2) + "\n")
-    return path
+    """Write ``{"benchmark": name, **metadata(), **payload}`` as indented JSON to ``out`` (default
+    ``benchmarks/results/<name>.json``); :func:`flashcodec_fx.provenance.metadata` records date, machine, load,
+    versions and the git commit."""
+    return write_json(out if out is not None else RESULTS_DIR / f"{name}.json", name, payload)
 
 
 def median_times(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict[str, float]:

@@ -2,7 +2,7 @@
 non-overlapping token windows cut from it.
 
     from corpus import STREAMING_TEXTS, load_tokens, windows
-    batch = windows(load_tokens(tokenizer, STREAMING_TEXTS), count=6, length=1024)   # (6, 1024) int64
+    batch = windows(load_tokens(tokenizer, STREAMING_TEXTS), 6, 1024, leading_tokens(tokenizer))  # (6, 1024)
 """
 
 from __future__ import annotations
@@ -38,12 +38,20 @@ def load_tokens(tokenizer: Any, names: tuple[str, ...] | list[str]) -> list[torc
             for name in names]
 
 
-def windows(texts: list[torch.Tensor], count: int, length: int) -> torch.Tensor:
-    """``count`` non-overlapping windows of ``length`` tokens ``(count, length)``: window ``i`` comes from text
+def leading_tokens(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before any text (Gemma's ``<bos>``; none for SmolLM2)."""
+    return list(tokenizer("")["input_ids"])
+
+
+def windows(texts: list[torch.Tensor], count: int, length: int, prefix: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+    """``count`` non-overlapping windows ``(count, length)``, each ``prefix`` (e.g. the model's BOS, as a document
+    would start) then ``length - len(prefix)`` consecutive text tokens. Window ``i`` comes from text
     ``i % len(texts)``; a text holding ``k`` of them is cut into ``k`` equal segments and each window is centred in
     its segment (so front matter and closing lists at a text's two ends are mostly avoided)."""
-    if count < 1 or length < 1:
-        raise ValueError(f"count and length must be >= 1, got count={count}, length={length}")
+    if count < 1 or length <= len(prefix):
+        raise ValueError(f"count must be >= 1 and length > len(prefix), got count={count}, length={length}, "
+                         f"prefix of {len(prefix)}")
+    head, length = torch.tensor(list(prefix), dtype=torch.int64), length - len(prefix)
     if not texts:
         raise ValueError("texts must hold at least one token tensor")
     per_text = [len(range(i, count, len(texts))) for i in range(len(texts))]
@@ -53,5 +61,6 @@ def windows(texts: list[torch.Tensor], count: int, length: int) -> torch.Tensor:
             raise ValueError(f"a text of {ids.numel()} tokens cannot hold {k} non-overlapping windows of {length}")
         segment = ids.numel() // max(k, 1)  # >= length, so windows never overlap
         starts.append([j * segment + (segment - length) // 2 for j in range(k)])
-    rows = [texts[i % len(texts)][starts[i % len(texts)][i // len(texts)]:][:length] for i in range(count)]
+    rows = [torch.cat([head, texts[i % len(texts)][starts[i % len(texts)][i // len(texts)]:][:length]])
+            for i in range(count)]
     return torch.stack(rows)

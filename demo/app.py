@@ -26,12 +26,13 @@ sys.path.insert(0, str(HERE))
 
 DEFAULT_TIER = "jpeg r=8 K=8 int8"
 DEFAULT_PROMPT = "Explain to a curious twelve-year-old how a refrigerator keeps food cold."
+KL_NOISE = 1e-7  # |KL| of a lossless tier on fp32 models measures ~1e-8: rounding, shown as ~0
 EXTRA_MISSING = "the demo needs gradio and matplotlib: pip install 'flashcodec-fx[demo]'"
 CSS = """
-.fx-stats { width: 100%; font-size: 0.82em; border-collapse: collapse; }
-.fx-stats th { text-align: left; white-space: nowrap; padding: 2px 10px 2px 0; color: var(--body-text-color-subdued); }
-.fx-stats td { padding: 2px 0; }
-.fx-stats tr + tr { border-top: 1px solid var(--border-color-primary); }
+.fx-stats { width: 100%; font-size: 0.82em; border-collapse: collapse; border: none !important; margin: 0 !important; }
+.fx-stats tr, .fx-stats th, .fx-stats td { border: none !important; padding: 3px 6px !important; vertical-align: top; }
+.fx-stats th { text-align: left; white-space: nowrap; font-weight: 600; color: var(--body-text-color-subdued); }
+.fx-stats tr + tr { border-top: 1px solid var(--border-color-primary) !important; }
 .fx-stats-empty { font-size: 0.85em; color: var(--body-text-color-subdued); }
 #model-line { opacity: 0.85; }
 """
@@ -39,7 +40,7 @@ COMPARE_COLUMNS = [
     ("tier", "tier", "s"), ("KV kept", "kept", "bytes"), ("vs native", "kv_ratio", ".3f"),
     ("bits/value", "bits_per_value", ".2f"), ("view (memo)", "view", "bytes"), ("steady held", "steady_held", "bytes"),
     ("peak held", "peak_held", "bytes"), ("CUDA peak", "cuda_peak", "bytes"), ("CUDA steady", "cuda_steady", "bytes"),
-    ("decode tok/s", "decode_tok_s", ".2f"), ("NLL", "nll", ".4f"), ("KL vs native", "kl", ".2e"),
+    ("decode tok/s", "decode_tok_s", ".2f"), ("NLL", "nll", ".4f"), ("KL vs native", "kl", "kl"),
     ("token match", "match", ".3f"), ("same prefix", "match_prefix", "d"),
 ]
 
@@ -56,8 +57,12 @@ def human_bytes(n: float) -> str:
 
 
 def _num(value: Any, spec: str) -> str:
+    """``value`` formatted by ``spec``: a format spec, ``"bytes"`` (:func:`human_bytes`) or ``"kl"`` (``~0`` at or
+    below ``KL_NOISE``, which is where lossless tiers' rounding noise lands, negative values included)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
+    if spec == "kl":
+        return "~0" if value <= KL_NOISE else format(value, ".2e")
     return human_bytes(value) if spec == "bytes" else format(value, spec)
 
 
@@ -315,7 +320,7 @@ def load_engine(model: str | None, device: Any, dtype: str) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, load the model once, serve the app until interrupted. Exit code 2 (one line on stderr)
-    when the demo cannot start: missing extra, bad --model, --device or --dtype."""
+    when the demo cannot start: missing extra, bad --model or --device, a port it cannot listen on."""
     start = time.perf_counter()
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no telemetry, no version check
@@ -332,8 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine)
     app.queue(default_concurrency_limit=1)
     theme = gr.themes.Soft(primary_hue="blue", font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
-    _, url, _ = app.launch(server_name=args.host, server_port=args.port, theme=theme, css=CSS, ssr_mode=False,
-                           prevent_thread_lock=True, show_error=True, quiet=True, footer_links=[])
+    try:
+        _, url, _ = app.launch(server_name=args.host, server_port=args.port, theme=theme, css=CSS, ssr_mode=False,
+                               prevent_thread_lock=True, show_error=True, quiet=True, footer_links=[])
+    except OSError as err:  # port taken, address not available
+        print(f"flashcodec demo: cannot listen on {args.host}:{args.port} ({err}); pick another --port / --host",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"flashcodec demo: {engine.describe()}; ready in {time.perf_counter() - start:.1f} s at {url}", flush=True)
     try:
         app.block_thread()

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,16 +51,17 @@ class RunningApp:
 
 
 @contextlib.contextmanager
-def running_app(model: str | None, port: int | None = None, timeout: float = 300.0,
-                extra: tuple[str, ...] = ()) -> Iterator[RunningApp]:
-    """Start ``python demo/app.py`` on 127.0.0.1 and yield once it prints its "ready" line; stop it afterwards.
-    Raises RuntimeError with the app's output when it exits or is not ready within ``timeout`` seconds."""
+def running_app(model: str | None, port: int | None = None, timeout: float = 300.0, extra: tuple[str, ...] = (),
+                env: dict[str, str] | None = None) -> Iterator[RunningApp]:
+    """Start ``python demo/app.py`` on 127.0.0.1 (``extra`` flags, ``env`` added to the environment) and yield once
+    it prints its "ready" line; stop it afterwards. Raises RuntimeError with the app's output when it exits or is
+    not ready within ``timeout`` seconds."""
     port = port or free_port()
     command = [sys.executable, str(HERE / "app.py"), "--host", "127.0.0.1", "--port", str(port), *extra]
     if model is not None:
         command += ["--model", str(model)]
     path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))  # this checkout's package
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", PYTHONPATH=path, **(env or {}))
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
@@ -80,6 +84,18 @@ def running_app(model: str | None, port: int | None = None, timeout: float = 300
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def measure_startup(model: str | None, env: dict[str, str] | None = None) -> dict[str, float]:
+    """Start the app, stop it once ready: ``wall_s`` to its "ready" line and ``cpu_s``, the CPU time the app's
+    process used in all (user + system, every thread; it idles once ready), which does not depend on how busy a
+    shared machine is."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with running_app(model, env=env) as app:
+        wall = app.startup_s
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
 
 
 @contextlib.contextmanager
@@ -177,9 +193,14 @@ def open_frontier(page: Any, timeout_s: float = 60.0) -> dict[str, Any]:
 
 
 def screenshot(page: Any, path: Path) -> Path:
-    """Save the whole page as ``path`` (PNG)."""
+    """Save the whole page as ``path``: a 256-colour PNG (a third of the bytes of Chromium's RGB one)."""
+    from PIL import Image
+
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path), full_page=True)
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    small.save(path, optimize=True)
     return path
 
 
@@ -190,19 +211,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", default="Explain to a curious twelve-year-old how a refrigerator keeps food cold.")
     parser.add_argument("--max-new", type=int, default=64, help="chat turn's max new tokens")
     parser.add_argument("--compare-tokens", type=int, default=32, help="new tokens per tier in the comparison")
+    parser.add_argument("--cold", action="store_true", help="also time a start with an empty model cache "
+                        "(FLASHCODEC_CACHE in a temporary folder: the bundled GGUF is converted again)")
     args = parser.parse_args(argv)
+    sys.path[:0] = [str(HERE.parent), str(HERE.parent / "benchmarks")]  # this checkout's package and its commit
+    from common import write_result
+
+    record: dict[str, Any] = {"model": args.model or "SmolLM2-135M-Instruct", "prompt": args.prompt}
+    staging = Path(tempfile.mkdtemp(prefix="demo_screenshots-"))  # moved into --out after the JSON records the commit
+    if args.cold:
+        with tempfile.TemporaryDirectory() as empty:
+            record["startup_cold"] = measure_startup(args.model, env={"FLASHCODEC_CACHE": empty})
+        print(f"cold start (model converted into an empty cache): {record['startup_cold']}")
+    record["startup_warm"] = measure_startup(args.model)
+    print(f"warm start: {record['startup_warm']}")
     with running_app(args.model) as app, browser_page(app.url) as page:
         print(f"app ready in {app.startup_s:.1f} s: {app.log[-1].strip()}")
         chat = run_chat(page, args.prompt, args.max_new)
+        record["chat"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in chat.items()} | {"max_new": args.max_new}
         print(f"chat: {chat['status']} in {chat['seconds']:.1f} s\n  left:  {chat['left'][:200]!r}\n"
               f"  right: {chat['right'][:200]!r}\n  right stats: {chat['right_stats']!r}")
-        print(f"wrote {screenshot(page, args.out / 'demo_chat.png')}")
+        print(f"wrote {screenshot(page, staging / 'demo_chat.png')}")
         compare = run_comparison(page, args.prompt, args.compare_tokens)
+        record["comparison"] = {"status": compare["status"], "seconds": round(compare["seconds"], 1),
+                                "new_tokens": args.compare_tokens, "headers": compare["headers"], "rows": compare["rows"]}
         print(f"comparison: {compare['status']} in {compare['seconds']:.1f} s, {len(compare['rows'])} rows")
-        print(f"wrote {screenshot(page, args.out / 'demo_compare.png')}")
+        print(f"wrote {screenshot(page, staging / 'demo_compare.png')}")
         frontier = open_frontier(page)
         print("frontier: " + ", ".join(f"{key} {len(v['images'])} image(s)" for key, v in frontier.items()))
-        print(f"wrote {screenshot(page, args.out / 'demo_frontier.png')}")
+        print(f"wrote {screenshot(page, staging / 'demo_frontier.png')}")
+    print(f"wrote {write_result('demo_screenshots', record, out=args.out / 'demo_screenshots.json')}")
+    for shot in sorted(staging.glob("*.png")):
+        print(f"wrote {shutil.move(shot, args.out / shot.name)}")
+    staging.rmdir()
 
 
 if __name__ == "__main__":

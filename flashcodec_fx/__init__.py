@@ -21,7 +21,7 @@ __all__ = [
 def __getattr__(name: str):
     """Lazy ``flashcodec_fx.backend`` / ``flashcodec_fx.compile_model``: importing the compile pass loads Dynamo.
     Lazy transformers integration (``flashcodec_fx.hf``, the ``_HF_NAMES``): transformers stays optional."""
-    if name in ("backend", "compile_model"):
+    if name in ("CompiledGenerateWarning", "backend", "compile_model"):
         from . import passes
 
         return getattr(passes, name)

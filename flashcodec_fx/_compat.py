@@ -80,6 +80,8 @@ PRIVATE = {
     "select_decomp_table": ("torch._inductor.decomposition", "select_decomp_table"),
     "CustomGraphPass": ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
     "get_hash_for_files": ("torch._inductor.custom_graph_pass", "get_hash_for_files"),
+    "OptimizedModule": ("torch._dynamo.eval_frame", "OptimizedModule"),
+    "innermost_backend": ("torch._dynamo.eval_frame", "innermost_backend"),
 }
 
 # Private transformers names the integration uses (present in 5.17 .. 5.24).
@@ -111,6 +113,21 @@ def custom_op_kernels(qualname: str) -> dict[str | None, Callable]:
         fn = getattr(fn, "__wrapped__", fn)
         kernels[device] = inspect.getclosurevars(fn).nonlocals.get("fn", fn)
     return kernels
+
+
+def compiled_wrapper_backend(wrapper: Any) -> Any:
+    """The backend a ``torch.compile`` module wrapper (an ``OptimizedModule`` being built) compiles with: the
+    ``_TorchCompileWrapper``'s ``compiler_fn`` (or the backend itself), found in ``OptimizedModule.__init__``'s
+    ``dynamo_ctx`` argument on the call stack (the wrapper adopts the module before it stores that context); None
+    when not found."""
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is wrapper):
+        frame = frame.f_back
+    context = None if frame is None else frame.f_locals.get("dynamo_ctx")
+    if context is None:
+        return None
+    backend = __getattr__("innermost_backend")(context.callback)
+    return getattr(backend, "compiler_fn", backend)
 
 
 def __getattr__(name: str) -> Any:

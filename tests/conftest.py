@@ -151,3 +151,9 @@ def cpu_kernels():
     module = EXTENSION.module()
     assert module is not None, f"the CPU kernels failed to build: {EXTENSION.error}"
     return module
+@pytest.fixture
+def tiny_model_folder(tmp_path):
+    """``save_tiny_model`` into a fresh folder (what ``load_pretrained`` / ``flashcodec run --model`` read)."""
+    folder = tmp_path / "tiny-model"
+    save_tiny_model(folder)
+    return folder

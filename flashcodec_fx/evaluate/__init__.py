@@ -1,6 +1,6 @@
 """Measuring what a KV cache does to a model: tiers, driving a model through a cache, metrics, byte accounting.
 
-Shared by the main job (demo/main.py), the benchmarks and the tests. transformers is imported only when a cache is
+Shared by the main job (`flashcodec run`), the benchmarks and the tests. transformers is imported only when a cache is
 built or a model is driven, so importing this package needs torch only.
 """
 

@@ -62,19 +62,12 @@ def make_cache(model: Any, tier: Tier) -> Any:
     return FlashCodecCache.from_config(model.config, **tier.options)
 
 
-def stored_form(tier: Tier) -> bool:
-    """Whether ``tier`` is a FlashCodecCache attending on its stored form (the default: ``materialization_free``
-    unset or True)."""
-    return tier.factory is None and tier.options is not None and tier.options.get("materialization_free", True)
-
-
 @contextlib.contextmanager
 def prepared(model: Any, tier: Tier) -> Iterator[None]:
-    """Run ``tier`` on ``model``: a tier attending on the stored form installs the ``"kvcodec"`` attention function
-    for the duration (and removes it after: layers without a codec keep the previous implementation either way)."""
-    from flashcodec_fx._compat import attn_implementation
-
-    if not stored_form(tier) or attn_implementation(model.config) == "kvcodec":
+    """Run ``tier`` on ``model``: a ``FlashCodecCache`` tier installs the ``"kvcodec"`` attention function for the
+    duration (and removes it after), so layers that attend on their stored form (materialization-free) do; layers
+    that do not compute exactly as without it. Other tiers run the model as it is."""
+    if tier.options is None or tier.factory is not None:
         yield
         return
     from flashcodec_fx.hf import apply_codec_attention, remove_codec_attention

@@ -67,3 +67,46 @@ def test_comparison_table_leaves_out_columns_no_row_has():
     headers, cells = app.compare_table(rows)
     assert headers == ["tier", "KV kept", "vs native", "bits/value", "NLL", "KL vs native"]
     assert cells[1] == ["int8", "640 B", "0.312", "10.00", "0.5100", "1.00e-03"]
+    assert app.compare_table([rows[0] | {"kl": -1.4e-8}])[1][0][-1] == "~0"  # rounding noise of a lossless tier
+
+
+class _FailingEngine:
+    """Just enough of side_by_side.Engine for build_app; every run raises ``error``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def describe(self) -> str:
+        return "stub"
+
+    def tiers(self) -> dict:
+        from side_by_side import codec_tiers
+
+        return {tier.name: tier for tier in codec_tiers()}
+
+    def encode(self, messages):
+        return messages
+
+    def turn(self, *args, **kwargs):
+        raise self.error
+        yield
+
+    def compare(self, *args, **kwargs):
+        raise self.error
+        yield
+
+
+def _handler(app_blocks, name: str):
+    return next(f.fn for f in app_blocks.fns.values() if getattr(f.fn, "__name__", "") == name)
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried "
+                                                                "to allocate 1099511627776 bytes")])
+def test_out_of_memory_is_a_message_in_the_page(error):
+    pytest.importorskip("gradio")
+    pytest.importorskip("matplotlib")
+    blocks = app.build_app(_FailingEngine(error))
+    *_, status, _ = list(_handler(blocks, "chat")("hello", [], [], app.DEFAULT_TIER, False, False, 8))[-1]
+    assert "**failed:** out of memory" in status and "fewer new tokens" in status
+    *_, status = list(_handler(blocks, "compare")("hello", 8, False))[-1]
+    assert "**failed:** out of memory" in status

@@ -1,0 +1,168 @@
+"""The README's measured tables, regenerated from the committed results (benchmarks/results/*.json).
+
+    python benchmarks/readme_tables.py            # rewrite every table of README.md from the JSON
+    python benchmarks/readme_tables.py --check    # exit 1 (and show what differs) when README.md and the JSON disagree
+
+Each table sits in README.md between ``<!-- table: NAME -->`` and ``<!-- /table -->``; ``TABLES`` says which JSON
+makes it and how. Under each table one line names the JSON, the commit it was measured at, its date and the load
+average, all read from the JSON. KL cells never show rounding noise as a number: negative values are clamped to 0,
+and a value within its recorded fp32 noise floor prints as ``< floor``. tests/benchmarks/test_readme_tables.py fails
+when the README and the JSON disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+MIB = 1 << 20
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def provenance(*names: str) -> str:
+    """One line per table: which JSON, measured at which commit, when, under which load."""
+    parts = []
+    for name in names:
+        result = load(name)
+        commit = (result["versions"].get("git_commit") or "unknown")[:7]
+        dirty = " (uncommitted changes)" if result["versions"].get("git_dirty") else ""
+        load_avg = result["machine"].get("load_avg_1_5_15m") or [float("nan")]
+        parts.append(f"[{name}.json](benchmarks/results/{name}.json): commit {commit}{dirty}, {result['date'][:10]}, "
+                     f"load {load_avg[0]:.1f}")
+    return "<sub>" + "; ".join(parts) + "</sub>"
+
+
+def kl_cell(row: dict[str, Any]) -> str:
+    """KL vs raw: the reference prints 0; rounding noise is never a number (clamped at 0, or ``< floor``)."""
+    from flashcodec_fx.cli.main_job import kl_text
+
+    kl, floor = max(float(row["kl"]), 0.0), row.get("kl_noise_floor")
+    if floor is None:
+        return "0" if kl == 0.0 else f"{kl:.2e}"
+    return kl_text(kl, floor)
+
+
+def markdown(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """``evaluate.markdown_table`` of ``rows`` with the KL rule applied, keeping the columns some row has."""
+    from flashcodec_fx.evaluate import markdown_table
+
+    columns = [c for c in columns if any(c[1] in row for row in rows) or c[1] == "kl"]
+    shown = [dict(row, kl=kl_cell(row)) if "kl" in row else row for row in rows]
+    columns = [(head, key, "s" if key == "kl" else spec) for head, key, spec in columns]
+    return markdown_table(shown, columns)
+
+
+def main_job_table() -> str:
+    from flashcodec_fx.cli.main_job import COLUMNS
+
+    result = load("main_job")
+    columns = [(head, "kl" if key == "kl_text" else key, spec) for head, key, spec in COLUMNS]
+    return markdown(result["rows"], columns) + "\n\n" + provenance("main_job")
+
+
+def ppl_table() -> str:
+    """One table per model of ppl.json (bench_ppl's streaming protocol: ``models``), then the skipped tiers and
+    their reason; a ppl.json of the earlier teacher-forced protocol (top-level ``rows``) renders as it did."""
+    import bench_ppl
+
+    result = load("ppl")
+    if "models" not in result:
+        legacy = [("bytes vs raw", "kv_ratio", ".3f"), ("bits/value", "bits_per_value", ".2f"),
+                  ("KL vs raw", "kl", ".2e"), ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f"),
+                  ("seconds", "seconds", ".1f")]
+        return markdown(result["rows"], [bench_ppl.COLUMNS[0], *legacy]) + "\n\n" + provenance("ppl")
+    parts = []
+    for model, data in result["models"].items():
+        parts.append(f"**{model}**\n\n" + markdown(data["rows"], bench_ppl.COLUMNS))
+        parts += [f"skipped on {model}: {s['tier']} ({s['reason']})" for s in data.get("skipped", [])]
+    return "\n\n".join(parts) + "\n\n" + provenance("ppl")
+
+
+def reconstruct_table() -> str:
+    import bench_reconstruct
+
+    text = bench_reconstruct.markdown(load("reconstruct"))
+    real = text.rsplit("\n\n", 1)[-1]  # the last table: real K/V of the model
+    return real + "\n\n" + provenance("reconstruct")
+
+
+def attention_table() -> str:
+    result = load("attention_cpu")
+    seqs = result["config"]["seqs"]
+    cells: dict[tuple[str, str], dict[int, float]] = {}
+    for row in result["rows"]:
+        key = ("raw SDPA (masked)", "-") if row["path"] == "sdpa_masked" else (
+            {"coef_torch": "coefficient path (torch)", "materialized": "materialized (read + SDPA)"}[row["path"]],
+            row["tier"])
+        cells.setdefault(key, {})[row["S"]] = row["time_us"] / 1000
+    lines = ["| path | tier | " + " | ".join(f"S={s // 1024}k ms" for s in seqs) + " |",
+             "|---|---|" + "---|" * len(seqs)]
+    for (path, tier), by_seq in cells.items():
+        lines.append(f"| {path} | {tier} | " + " | ".join(f"{by_seq[s]:.0f}" for s in seqs) + " |")
+    return "\n".join(lines) + "\n\n" + provenance("attention_cpu")
+
+
+E2E_CONFIGS = {"raw": "raw static cache, compiled", "codec_materialized": "codec, compiled, materialized",
+               "codec_pass": "codec, compiled, with the pass"}
+
+
+def e2e_table() -> str:
+    lines = ["| model | context | config | ms/step (median) | recompiles | KV held MiB | view built per step MiB |",
+             "|---|---|---|---|---|---|---|"]
+    names = ("e2e_cpu", "e2e_cpu_smollm2")
+    for name in names:
+        for row in load(name)["rows"]:
+            view = row["view_bytes_per_step"]
+            lines.append(f"| {row['model']} | {row['context'] // 1024}k | {E2E_CONFIGS[row['config']]} | "
+                         f"{row['step_ms_median']:.1f} | {row['recompiles']} | {row['kv_bytes']['total'] / MIB:.2f} | "
+                         f"{'-' if row['config'] == 'raw' else f'{view / MIB:.2f}' if view else 'none'} |")
+    return "\n".join(lines) + "\n\n" + provenance(*names)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "main_job": main_job_table, "ppl": ppl_table, "reconstruct": reconstruct_table, "attention": attention_table,
+    "e2e": e2e_table,
+}
+
+
+def regenerate(text: str) -> str:
+    """``text`` with every table block rendered anew; ValueError for an unknown or missing table."""
+    found = [m.group("name") for m in BLOCK.finditer(text)]
+    unknown, missing = sorted(set(found) - set(TABLES)), sorted(set(TABLES) - set(found))
+    if unknown or missing or len(found) != len(set(found)):
+        raise ValueError(f"README table blocks: unknown {unknown}, missing {missing}, found {found}")
+    return BLOCK.sub(lambda m: m.group(1) + TABLES[m.group("name")]() + "\n" + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 when README.md is out of date")
+    parser.add_argument("--readme", type=Path, default=README, help="the README to update (default: the repository's)")
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    fresh = regenerate(text)
+    if not args.check:
+        args.readme.write_text(fresh)
+        return 0
+    if fresh != text:
+        sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), fresh.splitlines(True), "README.md",
+                                                   "README.md from benchmarks/results"))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""README.md's measured tables are what benchmarks/readme_tables.py renders from benchmarks/results/*.json."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import readme_tables
+
+pytest.importorskip("transformers")
+
+
+def test_readme_tables_match_the_committed_json():
+    text = readme_tables.README.read_text()
+    assert readme_tables.regenerate(text) == text, "README is out of date: run python benchmarks/readme_tables.py"
+    assert readme_tables.main(["--check"]) == 0
+
+
+def test_every_table_names_a_json_that_records_its_commit():
+    text = readme_tables.README.read_text()
+    for match in readme_tables.BLOCK.finditer(text):
+        named = re.findall(r"\[([\w-]+)\.json\]\(benchmarks/results/", match.group("body"))
+        assert named, match.group("name")
+        for name in named:
+            result = json.loads((readme_tables.RESULTS / f"{name}.json").read_text())
+            assert re.fullmatch(r"[0-9a-f]{40}", result["versions"]["git_commit"]), name
+            assert result["versions"]["git_commit"][:7] in match.group("body")
+
+
+def kl_cells(table: str) -> list[str]:
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    heads = [c.strip() for c in lines[0].strip("|").split("|")]
+    if "KL vs raw" not in heads:
+        return []
+    col = heads.index("KL vs raw")
+    return [[c.strip() for c in line.strip("|").split("|")][col] for line in lines[2:]]
+
+
+def test_no_kl_cell_is_negative_or_a_bare_approximation():
+    text = readme_tables.README.read_text()
+    cells = [c for m in readme_tables.BLOCK.finditer(text) for c in kl_cells(m.group("body"))]
+    assert cells
+    for cell in cells:
+        assert cell == "0" or re.fullmatch(r"< \de[+-]\d\d", cell) or (re.fullmatch(r"\d\.\d\de[+-]\d\d", cell)
+                                                                      and float(cell) > 0), cell
+
+
+@pytest.mark.parametrize(("row", "cell"), [
+    ({"kl": 0.0}, "0"), ({"kl": -1.9e-8}, "0"), ({"kl": 7.36e-4}, "7.36e-04"),
+    ({"kl": -1.9e-8, "kl_noise_floor": 3e-7}, "< 3e-07"), ({"kl": 2e-7, "kl_noise_floor": 3e-7}, "< 3e-07"),
+    ({"kl": 7.4e-4, "kl_noise_floor": 3e-7}, "7.40e-04"), ({"kl": 0.0, "kl_noise_floor": None}, "0"),
+])
+def test_kl_cell(row, cell):
+    assert readme_tables.kl_cell(row) == cell
+
+
+def test_table_blocks_must_all_be_there_and_known():
+    text = readme_tables.README.read_text()
+    with pytest.raises(ValueError, match=r"missing \['e2e'\]"):
+        readme_tables.regenerate(text.replace("<!-- table: e2e -->", "<!-- e2e -->"))
+    with pytest.raises(ValueError, match=r"unknown \['nope'\]"):
+        readme_tables.regenerate(text + "\n<!-- table: nope -->\n<!-- /table -->\n")
+
+
+def test_check_reports_a_stale_readme(tmp_path, capsys):
+    stale = tmp_path / "README.md"
+    stale.write_text(readme_tables.README.read_text().replace("| raw SDPA (masked) | - |", "| raw SDPA (masked) | x |"))
+    assert readme_tables.main(["--check", "--readme", str(stale)]) == 1
+    assert "-| raw SDPA (masked) | x |" in capsys.readouterr().out
+    assert readme_tables.main(["--readme", str(stale)]) == 0 and readme_tables.main(["--check", "--readme", str(stale)]) == 0
