@@ -88,6 +88,18 @@ PRIVATE = {
 PREPARE_CACHE_METHOD = "_prepare_cache_for_generation"  # GenerationMixin: builds the cache of one generate() call
 
 
+def layer_types_and_kwargs(config: Any) -> tuple[list[str], list[dict]]:
+    """Per layer of a transformers config's text decoder: its cache layer type and the kwargs its cache layer is built
+    with (``get_layer_types_and_kwargs``: one kwargs dict shared by all layers before 5.2x, one per layer since)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types, kwargs = get_layer_types_and_kwargs(text)
+    if isinstance(kwargs, dict):
+        kwargs = [kwargs] * len(layer_types)
+    return list(layer_types), list(kwargs)
+
+
 def attn_implementation(config: Any) -> str | None:
     """The attention implementation a transformers config selects (``config._attn_implementation``)."""
     return getattr(config, "_attn_implementation", None)

@@ -143,11 +143,12 @@ def _write_tiny_gguf(path, model) -> None:
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    tokens = [chr(ord("a") + i) for i in range(cfg.vocab_size - 2)] + ["ab", "<|endoftext|>"]  # printable ASCII: byte-level
+    chars = [chr(ord("a") + i) for i in range(cfg.vocab_size - 3)]  # printable ASCII: byte-level
+    tokens = chars + ["ab", "de", "<|endoftext|>"]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 1) + [3])
-    writer.add_token_merges(["a b"])
+    writer.add_token_merges(["a b", "d e"])  # two: transformers 5.17 reads a one-element string array as a string
     writer.add_bos_token_id(len(tokens) - 1)
     writer.add_eos_token_id(len(tokens) - 1)
 
@@ -186,7 +187,7 @@ def test_gguf_converted_once_into_cache_folder(tmp_path, monkeypatch):
     for name, p in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], p, rtol=0, atol=0, msg=name)
     assert tokenizer.eos_token == "<|endoftext|>"
-    assert tokenizer("abc", add_special_tokens=False).input_ids == [8, 2]
+    assert tokenizer("abcde", add_special_tokens=False).input_ids == [len(WORDS) - 3, 2, len(WORDS) - 2]
     path.unlink()  # a second load reads the converted folder, never the GGUF
     again, _ = load_pretrained(tmp_path / "cache" / converted[0].name, dtype=torch.float16)
     assert again.dtype == torch.float16

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from flashcodec_fx import _compat
 
 RAW_BYTES = 2  # a raw token is kept in 16 bits (bf16 / fp16), whatever dtype the model runs in
 
@@ -140,8 +142,7 @@ class FakeQuantCache(Cache):
     layer type raises ``ValueError``)."""
 
     def __init__(self, config: Any, policy: FakeQuantPolicy):
-        text = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, layer_kwargs = _compat.layer_types_and_kwargs(config)
         layers = []
         for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             if kind == "full_attention":
