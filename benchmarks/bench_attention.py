@@ -1,124 +1,190 @@
-"""Single-token decode attention of one layer: raw-KV SDPA vs the codec paths, time and bytes read.
+"""Single-token decode attention of one layer: raw-KV SDPA vs the codec paths, time and bytes read, side by side.
 
-One layer, B=1, H_kv=8, H_q=32 (GQA 4), D=128, one query token; bf16 on CUDA, fp32 on CPU. The stored length
-is ``S - 3`` tokens in a static archive of ``S / 8`` blocks (so a partial raw tail is attended too). Paths:
+Shapes: on CPU SmolLM2-135M's layer (B=1, H_kv=3, H_q=9: GQA 3, D=64), fp32, ``--threads`` (2); on CUDA B=1,
+H_kv=8, H_q=32, D=128, bf16. The stored length is ``S - 3`` tokens (so a partial raw tail is attended too).
 
-- ``sdpa_masked``: raw K/V, ``scaled_dot_product_attention`` with a bool mask and ``enable_gqa`` (whatever
-  backend PyTorch picks for a masked single-token decode).
-- ``sdpa_flash`` (CUDA): raw K/V, unmasked, the flash backend forced (GQA by ``enable_gqa``).
-- ``materialized``: ``flashcodec::read`` of K and V (the full view, Triton on CUDA) + masked SDPA.
-- ``coef_torch``: the plain-torch reference ``codec_attention`` (the op's reference implementation, also on CUDA).
-- ``coef_triton`` (CUDA): the Triton split-K ``codec_attention``.
+Codecs: the presets of ``flashcodec_fx.PRESETS`` by name (``--presets``; default every preset but ``lossless``):
+``int8`` (jpeg r=8 K=8 int8, the per-layer target's 8-bit tier) and the quality presets (``4bit``, ``3bit``,
+``2.5bit``: their key and value options as the cache applies them, read from ``presets.py`` at run time, so a
+retuned preset is measured as it is).
 
-Bytes are what a path must move at least: raw paths read K and V; coefficient paths read the stored state
-(codes, scales, index, raw tail); the materialized path reads the state, writes the full K/V views and reads
-them back. ``GB/s`` = bytes / time; ``roofline`` = that over the device's memory bandwidth (``--peak-gbps``,
-4800 for an H200; null on CPU unless given). CUDA times: ``triton.testing.do_bench`` medians (L2 flushed between
-runs); CPU: medians of ``--repeats`` wall-clock runs.
+Paths, timed in interleaved rounds (each round runs every path once), medians of wall and process CPU time:
 
-    python benchmarks/bench_attention.py            # CUDA if present: S = 4k, 16k, 64k, 128k
-    python benchmarks/bench_attention.py --quick    # S = 4k, 16k (CPU: torch paths only, fp32)
+- ``sdpa_gqa``: raw fp32 K/V, ``scaled_dot_product_attention(..., enable_gqa=True)`` (no mask: one decode query
+  sees every stored token); ``sdpa_repeat_kv``: K/V expanded per query head the way transformers' ``repeat_kv``
+  does, then SDPA; ``sdpa_flash`` (CUDA): the flash backend forced. ``vs_sdpa`` divides by the faster raw path.
+- ``kernel``: ``torch.ops.flashcodec.codec_attention``, the op's registered kernel (the C++ kernel on CPU, Triton on
+  CUDA), called as a model calls it (validation included).
+- ``reference``: ``codec_attention_reference`` (the spec; CPU: only up to ``--reference-max`` tokens).
+- ``materialized``: ``flashcodec::read`` of K and V, then SDPA (the view the codec avoids; same limit on CPU).
+  These two slow paths are timed after the others, in rounds of their own (a quarter as many).
+
+``--layers 1 30``: each timed call reads the next of N layers' caches (N=1: one layer, hot in the caches, the
+per-layer target; N=30, SmolLM2's depth: what a decode step sees, each layer's KV evicted by the other layers'
+before it is read again). Bytes are what a path must read at least: raw K and V, or the stored state (codes,
+scales, zero points, sinks, tail). ``GB/s`` = bytes / time; ``roofline`` = that over ``--peak-gbps`` (4800 on CUDA).
+
+    python benchmarks/bench_attention.py --device cpu --quick     # S = 4k, 16k, layers 1 and 30 (~3 min on 2 cores)
+    python benchmarks/bench_attention.py --device cuda            # S = 4k .. 128k
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
-from common import median_time, write_result
+from common import write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashcodec_fx import make_codec
-from flashcodec_fx.ops.attention import codec_attention
+from flashcodec_fx import PRESETS
+from flashcodec_fx.codecs import Codec
+from flashcodec_fx.hf.options import resolve_layer_codecs
+from flashcodec_fx.ops import empty_state
+from flashcodec_fx.ops.attention import codec_attention_reference
+from flashcodec_fx.presets import preset_options
 
-B, HKV, HQ, D, R = 1, 8, 32, 128, 8
-TIERS = [
-    ("jpeg k8 r8", {"block_size": R, "keep_freqs": 8}),
-    ("jpeg k2 r8 int8", {"block_size": R, "keep_freqs": 2, "quant_bits": 8}),
-    ("jpeg k8 r8 int8", {"block_size": R, "keep_freqs": 8, "quant_bits": 8}),
-    ("png r8", {"block_size": R}),
-]
+SHAPES = {"cpu": (1, 3, 9, 64), "cuda": (1, 8, 32, 128)}  # B, H_kv, H_q, D
+DEFAULT_PRESETS = tuple(name for name in PRESETS if name != "lossless")
+
+
+def preset_codecs(name: str) -> tuple[Codec, Codec]:
+    """The key and value codecs preset ``name`` gives a cache's layer 0 (the cache's own option resolution)."""
+    codecs = resolve_layer_codecs(preset_options(name), where=f"preset {name!r}")
+    return codecs.key, codecs.value
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _timer(device: str, repeats: int):
-    if device == "cuda":
-        import triton.testing
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") / 1e3
-    return lambda fn: median_time(fn, repeats=repeats, warmup=1)
-
-
-def _row(path: str, seconds: float | None, nbytes: int, peak_gbps: float | None, **extra) -> dict:
-    gbps = None if seconds is None else nbytes / seconds / 1e9
-    return {"path": path, "time_us": None if seconds is None else seconds * 1e6, "bytes": nbytes, "gbps": gbps,
-            "roofline": None if gbps is None or not peak_gbps else gbps / peak_gbps, **extra}
-
-
-def _stored(codec, x: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """transformers' ``repeat_kv``: (B, H_kv, S, D) -> (B, H_kv * groups, S, D) by expand + reshape."""
     b, h, s, d = x.shape
-    data, scale, index = codec.empty_state((b, h), s // R, d, x.dtype, x.device)
-    tail = torch.zeros(b, h, R, d, dtype=x.dtype, device=x.device)
-    n = torch.zeros((), dtype=torch.int64, device=x.device)
-    torch.ops.flashcodec.append(data, scale, index, tail, n, x[:, :, :length].contiguous(), codec.spec)
-    return data, scale, index, tail, n
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
-def bench_tier(name: str, codec, q, k, v, length: int, valid, time_fn, peak: float | None) -> list[dict]:
-    """The three codec paths of one tier (Triton only on CUDA)."""
-    (kd, ks, ki, kt, n), (vd, vs, vi, vt, _) = _stored(codec, k, length), _stored(codec, v, length)
-    stored = _nbytes(kd, ks, ki, kt, vd, vs, vi, vt)
-    args = (q, kd, ks, ki, kt, vd, vs, vi, vt, n, codec.spec, codec.spec)
-    extra = {"tier": name, "compression": _nbytes(k, v) / stored}
-
-    def materialized():
-        views = [torch.ops.flashcodec.read(*st, n, codec.spec) for st in ((kd, ks, ki, kt), (vd, vs, vi, vt))]
-        return F.scaled_dot_product_attention(q, views[0], views[1], attn_mask=valid, enable_gqa=True)
-
-    rows = [_row("materialized", time_fn(materialized), stored + 2 * _nbytes(k, v), peak, **extra),
-            # the op's plain-torch reference, called directly so that CUDA does not dispatch to Triton
-            _row("coef_torch", time_fn(lambda: codec_attention._init_fn(*args)), stored, peak, **extra)]
-    if q.is_cuda:
-        from flashcodec_fx.ops.triton_attention import triton_codec_attention
-
-        err = (triton_codec_attention(*args).float() - codec_attention._init_fn(*args).float()).abs().max().item()
-        rows.append(_row("coef_triton", time_fn(lambda: triton_codec_attention(*args)), stored, peak,
-                         max_abs_diff_vs_torch=err, **extra))
-    return rows
+def stored(codec, x: torch.Tensor) -> list[torch.Tensor]:
+    """The state of stream ``x`` appended in one call (the op's kernel: the C++ one on CPU)."""
+    b, h, s, d = x.shape
+    state = list(empty_state(codec, b, h, -(-s // codec.group) + 1, d, x.dtype, x.device))
+    torch.ops.flashcodec.append(state, x, codec.spec)
+    return state
 
 
-def bench_length(s: int, device: str, dtype: torch.dtype, time_fn, peak: float | None) -> list[dict]:
-    gen = torch.Generator().manual_seed(s)
+class Layers:
+    """N independent layers' raw caches and codec states of one length; ``next()`` cycles through them."""
+
+    def __init__(self, n: int, s: int, shape, dtype, device: str, seed: int):
+        b, hkv, hq, d = shape
+        gen = torch.Generator().manual_seed(seed)
+        self.q = [torch.randn(b, hq, 1, d, generator=gen).to(dtype).to(device) for _ in range(n)]
+        self.k = [(torch.randn(b, hkv, s, d, generator=gen).cumsum(2) * 0.05).to(dtype).to(device) for _ in range(n)]
+        self.v = [torch.randn(b, hkv, s, d, generator=gen).to(dtype).to(device) for _ in range(n)]
+        self.n, self.at, self.groups = n, 0, hq // hkv
+
+    def next(self) -> int:
+        self.at = (self.at + 1) % self.n
+        return self.at
+
+
+def interleaved(paths: dict, rounds: int, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Median and minimum wall seconds and median CPU seconds of each path, the paths run in turn every round (same
+    conditions for all). On a shared machine the minimum is the least disturbed run; both are reported."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for fn in paths.values():
+        for _ in range(warmup):
+            fn()
+    wall = {name: [] for name in paths}
+    cpu = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: {"wall_s": statistics.median(wall[name]), "min_s": min(wall[name]), "cpu_s": statistics.median(cpu[name])}
+            for name in paths}
+
+
+def bench(s: int, n_layers: int, device: str, dtype, shape, rounds: int, reference_max: int, peak: float | None,
+          presets: tuple[str, ...]):
     length = s - 3
-    k = (torch.randn(B, HKV, s, D, generator=gen).cumsum(2) * 0.05).to(dtype).to(device)
-    v = torch.randn(B, HKV, s, D, generator=gen).to(dtype).to(device)
-    q = torch.randn(B, HQ, 1, D, generator=gen).to(dtype).to(device)
-    valid = (torch.arange(s, device=device) < length).view(1, 1, 1, s)
-    rows = []
+    layers = Layers(n_layers, length, shape, dtype, device, seed=s + n_layers)
+    raw_bytes = _nbytes(layers.k[0], layers.v[0])
 
-    def raw_masked():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=valid, enable_gqa=True)
+    def raw(fn):
+        def run():
+            i = layers.next()
+            return fn(layers.q[i], layers.k[i], layers.v[i])
+        return run
 
-    rows.append(_row("sdpa_masked", time_fn(raw_masked), _nbytes(k, v), peak))
+    paths = {"sdpa_gqa": raw(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+             "sdpa_repeat_kv": raw(lambda q, k, v: F.scaled_dot_product_attention(
+                 q, repeat_kv(k, layers.groups), repeat_kv(v, layers.groups)))}
     if device == "cuda":
-        def raw_flash():
+        def flash(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
-        try:
-            rows.append(_row("sdpa_flash", time_fn(raw_flash), _nbytes(k, v), peak))
-        except RuntimeError as err:  # recorded, not hidden: the flash backend may refuse this shape on this build
-            rows.append(_row("sdpa_flash", None, _nbytes(k, v), peak, error=str(err).splitlines()[0]))
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        paths["sdpa_flash"] = raw(flash)
+    sizes = {name: raw_bytes for name in paths}
+    extras = {}  # slow paths, timed in a phase of their own so that they do not disturb the main comparison
+    errors = {}
+    for tier in presets:
+        ck, cv = preset_codecs(tier)
+        ks = [stored(ck, k) for k in layers.k]
+        vs = [stored(cv, v) for v in layers.v]
+        state_bytes = _nbytes(*ks[0], *vs[0])
 
-    for name, opts in TIERS:
-        codec = make_codec("jpeg", **opts) if name.startswith("jpeg") else make_codec("png", **opts)
-        rows += bench_tier(name, codec, q, k, v, length, valid, time_fn, peak)
-    for row in rows:
-        row["S"] = s
+        def codec_path(fn, ks=ks, vs=vs, ck=ck, cv=cv):
+            def run():
+                i = layers.next()
+                return fn(layers.q[i], ks[i], vs[i], ck, cv)
+            return run
+
+        kernel = codec_path(lambda q, k, v, ck, cv: torch.ops.flashcodec.codec_attention(q, k, v, ck.spec, cv.spec))
+        paths[f"{tier}/kernel"], sizes[f"{tier}/kernel"] = kernel, state_bytes
+        with torch.no_grad():
+            out = torch.ops.flashcodec.codec_attention(layers.q[0], ks[0], vs[0], ck.spec, cv.spec)
+            ref = codec_attention_reference(layers.q[0], ks[0], vs[0], ck.spec, cv.spec)
+        errors[tier] = (out.float() - ref.float()).abs().max().item()
+        if device == "cuda" or s <= reference_max:
+            extras[f"{tier}/reference"] = codec_path(lambda q, k, v, ck, cv: codec_attention_reference(q, k, v, ck.spec,
+                                                                                                     cv.spec))
+            sizes[f"{tier}/reference"] = state_bytes
+
+            def materialized(q, k, v, ck, cv):
+                views = (torch.ops.flashcodec.read(k, ck.spec)[:, :, :length],
+                         torch.ops.flashcodec.read(v, cv.spec)[:, :, :length])
+                return F.scaled_dot_product_attention(q, *views, enable_gqa=True)
+            extras[f"{tier}/materialized"] = codec_path(materialized)
+            sizes[f"{tier}/materialized"] = state_bytes + 2 * raw_bytes
+    load_before = os.getloadavg()
+    times = interleaved(paths, rounds)
+    load_after = os.getloadavg()
+    times.update(interleaved(extras, max(3, rounds // 4), warmup=1) if extras else {})
+    sdpa = min(("sdpa_gqa", "sdpa_repeat_kv"), key=lambda name: times[name]["wall_s"])
+    rows = []
+    for name, t in times.items():
+        tier, _, path = name.rpartition("/")
+        gbps = sizes[name] / t["wall_s"] / 1e9
+        row = {"S": s, "layers": n_layers, "tier": tier or "raw", "path": path, "time_us": t["wall_s"] * 1e6,
+               "min_us": t["min_s"] * 1e6, "cpu_us": t["cpu_s"] * 1e6, "bytes": sizes[name], "gbps": gbps,
+               "roofline": gbps / peak if peak else None, "load_avg_before": list(load_before),
+               "load_avg_after": list(load_after)}
+        if path in ("kernel", "reference", "materialized"):
+            row.update(vs_sdpa=t["wall_s"] / times[sdpa]["wall_s"], vs_sdpa_min=t["min_s"] / times[sdpa]["min_s"],
+                       vs_sdpa_cpu=t["cpu_s"] / times[sdpa]["cpu_s"],
+                       sdpa_baseline=sdpa, compression=raw_bytes / sizes[f"{tier}/kernel"])
+        if path == "kernel":
+            row["max_abs_diff_vs_reference"] = errors[tier]
+        rows.append(row)
     return rows
 
 
@@ -126,32 +192,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="S = 4k, 16k only")
-    parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (multiples of 8)")
-    parser.add_argument("--repeats", type=int, default=3, help="CPU timing repeats")
+    parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (at least 8)")
+    parser.add_argument("--layers", type=int, nargs="+", help="layers cycled per call (default: CPU 1 30, CUDA 1)")
+    parser.add_argument("--repeats", type=int, default=41, help="interleaved timing rounds")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--reference-max", type=int, default=4096, help="CPU: longest S timed for reference paths")
     parser.add_argument("--peak-gbps", type=float, help="device memory bandwidth, GB/s (default: 4800 on CUDA)")
+    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), choices=sorted(PRESETS),
+                        help="presets timed (default: all but lossless)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/attention_<device>.json)")
     args = parser.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     seqs = args.seqs or ([4096, 16384] if args.quick else [4096, 16384, 65536, 131072])
-    if any(s % R or s < 2 * R for s in seqs):
-        parser.error(f"--seqs must be multiples of {R}, at least {2 * R}")
+    if any(s < 8 for s in seqs):
+        parser.error("--seqs must be at least 8")
+    layers = args.layers or ([1, 30] if device == "cpu" else [1])
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     peak = args.peak_gbps if args.peak_gbps else (4800.0 if device == "cuda" else None)
-    time_fn = _timer(device, args.repeats)
     rows = []
-    for s in seqs:
-        rows += bench_length(s, device, dtype, time_fn, peak)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    print("| S | path | tier | time us | MB read | GB/s | roofline |\n|---|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for s in seqs:
+            for n in layers:
+                rows += bench(s, n, device, dtype, SHAPES[device], args.repeats, args.reference_max, peak,
+                              tuple(args.presets))
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    print("| S | layers | tier | path | median us | min us | vs SDPA (median, min) | MB read | GB/s |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        t = "n/a" if r["time_us"] is None else f"{r['time_us']:.1f}"
-        gbps = "n/a" if r["gbps"] is None else f"{r['gbps']:.1f}"
-        roof = "n/a" if r["roofline"] is None else f"{r['roofline']:.2f}"
-        print(f"| {r['S']} | {r['path']} | {r.get('tier', 'raw')} | {t} | {r['bytes'] / 1e6:.1f} | {gbps} | {roof} |")
-    config = {"B": B, "H_kv": HKV, "H_q": HQ, "D": D, "dtype": str(dtype), "device": device, "seqs": seqs,
-              "stored_length": "S - 3", "peak_gbps": peak, "timer": "triton do_bench median" if device == "cuda"
-              else f"median of {args.repeats} runs", "scale": 1 / math.sqrt(D)}
+        ratio = f"{r['vs_sdpa']:.2f}, {r['vs_sdpa_min']:.2f}" if "vs_sdpa" in r else ""
+        print(f"| {r['S']} | {r['layers']} | {r['tier']} | {r['path']} | {r['time_us']:.0f} | {r['min_us']:.0f} | "
+              f"{ratio} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.1f} |")
+    b, hkv, hq, d = SHAPES[device]
+    config = {"B": b, "H_kv": hkv, "H_q": hq, "D": d, "dtype": str(dtype), "device": device, "seqs": seqs,
+              "layers": layers, "threads": torch.get_num_threads(), "stored_length": "S - 3", "peak_gbps": peak,
+              "timer": f"median and min of {args.repeats} interleaved rounds (wall), median process CPU time",
+              "scale": 1 / math.sqrt(d), "kernels": os.environ.get("FLASHCODEC_KERNELS", "auto"),
+              "presets": {name: {"k": preset_codecs(name)[0].spec, "v": preset_codecs(name)[1].spec} for name in args.presets},
+              "load_avg_end": list(os.getloadavg())}
     path = write_result(f"attention_{device}", {"config": config, "rows": rows}, out=args.out)
     print(f"wrote {path}")
 

@@ -110,15 +110,11 @@ struct Attention {
   float scale;
   int tiles, splits, chunk, lds;
   int64_t n_chunks;
-  float* queries;  // (B * Hkv * tiles) x TileQueries::floats
   float* part;     // items x Partial::floats
   at::ScalarType out_dtype;
 
   int64_t chunk_begin(int64_t c) const { return c == 0 ? 0 : ks->c->sinks + c * chunk; }
   int64_t chunk_end(int64_t c) const { return std::min<int64_t>(ks->length, ks->c->sinks + (c + 1) * chunk); }
-  TileQueries tile_queries(int64_t bht) const {
-    return TileQueries(queries + bht * TileQueries::floats(D), D, ks->c->rotate);
-  }
 };
 
 // --- stored rows of one archive block ----------------------------------------------------------------------------
@@ -295,12 +291,12 @@ void key_archive(const Attention& A, const Stream& s, int64_t b, int64_t h, cons
 }
 
 // Key scores of positions [p0, p1) into w.scores (tile `tile` of kv head (b, h)), mask bias added.
-void key_chunk(const Attention& A, int64_t b, int64_t h, int64_t tile, int mt, int64_t p0, int64_t p1, Scratch& w) {
+void key_chunk(const Attention& A, int64_t b, int64_t h, int64_t tile, const TileQueries& tq, int mt, int64_t p0,
+               int64_t p1, Scratch& w) {
   const Stream& s = *A.ks;
   const Codec& c = *s.c;
   const int D = A.D;
   const int64_t L = s.length, se = L - A.tn, start = s.start, cap = c.sinks + s.groups * c.group;
-  const TileQueries tq = A.tile_queries((b * A.Hkv + h) * A.tiles + tile);
   // positions no slot holds (past the capacity after an overflow) get no weight
   std::fill(w.scores, w.scores + (p1 - p0) * kLanes, kNegInf);
   const int64_t s1 = std::min<int64_t>(p1, std::min<int64_t>(c.sinks, se));
@@ -509,46 +505,41 @@ inline void softmax_step(float* scores, int n, int mt, int D, const Partial& p, 
   }
 }
 
-void prepare_queries(Attention& A, const Stream& ks) {
+// The queries of tile `tile` of kv head (b, h), transposed into tq: scaled, rotated into the key codec's space, their
+// sums (token-axis zero points) and their products with the key center.
+void prepare_queries(const Attention& A, const Stream& ks, int64_t b, int64_t h, int64_t tile, TileQueries& tq,
+                     float* row) {
   const Codec& c = *ks.c;
   const int D = A.D;
-  const bool need_sum = c.quant == kToken && c.zero_classes > 0;
   const int64_t gq = A.Hq / A.Hkv;
-  at::parallel_for(0, A.B * A.Hkv * A.tiles, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(D);
-    for (int64_t bht = i0; bht < i1; ++bht) {
-      const int64_t bh = bht / A.tiles, tile = bht % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
-      TileQueries tq = A.tile_queries(bht);
-      std::fill(tq.qp, tq.qp + D * kLanes, 0.0f);
-      for (int l = 0; l < kLanes; ++l) {
-        const int64_t m = tile * kLanes + l;
-        if (m >= A.GT) break;
-        to_float(A.q.at(b, h * gq + m / A.Tq, m % A.Tq), A.q.dtype, row.data(), D);
-        for (int d = 0; d < D; ++d) tq.qp[d * kLanes + l] = row[d] * A.scale;
-      }
-      if (c.rotate) {  // q_rot = R @ q, per lane
-        for (int d = 0; d < D; ++d) {
-          float acc[kLanes];
-          for (int l = 0; l < kLanes; ++l) acc[l] = 0.0f;
-          for (int e = 0; e < D; ++e) {
-            const float r = c.rot[d * D + e];
+  std::fill(tq.qp, tq.qp + D * kLanes, 0.0f);
+  for (int l = 0; l < kLanes; ++l) {
+    const int64_t m = tile * kLanes + l;
+    if (m >= A.GT) break;
+    to_float(A.q.at(b, h * gq + m / A.Tq, m % A.Tq), A.q.dtype, row, D);
+    for (int d = 0; d < D; ++d) tq.qp[d * kLanes + l] = row[d] * A.scale;
+  }
+  if (c.rotate) {  // q_rot = R @ q, per lane
+    for (int d = 0; d < D; ++d) {
+      float acc[kLanes];
+      for (int l = 0; l < kLanes; ++l) acc[l] = 0.0f;
+      for (int e = 0; e < D; ++e) {
+        const float r = c.rot[d * D + e];
 #pragma omp simd
-            for (int l = 0; l < kLanes; ++l) acc[l] += r * tq.qp[e * kLanes + l];
-          }
-          for (int l = 0; l < kLanes; ++l) tq.qr[d * kLanes + l] = acc[l];
-        }
+        for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(r, tq.qp[e * kLanes + l], acc[l]);
       }
-      for (int l = 0; l < kLanes; ++l) { tq.qsum[l] = 0.0f; tq.qmean[l] = 0.0f; }
-      if (need_sum)
-        for (int d = 0; d < D; ++d)
-          for (int l = 0; l < kLanes; ++l) tq.qsum[l] += tq.qr[d * kLanes + l];
-      if (c.center) {
-        const float* mean = ks.mean.at(b, h);
-        for (int d = 0; d < D; ++d)
-          for (int l = 0; l < kLanes; ++l) tq.qmean[l] += tq.qp[d * kLanes + l] * mean[d];
-      }
+      for (int l = 0; l < kLanes; ++l) tq.qr[d * kLanes + l] = acc[l];
     }
-  });
+  }
+  for (int l = 0; l < kLanes; ++l) { tq.qsum[l] = 0.0f; tq.qmean[l] = 0.0f; }
+  if (c.quant == kToken && c.zero_classes > 0)
+    for (int d = 0; d < D; ++d)
+      for (int l = 0; l < kLanes; ++l) tq.qsum[l] += tq.qr[d * kLanes + l];
+  if (c.center) {
+    const float* mean = ks.mean.at(b, h);
+    for (int d = 0; d < D; ++d)
+      for (int l = 0; l < kLanes; ++l) tq.qmean[l] += tq.qp[d * kLanes + l] * mean[d];
+  }
 }
 
 void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
@@ -559,9 +550,9 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
   const int64_t osb = out.stride(0) * out.element_size(), osh = out.stride(1) * out.element_size(),
                 ost = out.stride(2) * out.element_size();
   const int64_t gq = A.Hq / A.Hkv;
-  at::parallel_for(0, A.B * A.Hkv * A.tiles, 1, [&](int64_t i0, int64_t i1) {
+  {  // serial: a few vectors per query row, not worth a second parallel region (a barrier) per call
     std::vector<float> acc(D), accr(D), o(D);
-    for (int64_t it = i0; it < i1; ++it) {
+    for (int64_t it = 0; it < A.B * A.Hkv * A.tiles; ++it) {
       const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
       const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
       for (int m = 0; m < mt; ++m) {
@@ -595,14 +586,14 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
         from_float(o.data(), A.out_dtype, optr + b * osb + (h * gq + row / A.Tq) * osh + (row % A.Tq) * ost, D);
       }
     }
-  });
+  }
 }
 
 // Work-item layout from the shapes and the thread count only (the workspace never depends on the length).
 struct Layout {
   int tiles, splits, chunk, lds;
-  int64_t items, part_floats, scratch_floats, query_floats, threads;
-  int64_t total() const { return part_floats + scratch_floats * threads + query_floats; }
+  int64_t items, part_floats, scratch_floats, threads;
+  int64_t total() const { return part_floats + scratch_floats * threads; }
 };
 
 Layout attention_layout(const Codec& kc, int64_t B, int64_t Hkv, int64_t GT, int D, int64_t threads) {
@@ -615,8 +606,7 @@ Layout attention_layout(const Codec& kc, int64_t B, int64_t Hkv, int64_t GT, int
   lay.items = bht * lay.splits;
   lay.threads = threads;
   lay.part_floats = lay.items * Partial::floats(D);
-  lay.scratch_floats = Scratch::floats(lay.lds, D);
-  lay.query_floats = bht * TileQueries::floats(D);
+  lay.scratch_floats = Scratch::floats(lay.lds, D) + TileQueries::floats(D) + D;  // + the tile's queries, a row
   return lay;
 }
 
@@ -658,19 +648,25 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   float* base = ws.data_ptr<float>();
   A.part = base;
   float* scratch = base + lay.part_floats;
-  A.queries = scratch + lay.scratch_floats * threads;
   A.tiles = lay.tiles; A.splits = lay.splits; A.chunk = lay.chunk; A.lds = lay.lds;
   const int64_t L = ks.length;
   A.n_chunks = L <= kc.sinks ? 1 : (L - kc.sinks + A.chunk - 1) / A.chunk;
   at::Tensor out = at::empty(q.sizes(), q.options());
-  prepare_queries(A, ks);
   const bool rot = vc.rotate;
   const int D = A.D;
   at::parallel_for(0, lay.items, 1, [&](int64_t i0, int64_t i1) {
-    Scratch w(scratch + at::get_thread_num() * lay.scratch_floats, A.lds, D);
+    float* mine = scratch + at::get_thread_num() * lay.scratch_floats;
+    Scratch w(mine, A.lds, D);
+    float* query_base = mine + Scratch::floats(A.lds, D);
+    TileQueries tq(query_base, D, kc.rotate);
+    int64_t prepared = -1;  // the tile whose queries tq holds (a thread's items are consecutive: mostly one tile)
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t split = item % A.splits, it = item / A.splits;
       const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
+      if (it != prepared) {
+        prepare_queries(A, ks, b, h, tile, tq, query_base + TileQueries::floats(D));
+        prepared = it;
+      }
       const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
       Partial p(A.part + item * Partial::floats(D), D, rot);
       std::fill(p.mx, p.mx + kLanes, kNegInf);
@@ -679,7 +675,7 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
       for (int64_t ch = c0; ch < c1; ++ch) {
         const int64_t p0 = A.chunk_begin(ch), p1 = A.chunk_end(ch);
         if (p0 >= p1) continue;
-        key_chunk(A, b, h, tile, mt, p0, p1, w);
+        key_chunk(A, b, h, tile, tq, mt, p0, p1, w);
         softmax_step(w.scores, static_cast<int>(p1 - p0), mt, D, p, rot, vc.center);
         value_chunk(A, b, h, mt, p0, p1, p, w);
       }

@@ -206,6 +206,21 @@ inline void unpack_codes(const uint8_t* src, int bits, int d_count, int32_t* cod
   }
 }
 
+// out[d] = table[codes[d]] for a table of N levels: N - 1 selects per channel, unrolled (N is known), so the loop
+// over channels vectorizes (a gather or a runtime-length inner loop does not).
+template <int N>
+inline void select_levels(const int32_t* codes, const float* table, int D, float* out) {
+  float t[N];
+  for (int e = 0; e < N; ++e) t[e] = table[e];
+#pragma omp simd
+  for (int d = 0; d < D; ++d) {
+    float v = t[0];
+#pragma GCC unroll 8
+    for (int e = 1; e < N; ++e) v = codes[d] == e ? t[e] : v;
+    out[d] = v;
+  }
+}
+
 // The unscaled level values of row j of a packed block (`block` = the block's row_bytes).
 inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* codes, float* out) {
   const int D = c.head_dim;
@@ -221,10 +236,10 @@ inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* cod
     for (int d = 0; d < D; ++d) out[d] = static_cast<float>(codes[d]) + off;
   } else if (c.bits[j] <= 3) {  // small Lloyd tables: a select per level vectorizes, a gather does not
     const float* table = c.levels + j * kLevelWidth;
-    for (int d = 0; d < D; ++d) {
-      float v = table[0];
-      for (int e = 1; e < (1 << c.bits[j]); ++e) v = codes[d] == e ? table[e] : v;
-      out[d] = v;
+    switch (c.bits[j]) {
+      case 1: select_levels<2>(codes, table, D, out); break;
+      case 2: select_levels<4>(codes, table, D, out); break;
+      default: select_levels<8>(codes, table, D, out); break;
     }
   } else {
     const float* table = c.levels + j * kLevelWidth;
