@@ -50,6 +50,7 @@ from flashcodec_fx.evaluate import (
 )
 
 MATERIALIZATION_FREE = {"materialization_free": True, "memoize": False, "strict": True}
+DECODED_VIEW = {"materialization_free": False, "memoize": True}  # the switch off: attention on a memoized view
 CAPACITY_STEP = 256  # compiled turns use static caches of a multiple of this many tokens: few distinct shapes
 MAX_NEW_TOKENS = 512
 
@@ -67,7 +68,7 @@ def codec_tiers() -> list[Tier]:
     presets = getattr(flashcodec_fx, "PRESETS", None) or {}
     tiers = [Tier(str(name), {"preset": name}, note=_options_text(options)) for name, options in presets.items()]
     known = [dict(options) for options in presets.values()]
-    for tier in main_tiers(materialization_free=False):
+    for tier in main_tiers(view=False):
         if not tier.is_raw and dict(tier.options) not in known:
             tiers.append(Tier(tier.name, tier.options, note=_options_text(tier.options)))
     return tiers
@@ -78,8 +79,9 @@ def _options_text(options: Any) -> str:
 
 
 def with_switches(tier: Tier, materialization_free: bool = False, capacity: int | None = None) -> Tier:
-    """``tier`` decoding materialization-free (attention on the stored coefficients, no view) or, with ``capacity``,
-    in the static unmemoized layout a compiled decode step reads. The raw tier is returned unchanged."""
+    """``tier`` decoding materialization-free (attention on the stored coefficients, no view), on its decoded view
+    (a memo; the switch off), or, with ``capacity``, in the static unmemoized layout a compiled decode step reads.
+    The raw tier is returned unchanged."""
     if tier.is_raw or tier.factory is not None:
         return tier
     options = dict(tier.options)
@@ -89,7 +91,8 @@ def with_switches(tier: Tier, materialization_free: bool = False, capacity: int 
     if materialization_free:
         options.update(MATERIALIZATION_FREE)
         return Tier(f"{tier.name} mat-free", options, note=tier.note)
-    return tier
+    options.update(DECODED_VIEW)
+    return Tier(tier.name, options, note=tier.note)
 
 
 def footprint(cache: Any, dtype: torch.dtype) -> dict[str, float]:

@@ -33,7 +33,7 @@ FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 SUBSTITUTIONS = [
     ("docs/compile.md", 'compile=True)   # or compile={"strict": True, ...}', 'compile={"inductor": False})', "no codegen"),
     ("docs/compile.md", 'options={"strict": True})', 'options={"strict": True, "inductor": False})', "no codegen"),
-    ("README.md", 'quant_bits=8, compile=True)', 'quant_bits=8, compile={"inductor": False})', "no codegen"),
+    ("README.md", 'preset="int8", compile=True)', 'preset="int8", compile={"inductor": False})', "no codegen"),
 ]
 # Known defects outside the docs, each asserted to still happen (a fix makes the test fail: then delete the entry).
 # (file, code in the block, warning it raises, where the defect is)

@@ -37,7 +37,7 @@ DEFAULT_PROMPT = ("Explain to a curious twelve-year-old how a refrigerator keeps
                   "what each one does, and why the back of the fridge feels warm.")
 NAMED = {"raw": RAW.name, "png": "png keep=1.0", "jpeg": "jpeg r=8 K=8", "jpeg-int8": "jpeg r=8 K=8 int8",
          "jpeg-k4-int8": "jpeg r=8 K=4 int8", "jpeg-k2-int8": "jpeg r=8 K=2 int8",
-         "mat-free": "jpeg r=8 K=8 int8 mat-free"}
+         "view": "jpeg r=8 K=8 int8 view"}
 """Short names of the main job's named tiers (``--tiers``) -> tier names."""
 DEFAULT_NAMED = ("raw", "png", "jpeg-int8")  # without presets: the lossless tier and the 8-bit tier
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -63,7 +63,7 @@ def presets() -> dict[str, Mapping[str, Any]]:
 
 def available_tiers() -> dict[str, Tier]:
     """Every tier ``--tiers`` / ``--preset`` can name: the named tiers (:data:`NAMED`) and the presets."""
-    by_name = {tier.name: tier for tier in [RAW, *main_tiers(materialization_free=True)]}
+    by_name = {tier.name: tier for tier in [RAW, *main_tiers(view=True)]}
     tiers = {key: by_name[name] for key, name in NAMED.items()}
     for name, options in presets().items():
         if name in tiers:

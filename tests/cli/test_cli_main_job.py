@@ -104,7 +104,7 @@ def test_int8_tiers_store_fewer_bytes_in_truncation_order(measured):
 
 def test_materialization_free_reads_the_same_stored_data_without_a_view(measured):
     rows, _ = measured
-    free, memo = rows["jpeg r=8 K=8 int8 mat-free"], rows["jpeg r=8 K=8 int8"]
+    free, memo = rows["jpeg r=8 K=8 int8"], rows["jpeg r=8 K=8 int8 view"]
     assert free["kv_bytes"] == memo["kv_bytes"] and free["held_bytes"] < memo["held_bytes"]
     assert free["nll"] == pytest.approx(memo["nll"], abs=1e-4)
     assert free["tokens"] == memo["tokens"]

@@ -50,7 +50,7 @@ def test_tiers_are_every_preset_then_every_main_tier_not_already_a_preset(monkey
                                        "jpeg r=8 K=2 int8"]
     assert tiers[0].options == {"preset": "k8-int8"} and "quant_bits=8" in tiers[0].note
     monkeypatch.delattr(flashcodec_fx, "PRESETS", raising=False)
-    assert [t.name for t in sbs.codec_tiers()] == [t.name for t in main_tiers(materialization_free=False)[1:]]
+    assert [t.name for t in sbs.codec_tiers()] == [t.name for t in main_tiers(view=False)[1:]]
 
 
 def test_every_tier_the_package_offers_builds_a_cache(engine):

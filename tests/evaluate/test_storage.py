@@ -43,8 +43,8 @@ def test_codec_cache_bytes_come_from_storage_breakdown():
     model = fresh_tiny_model("llama")
     cache = _filled(model, Tier("int8", {"mode": "jpeg", "block_size": 8, "keep_freqs": 8, "quant_bits": 8}), 20)
     parts = cache.storage_breakdown()
-    assert cache_bytes(cache) == {"kv": parts["archive_used"] + parts["tail"] + parts.get("native", 0),
-                                  "held": parts["total"]}
+    assert cache_bytes(cache) == {"kv": parts["stored"] + parts.get("native", 0), "held": parts["total"]}
+    assert parts["stored"] == cache.layers[0].stored_bits() // 8 + cache.layers[1].stored_bits() // 8
     assert cache_bytes(cache)["kv"] < cache_bytes(_filled(model, RAW, 20))["kv"]
 
 
