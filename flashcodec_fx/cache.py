@@ -233,6 +233,33 @@ class CodecStream:
         st.length.fill_(keep)
         self._host_length = keep
 
+    def drop_front(self, tokens: int) -> None:
+        """Forget the oldest ``tokens`` positions: whole archive groups (dynamic layout, a codec without sinks; a
+        sliding-window layer's ring). Positions renumber from 0; the buffers keep their capacity (one roll per group
+        that leaves, never per step)."""
+        codec = self.codec
+        if self.layout != "dynamic" or codec.sinks:
+            raise ValueError(f"drop_front needs the dynamic layout and a codec without sinks, got layout="
+                             f"{self.layout!r}, sinks={codec.sinks}")
+        if tokens % codec.group or not 0 <= tokens <= self._host_start:
+            raise ValueError(f"drop_front: tokens must be a multiple of the group {codec.group} in 0.."
+                             f"{self._host_start} (the archived tokens), got {tokens}")
+        if tokens == 0 or self.state is None:
+            return
+        groups, st = tokens // codec.group, self.state
+        rolled = [t.roll(-groups, dims=2) if t.numel() else t for t in st[:4]]
+        for t in rolled:
+            if t.numel():
+                t[:, :, t.shape[2] - groups:].zero_()
+        self.state = StreamState(*rolled, *st[4:])
+        st.length.sub_(tokens)
+        st.start.sub_(tokens)
+        if self.memo is not None:
+            self.memo = self.memo.roll(-tokens, dims=2)
+            self.memo[:, :, self.memo.shape[2] - tokens:].zero_()
+        self._host_length -= tokens
+        self._host_start -= tokens
+
     def index_select(self, indices: torch.Tensor) -> None:
         """Reorder / select along batch (beam search): every state tensor and the memo move together. A static
         layout keeps its buffers (in-place permutation) when the batch size does not change."""

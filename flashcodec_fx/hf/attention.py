@@ -8,11 +8,12 @@ tensors that carry the layer that stored them; the ``"kvcodec"`` attention funct
 - later calls: :func:`flashcodec_fx.codec_decode_attention` on the layer's stored form, the call's own tokens read
   exactly, with the mask transformers passes (bool, additive or None), ``scaling`` and GQA; no ``(S, D)`` view.
 
-Every other call (layers without a codec, sliding / linear layers, models not using a FlashCodecCache) runs the
-previous implementation unchanged. Calls the stored-form path cannot serve (``output_attentions``, dropout, sliding
-window, logit soft-capping, attention sinks, position bias, a multi-token call without a mask, K/V head dims differing
-from the query's) attend on one decode of the stored view, with a ``MaterializationFreeFallback`` warning, or raise
-``NotImplementedError`` when the cache was built with ``strict=True``.
+Every other call (layers without a codec, linear layers, models not using a FlashCodecCache) runs the previous
+implementation unchanged; a codec sliding-window layer is served like a full one (the mask bounds its window).
+Calls the stored-form path cannot serve (``output_attentions``, dropout, a sliding window on a layer that is not a
+codec ring, logit soft-capping, attention sinks, position bias, a multi-token call without a mask, K/V head dims
+differing from the query's) attend on one decode of the stored view, with a ``MaterializationFreeFallback``
+warning, or raise ``NotImplementedError`` when the cache was built with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
         return "attention dropout"
     for name, what in (("sliding_window", "a sliding window"), ("softcap", "logit soft-capping"),
                        ("s_aux", "attention sinks"), ("position_bias", "a position bias")):
-        if kwargs.get(name) is not None:
-            return what
+        if kwargs.get(name) is not None and not (name == "sliding_window" and layer.is_sliding):
+            return what  # a codec sliding layer holds its window as a ring; the mask transformers builds bounds it
     if query.shape[2] > 1 and mask is None:
         return "a multi-token step without an explicit mask"
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):

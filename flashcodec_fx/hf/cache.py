@@ -16,6 +16,7 @@ model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns:
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -43,7 +44,7 @@ from .options import (
     resolve_layer_codecs,
 )
 
-CODEC_LAYER_TYPES = ("full_attention",)
+CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 _SWITCHES = ("layout", "max_cache_len", "materialization_free", "strict", "memoize", "crop")
 
 
@@ -185,7 +186,7 @@ class FlashCodecLayer(CacheLayerMixin):
         if self.materialization_free:
             self.handed_out = True
             return tag_states(key_states, self, True), tag_states(value_states, self, True)
-        return self.codec_cache.read()
+        return self.read_view((key_states, value_states))
 
     def _fall_back_to_view(self) -> None:
         reason = ("this layer attends on the stored form, but the 'kvcodec' attention function did not serve its "
@@ -308,6 +309,86 @@ class FlashCodecLayer(CacheLayerMixin):
         return 0 if tail is None else self.cached_values() * tail.element_size()
 
 
+class FlashCodecSlidingLayer(FlashCodecLayer):
+    """A sliding-window layer whose K and V live in codec streams, as a ring: archive groups that every later query
+    has left behind (wholly before ``position - sliding_window + 1``) are dropped, so storage stays bounded by the
+    window plus one group of each stream plus the tail, whatever the length. The dynamic layout only (a static
+    FlashCodecCache keeps sliding layers native), codecs without sinks (sink tokens leave the window too). Positions
+    are absolute to transformers (``get_seq_length``, ``get_mask_sizes``' offset), relative inside the streams."""
+
+    is_sliding = True
+
+    def __init__(self, key_codec: Codec, value_codec: Codec | None = None, *, sliding_window: int,
+                 layout: str = "dynamic", **layer_kwargs: Any):
+        if layout != "dynamic":
+            raise ValueError(f"a codec sliding-window layer needs layout='dynamic', got {layout!r}")
+        value_codec = key_codec if value_codec is None else value_codec
+        if key_codec.sinks or value_codec.sinks:
+            raise ValueError(f"a codec sliding-window layer takes codecs without sinks, got sinks={key_codec.sinks} "
+                             f"(keys), {value_codec.sinks} (values)")
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
+        super().__init__(key_codec, value_codec, layout, **layer_kwargs)
+        self.sliding_window = sliding_window
+        self.dropped = 0  # positions forgotten at the front (a multiple of the drop unit)
+        self._unit = math.lcm(key_codec.group, value_codec.group)
+
+    def __repr__(self) -> str:
+        return f"FlashCodecSlidingLayer(window={self.sliding_window}, keys={self.keys_stream.codec!r}, " \
+               f"values={self.values_stream.codec!r})"
+
+    def _drop_target(self) -> int:
+        """Positions forgotten before the next call: whole units below the first position a later query can see,
+        and archived in both streams. ``get_mask_sizes`` (before ``update``) and ``update`` agree on it."""
+        seen = self.get_seq_length()
+        visible = max(0, seen - self.sliding_window + 1)
+        archived = self.dropped + min(self.keys_stream.archived_tokens, self.values_stream.archived_tokens)
+        return max(self.dropped, min(visible, archived) // self._unit * self._unit)
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (transformers' positions), dropped ones included."""
+        return self.dropped + self.keys_stream.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: the positions held after this call's drop, plus the query."""
+        target = self._drop_target()
+        return self.get_seq_length() - target + query_length, target
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        target = self._drop_target()
+        if target > self.dropped and not torch.compiler.is_compiling():
+            self.codec_cache.check_new(key_states, value_states)  # a rejected call changes nothing
+            for stream in (self.keys_stream, self.values_stream):
+                stream.drop_front(target - self.dropped)
+            self.dropped = target
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As :meth:`FlashCodecLayer.crop`; positions the ring has dropped cannot come back (ValueError)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        seen = self.get_seq_length()
+        keep = max(0, seen + tokens_to_remove) if tokens_to_remove < 0 else min(tokens_to_remove, seen)
+        if keep < self.dropped:
+            raise ValueError(f"crop to {keep} tokens: this sliding-window layer has dropped positions 0.."
+                             f"{self.dropped - 1} (outside its window of {self.sliding_window}); crop to at least "
+                             f"{self.dropped}")
+        super().crop(keep - seen if keep < seen else 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.dropped = 0
+
+
+def _without_sinks(options: dict[str, Any]) -> dict[str, Any]:
+    """Layer options with ``sinks=0`` for both streams (a sliding window leaves its first tokens behind)."""
+    out = {**options, "sinks": 0}
+    for name in ("key_options", "value_options"):
+        if isinstance(out.get(name), dict):
+            out[name] = {**out[name], "sinks": 0}
+    return out
+
+
 class FlashCodecCache(Cache):
     """A transformers ``Cache`` whose full-attention layers store K and V through the flashcodec codecs.
 
@@ -371,15 +452,23 @@ class FlashCodecCache(Cache):
         for idx in overrides:
             if idx >= len(layer_types):
                 raise ValueError(f"per_layer: layer index {idx} out of range; the model has {len(layer_types)} layers")
-            if layer_types[idx] not in CODEC_LAYER_TYPES:
-                raise ValueError(f"per_layer: layer {idx} is a {layer_types[idx]!r} layer; only {CODEC_LAYER_TYPES} "
-                                 f"layers carry a codec")
+            if layer_types[idx] not in CODEC_LAYER_TYPES or (layout == "static" and layer_types[idx] != "full_attention"):
+                allowed = CODEC_LAYER_TYPES if layout == "dynamic" else ("full_attention",)
+                raise ValueError(f"per_layer: layer {idx} is a {layer_types[idx]!r} layer; with layout={layout!r} only "
+                                 f"{allowed} layers carry a codec")
         layers = []
         for idx, (kind, kwargs) in enumerate(zip(layer_types, native_kwargs, strict=True)):
-            if kind in CODEC_LAYER_TYPES and not (idx in overrides and overrides[idx] is None):
+            codec_layer = kind == "full_attention" or (kind == "sliding_attention" and layout == "dynamic")
+            if codec_layer and not (idx in overrides and overrides[idx] is None):
                 options = layer_options(codec_options, overrides.get(idx))
+                if kind == "sliding_attention":
+                    options = _without_sinks(options)
                 codecs = resolve_layer_codecs(options, where=f"per_layer[{idx}]" if idx in overrides else "", layer_idx=idx)
-                layers.append(FlashCodecLayer(codecs.key, codecs.value, **layer_kwargs))
+                if kind == "sliding_attention":
+                    layers.append(FlashCodecSlidingLayer(codecs.key, codecs.value, sliding_window=kwargs["sliding_window"],
+                                                         **layer_kwargs))
+                else:
+                    layers.append(FlashCodecLayer(codecs.key, codecs.value, **layer_kwargs))
             elif layout == "static":
                 layers.append(STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kwargs))
             else:
@@ -472,4 +561,5 @@ def _layer_types(config: Any) -> tuple[list[str], list[dict]]:
     return list(layer_types), list(kwargs)
 
 
-__all__ = ["CODEC_LAYER_TYPES", "CodecOverflowError", "FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback"]
+__all__ = ["CODEC_LAYER_TYPES", "CodecOverflowError", "FlashCodecCache", "FlashCodecLayer", "FlashCodecSlidingLayer",
+           "MaterializationFreeFallback"]

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
 
-CODEC_LAYERS = {"llama": [0, 1], "qwen3": [0, 1], "mistral": [0, 1], "hybrid": [1, 3], "gemma3": [1, 3]}
+CODEC_LAYERS = {"llama": [0, 1], "qwen3": [0, 1], "mistral": [0, 1], "hybrid": [1, 3], "gemma3": [0, 1, 2, 3]}
 NEW = 12  # prompt 12 + 12 new tokens: three blocks of 8 archived or open
 
 

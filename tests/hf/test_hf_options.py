@@ -7,10 +7,11 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import tiny_config, tiny_model  # noqa: E402
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer  # noqa: E402
+from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.codecs import JPEGCodec, PNGCodec  # noqa: E402
+from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -54,8 +55,11 @@ def test_bad_types_raise_type_error():
 def test_per_layer_checks_against_the_model():
     with pytest.raises(ValueError, match="out of range"):
         fx.FlashCodecCache.from_config(tiny_config("llama"), per_layer={5: {}})
-    with pytest.raises(ValueError, match="'sliding_attention' layer"):
-        fx.FlashCodecCache.from_config(tiny_config("gemma3"), per_layer={0: {"mode": "png"}})
+    with pytest.raises(ValueError, match="'sliding_attention' layer; with layout='static'"):
+        fx.FlashCodecCache.from_config(tiny_config("gemma3"), layout="static", max_cache_len=20,
+                                       per_layer={0: {"mode": "png"}})
+    with pytest.raises(ValueError, match="'linear_attention' layer"):
+        fx.FlashCodecCache.from_config(tiny_config("hybrid"), per_layer={0: {"mode": "png"}})
     with pytest.raises(ValueError, match=r"per_layer\[1\]: unknown option"):
         fx.FlashCodecCache.from_config(tiny_config("llama"), per_layer={1: {"keepfreqs": 2}})
     with pytest.raises(ValueError, match="per_layer needs the layer count"):
@@ -77,9 +81,13 @@ def test_per_layer_schedule_is_applied():
 
 
 def test_from_config_keeps_native_layers_on_hybrid_models():
-    gemma = fx.FlashCodecCache.from_config(tiny_config("gemma3"), mode="png")
-    assert gemma.codec_layers == [1, 3]
-    assert all(type(gemma.layers[i]) is DynamicSlidingWindowLayer for i in (0, 2))
+    gemma = fx.FlashCodecCache.from_config(tiny_config("gemma3"), mode="png", sinks=4)
+    assert gemma.codec_layers == [0, 1, 2, 3]  # dynamic: sliding layers are codec rings, without sinks
+    assert all(type(gemma.layers[i]) is FlashCodecSlidingLayer and gemma.layers[i].sliding_window == 12 for i in (0, 2))
+    assert gemma.layers[0].keys_stream.codec.sinks == 0 and gemma.layers[1].keys_stream.codec.sinks == 4
+    static_gemma = fx.FlashCodecCache.from_config(tiny_config("gemma3"), mode="png", layout="static", max_cache_len=20)
+    assert static_gemma.codec_layers == [1, 3]
+    assert all(type(static_gemma.layers[i]) is StaticSlidingWindowLayer for i in (0, 2))
     static = fx.FlashCodecCache.from_config(tiny_config("llama"), layout="static", max_cache_len=20, per_layer={1: None})
     assert static.codec_layers == [0] and type(static.layers[1]) is StaticLayer and static.is_compileable
 
