@@ -1,0 +1,71 @@
+"""Named presets: every one builds, decodes on the stored form through generate(), and stores what its name says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import fresh_tiny_model, tiny_prompt  # noqa: E402
+
+import flashcodec_fx as fx  # noqa: E402
+from flashcodec_fx.presets import PRESETS, preset_options, with_preset  # noqa: E402
+
+# Stored bits per value of each preset on SmolLM2-135M's shape (30 layers x 3 KV heads x head_dim 64, bf16), after
+# the streaming protocol's 1024 tokens (prefill 128, chunks of 16); the README's figures come from the same count.
+BITS_AT_1024 = {"lossless": 32.0, "int8": 8.25, "4bit": 4.495, "3bit": 3.231, "2.5bit": 2.642}
+
+
+def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk: int = 16) -> float:
+    cache = fx.FlashCodecCache.from_config(config, preset=preset)
+    gen = torch.Generator().manual_seed(0)
+    heads, d = config.num_key_value_heads, config.head_dim
+    for t in [prefill] + [chunk] * ((length - prefill) // chunk):
+        for layer in cache.layers:
+            k, v = (torch.randn(1, heads, t, d, generator=gen).bfloat16() for _ in range(2))
+            layer.codec_cache.append(k, v)
+    return cache.bits_per_value()
+
+
+def test_the_preset_table_is_the_documented_one():
+    assert set(PRESETS) == set(BITS_AT_1024) and fx.PRESETS is PRESETS
+    assert fx.presets.DEFAULT_PRESET in PRESETS
+
+
+@pytest.mark.parametrize("preset", sorted(BITS_AT_1024))
+def test_bits_as_stored_at_the_protocol_length(preset):
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, num_attention_heads=9,
+                                      hidden_size=576, head_dim=64)
+    assert _bits_at(config, preset) == pytest.approx(BITS_AT_1024[preset], abs=1e-3)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_generates_on_the_stored_form(preset):
+    model = fresh_tiny_model("llama")
+    ids = tiny_prompt(1, 10)
+    reference = model.generate(ids, max_new_tokens=24, do_sample=False)
+    fx.apply_flash_codec(model, preset=preset, strict=True)  # strict: no fallback to a decoded view
+    try:
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+    finally:
+        fx.remove_flash_codec(model)
+    assert out.shape == reference.shape
+    if preset == "lossless":
+        assert torch.equal(out, reference)
+
+
+def test_overrides_merge_stream_options_key_by_key():
+    merged = with_preset("3bit", {"value_options": {"window": 64}, "layout": "static"})
+    base = preset_options("3bit")
+    assert merged["value_options"] == {**base["value_options"], "window": 64}
+    assert merged["key_options"] == base["key_options"] and merged["layout"] == "static"
+    merged["key_options"]["sinks"] = 99
+    assert PRESETS["3bit"]["key_options"]["sinks"] != 99  # copies, never the table itself
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ValueError, match="preset must be one of"):
+        preset_options("2bit")
+    with pytest.raises(TypeError, match="preset must be a preset name"):
+        preset_options(3)
