@@ -49,7 +49,7 @@ COLUMNS = [("tier", "tier", "s"), ("per-layer rungs", "allocation", "s"), ("bits
 
 
 def codec_layers(model: Any) -> list[int]:
-    """Indices of the layers that carry a codec in a ``FlashCodecCache`` of ``model`` (full-attention layers)."""
+    """Indices of the layers that carry a codec in a ``FlashCodecCache`` of ``model`` (the ones per_layer may name)."""
     return make_cache(model, Tier("probe", {})).codec_layers
 
 

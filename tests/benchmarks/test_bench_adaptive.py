@@ -58,7 +58,7 @@ def test_allocation_rejects_infeasible_budgets_and_ragged_tables():
 
 
 def test_per_layer_tiers_touch_codec_layers_only():
-    model = tiny_model("gemma3")  # sliding layers 0 and 2 keep their native layer and may not be named
+    model = tiny_model("hybrid")  # linear-attention layers 0 and 2 keep their native layer and may not be named
     assert adaptive.codec_layers(model) == [1, 3]
     tier = adaptive.per_layer_tier("t", model, {3: "3bit"})
     assert tier.options["per_layer"] == {1: None, 3: adaptive.preset_options("3bit")}
