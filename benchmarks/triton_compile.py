@@ -8,7 +8,7 @@ memory report is read back. Nothing runs on a device. Run it without ``TRITON_IN
 the compiler).
 
     python benchmarks/triton_compile.py --quick    # one configuration per code path (CI, both triton versions)
-    python benchmarks/triton_compile.py            # every tier x bf16/fp16/fp32 x D=64/128, GQA 1/4/8, T=1/4, masks
+    python benchmarks/triton_compile.py            # every pair x bf16/fp16/fp32 x D=64/128, GQA 1/4/8, T=1/4, masks
 
 Exit status 1 when a configuration fails to compile; the JSON (``--out``) lists every configuration.
 """
@@ -34,20 +34,26 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
+from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
-from flashcodec_fx.ops.triton_append import triton_append  # noqa: E402
+from flashcodec_fx.hf.options import resolve_layer_codecs  # noqa: E402
+from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E402
-from flashcodec_fx.ops.triton_blocks import triton_decode, triton_encode, triton_read  # noqa: E402
 
-TIERS = {  # every stored form the kernels have: r=8 (the default) and r=16 for the heaviest (pruned png, jpeg int8)
-    "jpeg_k8": ("jpeg", {"block_size": 8, "keep_freqs": 8}),
-    "jpeg_k2_int8": ("jpeg", {"block_size": 8, "keep_freqs": 2, "quant_bits": 8}),
-    "jpeg_k8_int8": ("jpeg", {"block_size": 8, "keep_freqs": 8, "quant_bits": 8}),
-    "png": ("png", {"block_size": 8}),
+# Stored forms beyond the presets (every code path of the kernels): float jpeg with dropped coefficients, pruned png
+# (r=8 and its limit r=16), channel-axis codes whose scale group is one block (no fold: dequantized in registers),
+# value blocks at an offset inside the tiles (other sinks), lloyd and uniform rows in one table with a rotation.
+FORMS = {
+    "jpeg_k3": ("jpeg", {"block_size": 8, "keep_freqs": 3}),
     "png_pruned": ("png", {"block_size": 8, "keep_ratio": 0.5}),
-    "jpeg_r16_int8": ("jpeg", {"block_size": 16, "keep_freqs": 16, "quant_bits": 8}),
     "png_r16_pruned": ("png", {"block_size": 16, "keep_ratio": 0.5}),
+    "channel_unfolded": ("jpeg", {"block_size": 8, "quant_bits": (3, 2, 2, 1, 1, 1, 1, 1), "levels": ("int", "midrise"),
+                                  "scale_axis": "channel", "group": 8, "sinks": 3}),
+    "token_offset": ("jpeg", {"block_size": 4, "quant_bits": 3, "levels": "midrise", "sinks": 1, "window": 5}),
+    "mixed_rotated": ("jpeg", {"block_size": 2, "quant_bits": (6, 3), "levels": ("lloyd", "uniform"), "rotate": 3,
+                               "center": True}),
 }
+
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -79,54 +85,57 @@ class Recorder:
         self.launches.setdefault(key, (fn, signature, constexprs, options))
 
 
-def _state(codec, b, h, blocks, d, dtype, length):
-    data, scale, index = codec.empty_state((b, h), blocks, d, dtype, "cpu")
-    tail = torch.zeros(b, h, codec.block_size, d, dtype=dtype)
-    return data, scale, index, tail, torch.tensor(length)
+def _state(codec, b, h, groups, d, dtype, length):
+    st = empty_state(codec, b, h, groups, d, dtype, "cpu")
+    st.length.fill_(length)
+    st.start.fill_(codec.sinks)
+    return st
 
 
-def _attention(ck, cv, dtype, d, g, t, mask_kind) -> None:
-    r, hkv, blocks = ck.block_size, 8, 64
+def _attention(ck, cv, dtype, d, g, t, mask_kind, new: bool = False) -> None:
+    hkv, groups = 8, 4
     q = torch.zeros(1, hkv * g, t, d, dtype=dtype)
-    ks, vs = _state(ck, 1, hkv, blocks, d, dtype, 100), _state(cv, 1, hkv, blocks, d, dtype, 100)
+    ks, vs = _state(ck, 1, hkv, groups, d, dtype, 100), _state(cv, 1, hkv, groups, d, dtype, 100)
+    width = 4 * max(ck.group, cv.group) + 64
     mask = None
     if mask_kind == "bool":
-        mask = torch.ones(1, 1, t, blocks * r, dtype=torch.bool)
+        mask = torch.ones(1, 1, t, width, dtype=torch.bool)
     elif mask_kind == "additive":
-        mask = torch.zeros(1, hkv * g, t, blocks * r, dtype=dtype)
-    triton_codec_attention(q, *ks[:4], *vs[:4], ks[4], ck.spec, cv.spec, mask)
+        mask = torch.zeros(1, hkv * g, t, width, dtype=dtype)
+    k_new = v_new = torch.zeros(1, hkv, t, d, dtype=dtype) if new else None
+    triton_codec_attention(q, list(ks), list(vs), ck.spec, cv.spec, k_new, v_new, mask)
 
 
-def _codec(name: str):
-    mode, opts = TIERS[name]
-    return make_codec(mode, **opts)
+def pairs() -> dict[str, tuple]:
+    """(key codec, value codec) of every preset, and of every extra form (as keys and values, or paired so that
+    value blocks sit at an offset)."""
+    out = {}
+    for name, options in PRESETS.items():
+        layer = resolve_layer_codecs(options, layer_idx=1)
+        out[f"preset {name}"] = (layer.key, layer.value)
+    forms = {name: make_codec(mode, **opts) for name, (mode, opts) in FORMS.items()}
+    out |= {f"{name}/{name}": (c, c) for name, c in forms.items()}
+    out["jpeg_k3/png_pruned"] = (forms["jpeg_k3"], forms["png_pruned"])
+    out["channel_unfolded/token_offset"] = (forms["channel_unfolded"], forms["token_offset"])
+    return out
 
 
 def launch_everything(quick: bool) -> None:
     """Call every launcher over the configuration grid (CPU tensors; the recorder catches the launches). Quick: one
-    configuration per code path (each stored form in bf16 at D=128, plus the fp32 ``ieee`` attention)."""
-    tiers = ["jpeg_k8", "jpeg_k2_int8", "png", "png_pruned"] if quick else list(TIERS)
+    configuration per code path (each pair in bf16 at D=128 with a bool mask, the presets also with fp32 ``ieee``
+    dots and with new tokens + an additive mask)."""
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     dims = [128] if quick else [128, 64]
-    for name, dtype, d in itertools.product(tiers, dtypes, dims):
-        c = _codec(name)
-        r = c.block_size
-        x = torch.zeros(1, 2, 4 * r, d, dtype=dtype)
-        triton_encode(x, c.spec)
-        state = _state(c, 1, 2, 4, d, dtype, 2 * r + 3)
-        triton_decode(*state[:3], c.spec, dtype)
-        triton_read(*state, c.spec)
-        memos = [torch.zeros(1, 2, 4 * r, d, dtype=dtype)] + ([] if quick else [None])
-        for memo, t in itertools.product(memos, [1] if quick else [1, r + 3]):
-            triton_append(*_state(c, 1, 2, 4, d, dtype, 3), x[:, :, :t], c.spec, memo)
-        if quick:
-            _attention(c, c, dtype, d, 4, 1, "bool")
-            continue
-        v_names = sorted({name, "jpeg_k8_int8" if r == 8 else name})
-        for g, t, mask_kind, v_name in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"], v_names):
-            _attention(c, _codec(v_name), dtype, d, g, t, mask_kind)
-    if quick:
-        _attention(_codec("jpeg_k2_int8"), _codec("png"), torch.float32, 128, 4, 1, "additive")
+    for name, (ck, cv) in pairs().items():
+        for dtype, d in itertools.product(dtypes, dims):
+            if quick:
+                _attention(ck, cv, dtype, d, 4, 1, "bool")
+                if name.startswith("preset"):
+                    _attention(ck, cv, torch.float32, d, 4, 1, None)
+                    _attention(ck, cv, dtype, d, 4, 4, "additive", new=True)
+                continue
+            for g, t, mask_kind in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"]):
+                _attention(ck, cv, dtype, d, g, t, mask_kind, new=t > 1)
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:

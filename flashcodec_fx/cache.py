@@ -104,7 +104,7 @@ class CodecStream:
     def _allocate(self, like: torch.Tensor, groups: int) -> None:
         b, h, _, d = like.shape
         self.state = ops.empty_state(self.codec, b, h, groups, d, like.dtype, like.device)
-        self.codec.warm(d, like.device)
+        ops.warm(self.codec, d, like.device)  # device constants now, never inside a CUDA-graph capture
         self.memo = like.new_zeros(b, h, capacity(self.codec, self.state), d) if self.memoize else None
 
     def _grow(self, groups: int) -> None:
