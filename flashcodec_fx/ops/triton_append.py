@@ -61,9 +61,13 @@ from .triton_common import (
     ROW_ZERO_SLOT,
     StreamForm,
     check_triton_limits,
+    float_rows,
+    level_values,
     pow2,
     require_contiguous,
+    row_info,
     stream_tables,
+    unpack_codes,
 )
 
 _CHANNEL_CODES: tl.constexpr = tl.constexpr(CHANNEL_CODES)
@@ -82,6 +86,7 @@ E_QUANT: tl.constexpr = tl.constexpr(7)
 E_SEARCH: tl.constexpr = tl.constexpr(8)
 E_HAS_MEMO: tl.constexpr = tl.constexpr(9)
 E_CHUNK: tl.constexpr = tl.constexpr(10)
+E_DC: tl.constexpr = tl.constexpr(11)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ class EncodeTiles:
     """The append kernels' shape constexprs (tuple order = field order): ``head_dim`` (``dp`` its tile), ``gp`` rows
     of a group's token tile and ``rp`` of its stored-row tile (powers of two >= 16, tl.dot's minimum), ``rc`` the
     rotation's column chunk, ``window``, ``is_jpeg``, ``quant``, ``search`` (the clipping search), ``has_memo``,
-    ``chunk`` token rows per loop step of the intake and tail kernels."""
+    ``chunk`` token rows per loop step of the intake and tail kernels, ``dc`` channels per encode program (the whole
+    head_dim for token-axis codes, whose scales span it; else ``rc``: every other stored form is per channel)."""
 
     head_dim: int
     dp: int
@@ -102,14 +108,17 @@ class EncodeTiles:
     search: bool
     has_memo: bool
     chunk: int
+    dc: int
 
     @classmethod
     def of(cls, codec, head_dim: int, has_memo: bool) -> EncodeTiles:
         q = codec.quantizer
         dp = pow2(head_dim, 16)
         stored = codec.blocks * pow2(codec.rows if codec.mode == JPEG else codec.block_size)
-        return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), min(32, dp), codec.window,
-                   codec.mode == JPEG, q is not None, q is not None and q.search, has_memo, _CHUNK)
+        rc = min(32, dp)
+        return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), rc, codec.window, codec.mode == JPEG,
+                   q is not None, q is not None and q.search, has_memo, _CHUNK,
+                   dp if q is not None and q.axis == "token" else rc)
 
     def constexpr(self) -> tuple:
         return tuple(self.__dict__.values())
@@ -137,9 +146,40 @@ def _advance(start, end, WINDOW: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _fp16(x):
-    """What an fp16 scale stores (clamped to the fp16 range), in fp32."""
-    return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.float32)
+def _fp16_toward(x, UP: tl.constexpr):
+    """``quant.fp16_toward``: the nearest fp16 value ``>= x`` (``UP``) or ``<= x``, in fp32 (clamped to the fp16
+    range): scales round up and zero points down, so the stored grid covers what the unrounded one covered."""
+    half = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+    near = half.to(tl.float32)
+    if UP:
+        off = near < x
+    else:
+        off = near > x
+    off = off & (tl.abs(x) <= _FP16_MAX)
+    bits = half.to(tl.int16, bitcast=True).to(tl.int32)
+    negative = bits < 0
+    if UP:
+        grow = ~negative  # away from zero: up from a positive value, down from a negative one
+    else:
+        grow = negative
+    magnitude = tl.where(grow, (bits & 0x7FFF) + 1, (bits & 0x7FFF) - 1)
+    crossing = magnitude < 0  # from a zero of the other sign: the smallest subnormal of the direction's sign
+    negative = tl.where(crossing, not UP, negative)
+    magnitude = tl.where(crossing, 1, magnitude)
+    stepped = tl.where(negative, magnitude - 32768, magnitude).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(off, stepped.to(tl.float32), near)
+
+
+@triton.jit
+def _candidate(base, zero0, fac, n1, kind_s):
+    """``Quantizer._candidates`` for one clipping factor: the fp16 ``(scale, zero)`` (uniform grids keep their
+    middle: zero point rounded down, then the scale that reaches the top rounded up; other kinds: no zero)."""
+    s = base * fac
+    mid = zero0 + base * n1 / 2
+    low = _fp16_toward(mid - s * n1 / 2, False)
+    uniform = kind_s == KIND_UNIFORM
+    scale = _fp16_toward(tl.where(uniform, tl.math.div_rn(mid + s * n1 / 2 - low, n1), s), True)
+    return scale, tl.where(uniform, low, 0.0)
 
 
 @triton.jit
@@ -210,18 +250,14 @@ def _search(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s,
     n1 = ((1 << bits_s) - 1).to(tl.float32)
     base = tl.where(kind_s == KIND_UNIFORM, tl.math.div_rn(high - low, n1), tl.where(kind_s == KIND_LLOYD, rms, amax))
     zero0 = tl.where(kind_s == KIND_UNIFORM, low, 0.0)
-    best_err = tl.full(base.shape, float("inf"), tl.float32)
-    best_s = _fp16(base)
-    best_z = _fp16(zero0)
+    best_s, best_z = _candidate(base, zero0, 1.0, n1, kind_s)
     if SEARCH:
+        best_err = tl.full(base.shape, float("inf"), tl.float32)
         lloyd = kind_s == KIND_LLOYD
         for f in tl.static_range(FACTOR_SLOTS):
             fac = tl.load(factors + tl.where(lloyd, FACTOR_SLOTS, 0) + f)
             f_ok = f < tl.where(lloyd, N_LLOYD, N_SHRINK)
-            s = base * fac
-            z = (zero0 + base * n1 / 2) - s * n1 / 2
-            s = _fp16(s)
-            z = tl.where(kind_s == KIND_UNIFORM, _fp16(z), 0.0)
+            s, z = _candidate(base, zero0, fac, n1, kind_s)
             if axis == 1:
                 sb, zb = s[:, None], z[:, None]
             else:
@@ -233,46 +269,45 @@ def _search(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s,
             best_err = tl.where(better, err, best_err)
             best_s = tl.where(better, s, best_s)
             best_z = tl.where(better, z, best_z)
-    else:
-        best_z = tl.where(kind_s == KIND_UNIFORM, _fp16((zero0 + base * n1 / 2) - base * n1 / 2), 0.0)
     return best_s, best_z
 
 
 @triton.jit
-def _store_slice(data, code, blk, bits, bit_off, row_ok, w: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr):
-    """Store the ``w``-bit slice of codes ``(RP, DP)``: row ``r``'s at byte ``(bit_off + shift) * D / 8`` of block
-    ``blk[r]``, channel ``d`` at byte ``d * w // 8``, bit ``d * w % 8`` (rows without that slice: nothing)."""
+def _store_slice(data, code, blk, bits, bit_off, row_ok, c0, w: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
+                 DC: tl.constexpr):
+    """Store the ``w``-bit slice of codes ``(RP, DC)`` of channels ``c0 .. c0 + DC - 1``: row ``r``'s at byte
+    ``(bit_off + shift) * D / 8`` of block ``blk[r]``, channel ``d`` at byte ``d * w // 8``, bit ``d * w % 8`` (rows
+    without that slice: nothing). ``c0`` is a multiple of 8, so a chunk's channels fill whole bytes."""
     ROW_BYTES: tl.constexpr = F[F_ROW_BYTES]
     PB: tl.constexpr = 8 // w
     has = row_ok & ((bits & w) != 0)
     shift = bits - (bits & (2 * w - 1))
     part = (code >> shift[:, None]) & ((1 << w) - 1)
     weight = (tl.arange(0, PB) * w)[None, None, :]
-    packed = tl.sum(tl.reshape(part, (code.shape[0], DP // PB, PB)) << weight, axis=2)
-    byte = tl.arange(0, DP // PB)
+    packed = tl.sum(tl.reshape(part, (code.shape[0], DC // PB, PB)) << weight, axis=2)
+    byte = c0 // PB + tl.arange(0, DC // PB)
     ptr = data + (blk * ROW_BYTES + (bit_off + shift) * (D // 8))[:, None] + byte[None, :]
     tl.store(ptr, packed.to(tl.uint8), mask=has[:, None] & (byte[None, :] < D // PB))
 
 
 @triton.jit
-def _store_codes(data, code, blk, bits, bit_off, row_ok, F: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """Pack codes ``(RP, DP)`` into the power-of-two bit slices their rows use (``codecs/pack.py``)."""
+def _store_codes(data, code, blk, bits, bit_off, row_ok, c0, F: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+    """Pack codes ``(RP, DC)`` into the power-of-two bit slices their rows use (``codecs/pack.py``)."""
     SLICES: tl.constexpr = F[F_SLICES]
     if (SLICES & 8) != 0:
-        _store_slice(data, code, blk, bits, bit_off, row_ok, 8, F, D, DP)
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 8, F, D, DC)
     if (SLICES & 4) != 0:
-        _store_slice(data, code, blk, bits, bit_off, row_ok, 4, F, D, DP)
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 4, F, D, DC)
     if (SLICES & 2) != 0:
-        _store_slice(data, code, blk, bits, bit_off, row_ok, 2, F, D, DP)
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 2, F, D, DC)
     if (SLICES & 1) != 0:
-        _store_slice(data, code, blk, bits, bit_off, row_ok, 1, F, D, DP)
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 1, F, D, DC)
 
 
 @triton.jit
-def _quantize(coef, data, scale, zero, rows_t, levels, factors, bh_group, NG, F: tl.constexpr, E: tl.constexpr):
-    """Quantize the stored rows ``coef (RP, DP)`` (row ``n * KP + j``: row ``j`` of block ``n`` of the group) of
-    group ``bh_group`` and store codes, scales and zero points; returns the dequantized rows (for the memo)."""
+def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.constexpr, E: tl.constexpr):
+    """Quantize the stored rows ``coef (RP, DC)`` (row ``n * KP + j``: row ``j`` of block ``n`` of the group; channels
+    ``c0 ..``) of linear group ``grp`` and store codes, scales and zero points."""
     FORM: tl.constexpr = F[F_FORM]
     K: tl.constexpr = F[F_ROWS]
     KP: tl.constexpr = F[F_DENSE_P]
@@ -280,14 +315,14 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, bh_group, NG, F:
     C: tl.constexpr = F[F_CLASSES]
     Z: tl.constexpr = F[F_ZEROS]
     D: tl.constexpr = E[E_D]
-    DP: tl.constexpr = E[E_DP]
     RP: tl.constexpr = E[E_RP]
+    DC: tl.constexpr = E[E_DC]
     SEARCH: tl.constexpr = E[E_SEARCH]
     c = tl.arange(0, RP)
     n = c // KP
     j = c % KP
     row_ok = (n < GB) & (j < K)
-    dd = tl.arange(0, DP)
+    dd = c0 + tl.arange(0, DC)
     ok = row_ok[:, None] & (dd[None, :] < D)
     bits = tl.load(rows_t + j, mask=row_ok, other=1)
     bit_off = tl.load(rows_t + ROW_BIT_OFFSET * K + j, mask=row_ok, other=0)
@@ -298,8 +333,8 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, bh_group, NG, F:
     bits2, kind2, j2 = bits[:, None], kind[:, None], j[:, None]
     if FORM == _CHANNEL_CODES:
         # one scale (and zero point) per (class, channel) over the group's rows of that class
-        s_rows = tl.zeros((RP, DP), tl.float32)
-        z_rows = tl.zeros((RP, DP), tl.float32)
+        s_rows = tl.zeros((RP, DC), tl.float32)
+        z_rows = tl.zeros((RP, DC), tl.float32)
         for k in tl.static_range(C):
             in_k = ok & (cls == k)[:, None]
             count = tl.sum(in_k.to(tl.float32), 0)
@@ -309,32 +344,31 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, bh_group, NG, F:
             s, z = _search(x, in_k, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind_k, bits_k, 0, F,
                            SEARCH)
             d_ok = dd < D
-            tl.store(scale + (bh_group * C + k) * D + dd, s.to(tl.float16), mask=d_ok)
+            tl.store(scale + (grp * C + k) * D + dd, s.to(tl.float16), mask=d_ok)
             if Z > 0:
                 slot = tl.load(rows_t + ROW_ZERO_SLOT * K + k + tl.zeros_like(dd))
-                tl.store(zero + (bh_group * Z + slot) * D + dd, z.to(tl.float16), mask=d_ok & (slot >= 0))
+                tl.store(zero + (grp * Z + slot) * D + dd, z.to(tl.float16), mask=d_ok & (slot >= 0))
             s_rows = tl.where(in_k, s[None, :], s_rows)
             z_rows = tl.where(in_k, z[None, :], z_rows)
     else:
-        # token axis: every row its own class, one scale over head_dim
+        # token axis: every row its own class, one scale over head_dim (the chunk is the whole head_dim)
         amax, low, high, rms = _base(x, ok, bits2, kind2, 1, D * 1.0)
         s, z = _search(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, SEARCH)
-        tl.store(scale + bh_group * C + j, s.to(tl.float16), mask=row_ok)
+        tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
         if Z > 0:
-            tl.store(zero + bh_group * Z + zslot, z.to(tl.float16), mask=row_ok & (zslot >= 0))
-        s_rows = s[:, None] + tl.zeros((RP, DP), tl.float32)
-        z_rows = z[:, None] + tl.zeros((RP, DP), tl.float32)
-    code = _nearest(x, s_rows, z_rows, bits2, kind2, j2, levels, F)
-    code = tl.where(ok, code, 0)
-    _store_codes(data, code, bh_group * GB + n, bits, bit_off, row_ok, F, D, DP)
-    return tl.where(ok, _level(code, bits2, kind2, j2, levels, ok, F) * s_rows + z_rows, 0.0)
+            tl.store(zero + grp * Z + zslot, z.to(tl.float16), mask=row_ok & (zslot >= 0))
+        s_rows = s[:, None] + tl.zeros((RP, DC), tl.float32)
+        z_rows = z[:, None] + tl.zeros((RP, DC), tl.float32)
+    code = tl.where(ok, _nearest(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
+    _store_codes(data, code, grp * GB + n, bits, bit_off, row_ok, c0, F, D, DC)
 
 
 @triton.jit
-def _png_rows(x, x_prev, i, dd, data, index, bh_group, F: tl.constexpr, E: tl.constexpr):
-    """png: anchor + fp32 deltas of one block (``x`` rows ``i``, ``x_prev`` rows ``i - 1``), stored; pruned: the
-    ``KEPT`` largest deltas per channel (ties to the earlier position) in decreasing magnitude, with their uint8
-    positions. Returns the dense rows the stored form decodes from (dropped deltas zero)."""
+def _png_rows(x, x_prev, i, dd, d1, data, index, grp, F: tl.constexpr, E: tl.constexpr):
+    """png: anchor + fp32 deltas of one block (``x`` rows ``i``, ``x_prev`` rows ``i - 1``, channels ``dd`` as a
+    ``(1, DC)`` tile and ``d1`` as a vector), stored;
+    pruned: the ``KEPT`` largest deltas per channel (ties to the earlier position) in decreasing magnitude, with
+    their uint8 positions."""
     R: tl.constexpr = F[F_R]
     ROWS: tl.constexpr = F[F_ROWS]
     KEPT: tl.constexpr = F[F_KEPT]
@@ -342,10 +376,9 @@ def _png_rows(x, x_prev, i, dd, data, index, bh_group, F: tl.constexpr, E: tl.co
     D: tl.constexpr = E[E_D]
     GP: tl.constexpr = E[E_GP]
     ok_d = dd < D
-    d1 = tl.arange(0, E[E_DP])
     dense = tl.where(i == 0, x, x - x_prev)
     dense = tl.where(i < R, dense, 0.0)
-    base = data + bh_group * (ROWS * D)
+    base = data + grp * (ROWS * D)
     if FORM == _PRUNED_ROWS:
         mag = tl.abs(dense)
         j3 = tl.arange(0, GP)[None, :, None]
@@ -361,11 +394,9 @@ def _png_rows(x, x_prev, i, dd, data, index, bh_group, F: tl.constexpr, E: tl.co
             val = tl.sum(tl.where(sel, dense, 0.0), axis=0)
             pos = tl.sum(tl.where(sel, i - 1, 0), axis=0)
             tl.store(base + (1 + m) * D + d1, val, mask=d1 < D)
-            tl.store(index + bh_group * (KEPT * D) + m * D + d1, pos.to(tl.uint8), mask=d1 < D)
-        dense = tl.where((i == 0) | (delta_row & (rank < KEPT)), dense, 0.0)
+            tl.store(index + grp * (KEPT * D) + m * D + d1, pos.to(tl.uint8), mask=d1 < D)
     else:
         tl.store(base + i * D + dd, dense, mask=(i < R) & ok_d)
-    return dense
 
 
 @triton.jit
@@ -393,6 +424,15 @@ def _block_matrix(ptr, F: tl.constexpr, E: tl.constexpr, SYNTHESIS: tl.constexpr
     else:
         out = tl.load(ptr + j * R + i, mask=ok, other=0.0)
     return out
+
+
+@triton.jit
+def _archives(start, length, T, k, NG, F: tl.constexpr, E: tl.constexpr):
+    """``(whether this append archives group k of the work buffer, its archive slot)``: when ``advance`` moves the
+    archive past it and the slot exists (never past the capacity ``NG``: a longer length records the overflow)."""
+    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    first = (start - F[F_SINKS]) // G
+    return (start + (k + 1) * G <= _advance(start, length + T, E[E_WINDOW], G)) & (first + k < NG), first + k
 
 
 # --- kernels ----------------------------------------------------------------------------------------------------
@@ -442,16 +482,13 @@ def _intake_kernel(sink, mean, memo, len_ptr, new, sn0, sn1, sn2, sn3, H, T, MEM
 
 
 @triton.jit
-def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3, memo,
-                   syn, rot, rows_t, levels, analysis, factors, H, NG, T, MEMO_CAP,
-                   F: tl.constexpr, E: tl.constexpr):
-    """Program ``(bh, k)``: group ``k`` of the work buffer, encoded and stored in archive slot ``first + k`` when the
-    append archives it (``start + (k + 1) G <= advance(start, length + T)``) and the slot exists (never past the
-    capacity ``NG``: a longer length records the overflow); the memo gets its decoded rows."""
+def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3,
+                   rot, rows_t, levels, analysis, factors, H, NG, T, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of group ``k`` of the work buffer (the whole head_dim
+    for token-axis codes, whose scales span it), encoded and stored in its archive slot when the append archives
+    it (:func:`_archives`); else nothing."""
     R: tl.constexpr = F[F_R]
-    GB: tl.constexpr = F[F_GROUP_BLOCKS]
-    G: tl.constexpr = R * GB
-    SINKS: tl.constexpr = F[F_SINKS]
+    G: tl.constexpr = R * F[F_GROUP_BLOCKS]
     TAIL: tl.constexpr = F[F_TAIL]
     ROTATE: tl.constexpr = F[F_ROTATE]
     CENTER: tl.constexpr = F[F_CENTER]
@@ -460,80 +497,125 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
     DP: tl.constexpr = E[E_DP]
     GP: tl.constexpr = E[E_GP]
     RC: tl.constexpr = E[E_RC]
-    WINDOW: tl.constexpr = E[E_WINDOW]
+    DC: tl.constexpr = E[E_DC]
     IS_JPEG: tl.constexpr = E[E_IS_JPEG]
     QUANT: tl.constexpr = E[E_QUANT]
-    HAS_MEMO: tl.constexpr = E[E_HAS_MEMO]
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
+    c0 = tl.program_id(2) * DC
     b = bh // H
     h = bh % H
     length = tl.load(len_ptr)
     start = tl.load(start_ptr)
-    first = (start - SINKS) // G
-    if (start + (k + 1) * G <= _advance(start, length + T, WINDOW, G)) & (first + k < NG):
-        grp = bh * NG + first + k
+    write, slot = _archives(start, length, T, k, NG, F, E)
+    if write:
+        grp = bh * NG + slot
         NS = (sn0, sn1, sn2, sn3)
         w = tl.arange(0, GP)[:, None]
-        dd = tl.arange(0, DP)[None, :]
+        dd = c0 + tl.arange(0, DC)[None, :]
         row = k * G + w
         in_group = w < G
-        mean_d = tl.zeros((1, DP), tl.float32)
-        if CENTER:
-            mean_d = tl.load(mean + bh * D + dd, mask=dd < D, other=0.0)
         if ROTATE:
-            # centered then rotated: x @ R^T, one column chunk of x at a time
-            x = tl.zeros((GP, DP), tl.float32)
-            e = tl.arange(0, DP)
+            # centered then rotated: (x - mean) @ R^T, this chunk's output channels, all input channels by chunks
+            x = tl.zeros((GP, DC), tl.float32)
             for c in tl.static_range(DP // RC):
-                dc = c * RC + tl.arange(0, RC)
-                xc = _work_rows(tail, new, NS, b, h, bh, row, dc[None, :], in_group, start, length, T, TAIL, D)
+                di = c * RC + tl.arange(0, RC)
+                xc = _work_rows(tail, new, NS, b, h, bh, row, di[None, :], in_group, start, length, T, TAIL, D)
                 if CENTER:
-                    xc -= tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
-                rt = tl.load(rot + e[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & (e[None, :] < D), other=0.0)
-                x += tl.dot(tl.where(in_group & (dc[None, :] < D), xc, 0.0), rt, input_precision="ieee")
+                    xc -= tl.load(mean + bh * D + di, mask=di < D, other=0.0)[None, :]
+                rt = tl.load(rot + dd * D + di[:, None], mask=(di[:, None] < D) & (dd < D), other=0.0)
+                x += tl.dot(tl.where(in_group & (di[None, :] < D), xc, 0.0), rt, input_precision="ieee")
         else:
             x = _work_rows(tail, new, NS, b, h, bh, row, dd, in_group, start, length, T, TAIL, D)
             if CENTER:
-                x = tl.where(in_group & (dd < D), x - mean_d, 0.0)
+                x = tl.where(in_group & (dd < D), x - tl.load(mean + bh * D + dd, mask=dd < D, other=0.0), 0.0)
         if IS_JPEG:
             if R == 1:
                 coef = x
             else:
                 coef = tl.dot(_block_matrix(analysis, F, E, False), x, input_precision="ieee")
             if QUANT:
-                rows_s = _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, NG, F, E)
+                _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F, E)
             else:
                 jr = tl.arange(0, E[E_RP])[:, None]
-                stored = coef.to(data.dtype.element_ty)
-                tl.store(data + (grp * K + jr) * D + dd, stored, mask=(jr < K) & (dd < D))
-                rows_s = stored.to(tl.float32)
-            if HAS_MEMO:
-                if R == 1:
-                    xs = rows_s
-                else:
-                    xs = tl.dot(_block_matrix(syn, F, E, True), rows_s, input_precision="ieee")
+                tl.store(data + (grp * K + jr) * D + dd, coef.to(data.dtype.element_ty), mask=(jr < K) & (dd < D))
         else:
             prev = _work_rows(tail, new, NS, b, h, bh, row - 1, dd, in_group & (w >= 1), start, length, T, TAIL, D)
-            dense = _png_rows(x, prev, w, dd, data, index, grp, F, E)
-            xs = tl.cumsum(dense, axis=0)
-        if HAS_MEMO:
-            pos = SINKS + (first + k) * G + w
-            ok = in_group & (pos < MEMO_CAP)
-            dst = memo + (bh * MEMO_CAP + pos) * D
-            if ROTATE:
-                # decoded rows back in the stream's space: xs @ R (+ mean), one output column chunk at a time
-                e = tl.arange(0, DP)
-                for c in tl.static_range(DP // RC):
-                    dc = c * RC + tl.arange(0, RC)
-                    r = tl.load(rot + e[:, None] * D + dc[None, :], mask=(e[:, None] < D) & (dc[None, :] < D),
-                                other=0.0)
-                    out = tl.dot(xs, r, input_precision="ieee")
-                    if CENTER:
-                        out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
-                    tl.store(dst + dc[None, :], out.to(memo.dtype.element_ty), mask=ok & (dc[None, :] < D))
+            _png_rows(x, prev, w, dd, c0 + tl.arange(0, DC), data, index, grp, F, E)
+
+
+@triton.jit
+def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
+                 MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k)``: when group ``k`` was archived by this append, its decoded rows (what ``codec.decode``
+    rebuilds from the stored form: ``A @ S`` per block, rotated back, mean added) into the memo."""
+    FORM: tl.constexpr = F[F_FORM]
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    KP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    G: tl.constexpr = R * GB
+    C: tl.constexpr = F[F_CLASSES]
+    Z: tl.constexpr = F[F_ZEROS]
+    ROTATE: tl.constexpr = F[F_ROTATE]
+    CENTER: tl.constexpr = F[F_CENTER]
+    D: tl.constexpr = E[E_D]
+    DP: tl.constexpr = E[E_DP]
+    GP: tl.constexpr = E[E_GP]
+    RP: tl.constexpr = E[E_RP]
+    RC: tl.constexpr = E[E_RC]
+    bh = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    length = tl.load(len_ptr)
+    start = tl.load(start_ptr)
+    write, slot = _archives(start, length, T, k, NG, F, E)
+    if write:
+        grp = bh * NG + slot
+        w = tl.arange(0, GP)[:, None]
+        dd = tl.arange(0, DP)[None, :]
+        if E[E_IS_JPEG]:
+            c = tl.arange(0, RP)
+            n = c // KP
+            j = c % KP
+            row_ok = (n < GB) & (j < K)
+            ok = row_ok[:, None] & (dd < D)
+            if E[E_QUANT]:
+                bits, bit_off, cls, zslot, lloyd, off = row_info(rows_t, levels, j, row_ok, F)
+                code = unpack_codes(data, (grp * GB + n)[:, None], dd, ok, bits[:, None], bit_off[:, None], F, D)
+                value = level_values(code, j[:, None], lloyd[:, None], levels, ok, F) + off[:, None]
+                if FORM == _CHANNEL_CODES:
+                    s = tl.load(scale + ((grp * C + cls) * D)[:, None] + dd, mask=ok, other=0.0).to(tl.float32)
+                    z = tl.load(zero + ((grp * Z + zslot) * D)[:, None] + dd, mask=ok & (zslot >= 0)[:, None],
+                                other=0.0).to(tl.float32)
+                else:
+                    s = tl.load(scale + grp * C + cls, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+                    z = tl.load(zero + grp * Z + zslot, mask=row_ok & (zslot >= 0), other=0.0).to(tl.float32)[:, None]
+                rows = tl.where(ok, value * s + z, 0.0)
             else:
-                tl.store(dst + dd, (xs + mean_d).to(memo.dtype.element_ty), mask=ok & (dd < D))
+                rows = tl.load(data + (grp * K + j[:, None]) * D + dd, mask=ok, other=0.0).to(tl.float32)
+            if R == 1:
+                xs = rows
+            else:
+                xs = tl.dot(_block_matrix(syn, F, E, True), rows, input_precision="ieee")
+        else:
+            xs = tl.cumsum(float_rows(data, index, grp, w, dd, w < R, F, D), axis=0)
+        pos = F[F_SINKS] + slot * G + w
+        ok = (w < G) & (pos < MEMO_CAP)
+        dst = memo + (bh * MEMO_CAP + pos) * D
+        if ROTATE:
+            # back in the stream's space: xs @ R (+ mean), one output column chunk at a time
+            e = tl.arange(0, DP)
+            for c in tl.static_range(DP // RC):
+                dc = c * RC + tl.arange(0, RC)
+                r = tl.load(rot + e[:, None] * D + dc[None, :], mask=(e[:, None] < D) & (dc[None, :] < D), other=0.0)
+                out = tl.dot(xs, r, input_precision="ieee")
+                if CENTER:
+                    out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
+                tl.store(dst + dc[None, :], out.to(memo.dtype.element_ty), mask=ok & (dc[None, :] < D))
+        else:
+            if CENTER:
+                xs += tl.load(mean + bh * D + dd, mask=dd < D, other=0.0)
+            tl.store(dst + dd, xs.to(memo.dtype.element_ty), mask=ok & (dd < D))
 
 
 @triton.jit
@@ -590,7 +672,7 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     if t == 0 or b * h == 0:
         return
     form = StreamForm.of(codec, d).constexpr()
-    tiles = EncodeTiles.of(codec, d, memo is not None).constexpr()
+    tiles = EncodeTiles.of(codec, d, memo is not None).constexpr()  # (the tuple the kernels take)
     tab = stream_tables(codec, d, new.device)
     ng = st.data.shape[2]
     memo_t = new if memo is None else memo
@@ -600,11 +682,17 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
         return new if x.numel() == 0 else x
 
     strides = new.stride()
+    groups = completable_groups(t, codec.group)
     _intake_kernel[(b * h,)](some(st.sink), some(st.mean), memo_t, st.length, new, *strides, h, t, memo_cap,
                              F=form, E=tiles)
-    _encode_kernel[(b * h, completable_groups(t, codec.group))](
+    enc = EncodeTiles.of(codec, d, memo is not None)
+    _encode_kernel[(b * h, groups, enc.dp // enc.dc)](
         st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.tail, st.length, st.start, new,
-        *strides, memo_t, tab.synthesis, tab.rotation, tab.rows, tab.levels, tab.analysis, tab.factors, h, ng, t,
-        memo_cap, F=form, E=tiles, num_warps=8 if codec.group * d >= 8192 else 4)
+        *strides, tab.rotation, tab.rows, tab.levels, tab.analysis, tab.factors, h, ng, t, F=form, E=tiles,
+        num_warps=8 if enc.gp * enc.dc >= 8192 else 4)
+    if memo is not None:
+        _memo_kernel[(b * h, groups)](st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean),
+                                      st.length, st.start, memo, tab.synthesis, tab.rotation, tab.rows, tab.levels,
+                                      ng, t, memo_cap, F=form, E=tiles, num_warps=8 if enc.gp * enc.dp >= 8192 else 4)
     _tail_kernel[(b * h,)](st.tail, st.length, st.start, new, *strides, h, t, F=form, E=tiles)
     _advance_kernel[(1,)](st.length, st.start, t, F=form, E=tiles)

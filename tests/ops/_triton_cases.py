@@ -9,9 +9,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from flashcodec_fx import PRESETS  # noqa: E402
+from preset_codecs import preset_codecs as _preset_codecs  # noqa: E402  (benchmarks/: no transformers needed)
+
 from flashcodec_fx.codecs import Codec, make_codec  # noqa: E402
-from flashcodec_fx.hf.options import resolve_layer_codecs  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.append import append_reference  # noqa: E402
 
@@ -64,9 +64,8 @@ def form(name: str) -> Codec:
 
 
 def preset_codecs(name: str) -> tuple[Codec, Codec]:
-    """(key, value) codecs of preset ``name`` (layer 1: ``rotate=True`` seeds 1)."""
-    layer = resolve_layer_codecs(PRESETS[name], layer_idx=1)
-    return layer.key, layer.value
+    """(key, value) codecs of preset ``name`` as layer 1 gets them (``rotate=True`` seeds 1)."""
+    return _preset_codecs(name, layer_idx=1)
 
 
 def smooth(b: int, h: int, s: int, d: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
