@@ -11,8 +11,8 @@
 #                      with the flashcodec pass (lossless and 3-bit presets), long contexts up to 128k tokens in 64k+
 #                      static caches with short and full fills (tests/ops/test_triton_long.py). Most of this step's
 #                      time is Triton compiling each test's kernel variants (no cache on a fresh machine).
-#   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k..128k, bf16, every preset and the
-#                      float jpeg tier, Triton vs SDPA)
+#   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k..128k, bf16, every preset but
+#                      lossless: the op's kernel, Triton on CUDA, vs SDPA, the reference and the materialized view)
 #   4. e2e_cuda.json         benchmarks/bench_e2e.py --device cuda --mode reduce-overhead (raw vs codec + pass)
 #   5. gpu_check.json  every step's command, exit status and seconds, and the pytest counts
 # Exit status 0 only when every step passed. Nothing is downloaded; the package imports from this checkout
@@ -81,19 +81,19 @@ PYEOF
 if [ "$DRY" = 1 ]; then
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py)  # CUDA-only file skips; long at tiny sizes
   PARALLEL=()
-  ATTENTION=(--device cpu --seqs 256 --tiers int8 3bit --repeats 1 --out "$OUT/attention_cpu.json")
+  ATTENTION=(--device cpu --seqs 256 --layers 1 --presets int8 3bit --repeats 1 --out "$OUT/attention_cpu.json")
   E2E=(--device cpu --models llama-rand --contexts 64 --new-tokens 2 --configs codec_pass --out "$OUT/e2e_cpu.json")
 else
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py tests/ops/test_triton_attention.py
          tests/ops/test_triton_append.py tests/ops/test_triton_register.py)
   PARALLEL=()
   if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi  # each test compiles its own kernel variants
-  ATTENTION=(--device cuda --out "$OUT/attention_cuda.json")
+  ATTENTION=(--device cuda --repeats 21 --out "$OUT/attention_cuda.json")
   E2E=(--device cuda --mode reduce-overhead --models llama-rand --contexts 32768 --new-tokens 16
        --configs raw,codec_pass --out "$OUT/e2e_cuda.json")
 fi
-step gpu_tests 240 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
-step bench_attention 90 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
+step gpu_tests 220 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
+step bench_attention 110 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
 step bench_e2e 120 "$PY" benchmarks/bench_e2e.py "${E2E[@]}"
 
 "$PY" - "$OUT" <<'PYEOF'

@@ -150,18 +150,22 @@ def _append(codec, dtype, d, t, memo: bool) -> None:
 
 def launch_everything(quick: bool, recorder: Recorder) -> None:
     """Call every launcher over the configuration grid (CPU tensors; the recorder catches the launches). Quick: the
-    pairs of ``QUICK`` at D=128 (attention with their dtype / mask / new tokens; append of both codecs with a memo);
+    pairs of ``QUICK`` at D=128 (attention with their dtype / mask / new tokens; append of each codec once, with a
+    memo);
     full: every pair x bf16/fp16/fp32 x D=64/128 x GQA 1/4/8 x T=1/4 x every mask kind, append with and without a
     memo, one token and a chunk."""
     all_pairs = pairs()
     if quick:
+        appended = set()  # each codec's append once (in the first pair's dtype): its code path does not change
         for name, (dtype, mask_kind, new) in QUICK.items():
             ck, cv = all_pairs[name]
             recorder.label = f"{name} {str(dtype)[6:]} D=128 mask={mask_kind} new={new}"
             _attention(ck, cv, dtype, 128, 4, 4 if new else 1, mask_kind, new=new)
-            for codec in {ck.spec: ck, cv.spec: cv}.values():
-                recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
-                _append(codec, dtype, 128, 1, memo=True)
+            for codec in (ck, cv):
+                if codec.spec not in appended:
+                    appended.add(codec.spec)
+                    recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
+                    _append(codec, dtype, 128, 1, memo=True)
         return
     for (name, (ck, cv)), dtype, d in itertools.product(all_pairs.items(),
                                                         [torch.bfloat16, torch.float16, torch.float32], [128, 64]):

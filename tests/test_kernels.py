@@ -7,14 +7,22 @@ import importlib.util
 import torch
 
 from flashcodec_fx import kernels
+from flashcodec_fx.ops import cpu
 
 
-def test_cpu_tensors_run_the_reference_kernels():
+def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
+    """codec_attention and append run the C++ kernels of ``ops/cpu`` on CPU (unless ``FLASHCODEC_KERNELS=reference``),
+    every other op the reference."""
     registry = kernels.kernel_registry()
     assert sorted(registry) == sorted(kernels.OPS)
-    assert registry["flashcodec::codec_attention"]["cpu"] == "flashcodec_fx.ops.attention.codec_attention"
-    assert registry["flashcodec::append"]["cpu"] == "flashcodec_fx.ops.append.append"
-    assert all(kernels.kernel_kind(k["cpu"]) == "reference" for k in registry.values())
+    fast = cpu.kernel_mode() != "reference"
+    want = {"flashcodec::codec_attention": ("flashcodec_fx.ops.cpu.launch.cpu_codec_attention" if fast
+                                            else "flashcodec_fx.ops.attention.codec_attention"),
+            "flashcodec::append": "flashcodec_fx.ops.cpu.launch.cpu_append" if fast else "flashcodec_fx.ops.append.append"}
+    for op, by_device in registry.items():
+        if op in want:
+            assert by_device["cpu"] == want[op]
+        assert kernels.kernel_kind(by_device["cpu"]) == ("cpu" if fast and op in want else "reference"), op
 
 
 def test_cuda_kernels_are_triton_exactly_where_triton_has_one():
@@ -56,8 +64,9 @@ def test_a_kernel_registered_for_cpu_shows_up(monkeypatch):
 
 def test_report_says_why():
     report = kernels.kernel_report()
-    assert report["active"]["cpu"] == ["reference"]
-    assert "reference" in report["why"]["cpu"]
+    fast = cpu.kernel_mode() != "reference"
+    assert report["active"]["cpu"] == (["cpu", "reference"] if fast else ["reference"])
+    assert ("CPU kernels registered: cpu, reference" if fast else "reference") in report["why"]["cpu"]
     assert ("CUDA device:" in report["why"]["cuda"]) == torch.cuda.is_available()
     assert report["triton"]["importable"] == (importlib.util.find_spec("triton") is not None)
     assert report["ops"]["flashcodec::read"]["cpu"] == {"kernel": "flashcodec_fx.ops.read.read", "kind": "reference"}

@@ -545,77 +545,86 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
 
 
 @triton.jit
-def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
-                 MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
-    """Program ``(bh, k)``: when group ``k`` was archived by this append, its decoded rows (what ``codec.decode``
-    rebuilds from the stored form: ``A @ S`` per block, rotated back, mean added) into the memo."""
+def _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c0, F: tl.constexpr, E: tl.constexpr):
+    """Channels ``c0 .. c0 + RC - 1`` of archive group ``grp`` decoded from its stored form (``A @ S`` per block, in
+    the rotated space, before the mean), ``(GP, RC)`` fp32."""
     FORM: tl.constexpr = F[F_FORM]
     R: tl.constexpr = F[F_R]
     K: tl.constexpr = F[F_ROWS]
     KP: tl.constexpr = F[F_DENSE_P]
     GB: tl.constexpr = F[F_GROUP_BLOCKS]
-    G: tl.constexpr = R * GB
     C: tl.constexpr = F[F_CLASSES]
     Z: tl.constexpr = F[F_ZEROS]
-    ROTATE: tl.constexpr = F[F_ROTATE]
-    CENTER: tl.constexpr = F[F_CENTER]
     D: tl.constexpr = E[E_D]
-    DP: tl.constexpr = E[E_DP]
     GP: tl.constexpr = E[E_GP]
     RP: tl.constexpr = E[E_RP]
     RC: tl.constexpr = E[E_RC]
+    w = tl.arange(0, GP)[:, None]
+    dd = c0 + tl.arange(0, RC)[None, :]
+    if E[E_IS_JPEG]:
+        c = tl.arange(0, RP)
+        n = c // KP
+        j = c % KP
+        row_ok = (n < GB) & (j < K)
+        ok = row_ok[:, None] & (dd < D)
+        if E[E_QUANT]:
+            bits, bit_off, cls, zslot, lloyd, off = row_info(rows_t, levels, j, row_ok, F)
+            code = unpack_codes(data, (grp * GB + n)[:, None], dd, ok, bits[:, None], bit_off[:, None], F, D)
+            value = level_values(code, j[:, None], lloyd[:, None], levels, ok, F) + off[:, None]
+            if FORM == _CHANNEL_CODES:
+                s = tl.load(scale + ((grp * C + cls) * D)[:, None] + dd, mask=ok, other=0.0).to(tl.float32)
+                z = tl.load(zero + ((grp * Z + zslot) * D)[:, None] + dd, mask=ok & (zslot >= 0)[:, None],
+                            other=0.0).to(tl.float32)
+            else:
+                s = tl.load(scale + grp * C + cls, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+                z = tl.load(zero + grp * Z + zslot, mask=row_ok & (zslot >= 0), other=0.0).to(tl.float32)[:, None]
+            rows = tl.where(ok, value * s + z, 0.0)
+        else:
+            rows = tl.load(data + (grp * K + j[:, None]) * D + dd, mask=ok, other=0.0).to(tl.float32)
+        if R == 1:
+            xs = rows
+        else:
+            xs = tl.dot(_block_matrix(syn, F, E, True), rows, input_precision="ieee")
+    else:
+        xs = tl.cumsum(float_rows(data, index, grp, w, dd, w < R, F, D), axis=0)
+    return xs
+
+
+@triton.jit
+def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
+                 MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k, chunk)``: when group ``k`` was archived by this append, output channels ``chunk * RC ..`` of
+    its decoded rows (what ``codec.decode`` rebuilds from the stored form: ``A @ S`` per block, rotated back from
+    every input chunk, mean added) into the memo."""
+    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    D: tl.constexpr = E[E_D]
+    DP: tl.constexpr = E[E_DP]
+    GP: tl.constexpr = E[E_GP]
+    RC: tl.constexpr = E[E_RC]
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
+    dc = tl.program_id(2) * RC + tl.arange(0, RC)
     length = tl.load(len_ptr)
     start = tl.load(start_ptr)
     write, slot = _archives(start, length, T, k, NG, F, E)
     if write:
         grp = bh * NG + slot
-        w = tl.arange(0, GP)[:, None]
-        dd = tl.arange(0, DP)[None, :]
-        if E[E_IS_JPEG]:
-            c = tl.arange(0, RP)
-            n = c // KP
-            j = c % KP
-            row_ok = (n < GB) & (j < K)
-            ok = row_ok[:, None] & (dd < D)
-            if E[E_QUANT]:
-                bits, bit_off, cls, zslot, lloyd, off = row_info(rows_t, levels, j, row_ok, F)
-                code = unpack_codes(data, (grp * GB + n)[:, None], dd, ok, bits[:, None], bit_off[:, None], F, D)
-                value = level_values(code, j[:, None], lloyd[:, None], levels, ok, F) + off[:, None]
-                if FORM == _CHANNEL_CODES:
-                    s = tl.load(scale + ((grp * C + cls) * D)[:, None] + dd, mask=ok, other=0.0).to(tl.float32)
-                    z = tl.load(zero + ((grp * Z + zslot) * D)[:, None] + dd, mask=ok & (zslot >= 0)[:, None],
-                                other=0.0).to(tl.float32)
-                else:
-                    s = tl.load(scale + grp * C + cls, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-                    z = tl.load(zero + grp * Z + zslot, mask=row_ok & (zslot >= 0), other=0.0).to(tl.float32)[:, None]
-                rows = tl.where(ok, value * s + z, 0.0)
-            else:
-                rows = tl.load(data + (grp * K + j[:, None]) * D + dd, mask=ok, other=0.0).to(tl.float32)
-            if R == 1:
-                xs = rows
-            else:
-                xs = tl.dot(_block_matrix(syn, F, E, True), rows, input_precision="ieee")
-        else:
-            xs = tl.cumsum(float_rows(data, index, grp, w, dd, w < R, F, D), axis=0)
-        pos = F[F_SINKS] + slot * G + w
-        ok = (w < G) & (pos < MEMO_CAP)
-        dst = memo + (bh * MEMO_CAP + pos) * D
-        if ROTATE:
-            # back in the stream's space: xs @ R (+ mean), one output column chunk at a time
-            e = tl.arange(0, DP)
+        if F[F_ROTATE]:
+            # back in the stream's space: xs @ R, this chunk's output channels, summed over the input chunks
+            out = tl.zeros((GP, RC), tl.float32)
             for c in tl.static_range(DP // RC):
-                dc = c * RC + tl.arange(0, RC)
-                r = tl.load(rot + e[:, None] * D + dc[None, :], mask=(e[:, None] < D) & (dc[None, :] < D), other=0.0)
-                out = tl.dot(xs, r, input_precision="ieee")
-                if CENTER:
-                    out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
-                tl.store(dst + dc[None, :], out.to(memo.dtype.element_ty), mask=ok & (dc[None, :] < D))
+                di = c * RC + tl.arange(0, RC)
+                r = tl.load(rot + di[:, None] * D + dc[None, :], mask=(di[:, None] < D) & (dc[None, :] < D), other=0.0)
+                xs = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c * RC, F, E)
+                out += tl.dot(xs, r, input_precision="ieee")
         else:
-            if CENTER:
-                xs += tl.load(mean + bh * D + dd, mask=dd < D, other=0.0)
-            tl.store(dst + dd, xs.to(memo.dtype.element_ty), mask=ok & (dd < D))
+            out = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, tl.program_id(2) * RC, F, E)
+        if F[F_CENTER]:
+            out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
+        w = tl.arange(0, GP)[:, None]
+        pos = F[F_SINKS] + slot * G + w
+        dst = memo + (bh * MEMO_CAP + pos) * D + dc[None, :]
+        tl.store(dst, out.to(memo.dtype.element_ty), mask=(w < G) & (pos < MEMO_CAP) & (dc[None, :] < D))
 
 
 @triton.jit
@@ -672,7 +681,8 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     if t == 0 or b * h == 0:
         return
     form = StreamForm.of(codec, d).constexpr()
-    tiles = EncodeTiles.of(codec, d, memo is not None).constexpr()  # (the tuple the kernels take)
+    enc = EncodeTiles.of(codec, d, memo is not None)
+    tiles = enc.constexpr()  # (the tuple the kernels take)
     tab = stream_tables(codec, d, new.device)
     ng = st.data.shape[2]
     memo_t = new if memo is None else memo
@@ -685,14 +695,14 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     groups = completable_groups(t, codec.group)
     _intake_kernel[(b * h,)](some(st.sink), some(st.mean), memo_t, st.length, new, *strides, h, t, memo_cap,
                              F=form, E=tiles)
-    enc = EncodeTiles.of(codec, d, memo is not None)
     _encode_kernel[(b * h, groups, enc.dp // enc.dc)](
         st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.tail, st.length, st.start, new,
         *strides, tab.rotation, tab.rows, tab.levels, tab.analysis, tab.factors, h, ng, t, F=form, E=tiles,
         num_warps=8 if enc.gp * enc.dc >= 8192 else 4)
     if memo is not None:
-        _memo_kernel[(b * h, groups)](st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean),
-                                      st.length, st.start, memo, tab.synthesis, tab.rotation, tab.rows, tab.levels,
-                                      ng, t, memo_cap, F=form, E=tiles, num_warps=8 if enc.gp * enc.dp >= 8192 else 4)
+        _memo_kernel[(b * h, groups, enc.dp // enc.rc)](
+            st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.length, st.start, memo,
+            tab.synthesis, tab.rotation, tab.rows, tab.levels, ng, t, memo_cap, F=form, E=tiles,
+            num_warps=8 if enc.gp * enc.rc >= 8192 else 4)
     _tail_kernel[(b * h,)](st.tail, st.length, st.start, new, *strides, h, t, F=form, E=tiles)
     _advance_kernel[(1,)](st.length, st.start, t, F=form, E=tiles)
