@@ -49,6 +49,19 @@ from .options import (
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 
 
+def crop_count(tokens_to_remove: Any) -> int:
+    """``crop``'s argument as an int: an int, or a one-element integer tensor (transformers 5.17's assisted decoding
+    passes one; reading it is a host sync, outside any decode step)."""
+    value = tokens_to_remove
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"tokens_to_remove must be an int (or a one-element integer tensor), got "
+                        f"{type(tokens_to_remove).__name__}")
+    return value
+
+
 def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.nbytes
@@ -273,16 +286,14 @@ class FlashCodecLayer(CacheLayerMixin):
         """Drop the last ``-tokens_to_remove`` tokens (transformers 5.x: a negative int; ``max_length``-style positive
         ints keep that many tokens; past the start empties the layer, as DynamicLayer does). See
         :meth:`CodecStream.crop` for exactness."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        tokens_to_remove = crop_count(tokens_to_remove)
         if tokens_to_remove == 0 or not self.keys_stream.is_initialized:
             return
         self.codec_cache.crop(tokens_to_remove)  # both streams or, refused, neither
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise where :meth:`crop` would (TypeError, ValueError), changing nothing."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        tokens_to_remove = crop_count(tokens_to_remove)
         self.keys_stream.check_crop(tokens_to_remove)
         self.values_stream.check_crop(tokens_to_remove)
 
@@ -422,8 +433,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
     def _stream_crop(self, tokens_to_remove: int) -> int:
         """The streams' crop argument for ``crop(tokens_to_remove)`` (positions relative to the ring); raises where
         the ring has dropped positions that the crop would need back."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        tokens_to_remove = crop_count(tokens_to_remove)
         seen = self.get_seq_length()
         keep = max(0, seen + tokens_to_remove) if tokens_to_remove < 0 else min(tokens_to_remove, seen)
         if keep < self.dropped:
@@ -617,8 +627,7 @@ class FlashCodecCache(Cache):
         """``Cache.crop`` on every layer: a negative int drops that many tokens (past the start: empty, as
         DynamicLayer); a positive int keeps that many (transformers < 5.18's convention, on native layers too). A crop
         that a codec layer refuses (see :meth:`flashcodec_fx.CodecStream.crop`) raises before any layer changes."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        tokens_to_remove = crop_count(tokens_to_remove)
         if tokens_to_remove > 0:
             tokens_to_remove = min(0, tokens_to_remove - int(self.get_seq_length()))
         for layer in self.layers:

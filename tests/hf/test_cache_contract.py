@@ -239,3 +239,20 @@ def test_crop_past_the_start_empties_the_layer_as_dynamic_layer_does(layout):
     assert layer.keys.shape == native.keys.shape == (B, H, 0, D)
     layer.update(k[:, :, :5], v[:, :, :5])  # and it fills again from position 0
     assert torch.equal(layer.keys, k[:, :, :5])
+
+
+def test_crop_takes_a_one_element_integer_tensor_as_transformers_5_17_passes():
+    """transformers 5.17's assisted decoding crops with a 0-dim tensor (DynamicLayer takes it); anything but an int or
+    a one-element integer tensor is a TypeError that changes nothing."""
+    caches = [fx.FlashCodecCache(num_layers=1, mode="png", materialization_free=False) for _ in range(2)]
+    k, v = _grid(13, 0), _grid(13, 1)
+    for cache in caches:
+        cache.update(k, v, 0)
+    caches[0].crop(-3)
+    caches[1].crop(torch.tensor(-3))
+    assert same(snapshot(caches[0]), snapshot(caches[1]))
+    before = snapshot(caches[1])
+    for bad in (torch.tensor(-3.0), torch.tensor([-1, -2]), torch.tensor(True), -3.0):
+        with pytest.raises(TypeError, match="tokens_to_remove must be an int"):
+            caches[1].crop(bad)
+    assert same(snapshot(caches[1]), before)
