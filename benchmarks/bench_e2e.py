@@ -117,8 +117,7 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
             kv = [torch.randn(1, heads, context, dim, device=device, dtype=dtype) for _ in range(2)]
             cache.update(*kv, idx)
     if config == "codec_pass":
-        step = torch.compile(model, fullgraph=True, backend=fx.backend(
-            strict=True, lower=os.environ.get("FLASHCODEC_LOWER", "auto"), mode=mode))
+        step = torch.compile(model, fullgraph=True, backend=fx.backend(strict=True, mode=mode))
     else:
         step = torch.compile(model, backend="inductor", fullgraph=True, mode=mode)
     name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check, in one shot: under 8 minutes on an H200 (the step limits add up to 475 s), on the GPU image
+# The GPU check, in one shot: under 9 minutes on an H200 (the step limits add up to 525 s), on the GPU image
 # (torch 2.11, triton 3.6, transformers 5.17, Python 3.12, no network). Steps, each with its own time limit, log
 # and result file in $OUT:
 #   1. env.json        versions, device, capability
-#   2. gpu_tests.xml   pytest (junit) on CUDA: every Triton kernel vs the reference in fp32/fp16/bf16
-#                      (tests/ops/test_triton_{blocks,append,attention,register}.py run on CUDA too), CUDA dispatch
-#                      and opcheck, CUDA-graph capture + replay of append + codec_attention, capture of a fresh
-#                      stream's first step (codec matrices made at allocation), a tiny Llama decoding under
-#                      torch.compile(mode="reduce-overhead") with the flashcodec pass, long contexts up to 128k
-#                      tokens in 64k+ static caches with short and full fills (tests/ops/test_triton_long.py)
-#   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k..128k, bf16, Triton vs SDPA)
+#   2. gpu_tests.xml   pytest (junit) on CUDA: the Triton kernels (append, codec_attention) vs the reference in
+#                      fp32/fp16/bf16 on every stored form and preset (tests/ops/test_triton_{append,attention,
+#                      register}.py run on CUDA too), CUDA dispatch and opcheck, CUDA-graph capture + replay of
+#                      append + codec_attention (int8 and 3-bit presets), capture of a fresh stream's first step
+#                      (tables made at allocation), a tiny Llama decoding under torch.compile(mode="reduce-overhead")
+#                      with the flashcodec pass (lossless and 3-bit presets), long contexts up to 128k tokens in 64k+
+#                      static caches with short and full fills (tests/ops/test_triton_long.py). Most of this step's
+#                      time is Triton compiling each test's kernel variants (no cache on a fresh machine).
+#   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k..128k, bf16, every preset but
+#                      lossless: the op's kernel, Triton on CUDA, vs SDPA, the reference and the materialized view)
 #   4. e2e_cuda.json         benchmarks/bench_e2e.py --device cuda --mode reduce-overhead (raw vs codec + pass)
-#   5. gpu_check.json  every step's command, exit status and seconds, and the pytest counts
+#   5. offload_cuda.json     benchmarks/bench_offload.py --device cuda (offloading traffic, codec vs DynamicCache /
+#                            StaticCache offloading, through transformers' CUDA prefetch stream)
+#   6. gpu_check.json  every step's command, exit status and seconds, and the pytest counts
 # Exit status 0 only when every step passed. Nothing is downloaded; the package imports from this checkout
 # (PYTHONPATH). Extra wheels: the tests need pytest (hypothesis and pytest-xdist are optional: with xdist the
 # tests spread over 8 processes). On a machine with network, `pip download pytest pytest-xdist -d wheels/`
@@ -78,20 +83,23 @@ PYEOF
 if [ "$DRY" = 1 ]; then
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py)  # CUDA-only file skips; long at tiny sizes
   PARALLEL=()
-  ATTENTION=(--device cpu --seqs 64 --repeats 1 --out "$OUT/attention_cpu.json")
+  ATTENTION=(--device cpu --seqs 256 --layers 1 --presets int8 3bit --repeats 1 --out "$OUT/attention_cpu.json")
   E2E=(--device cpu --models llama-rand --contexts 64 --new-tokens 2 --configs codec_pass --out "$OUT/e2e_cpu.json")
+  OFFLOAD=(--device cpu --quick --prompts 64 --out "$OUT/offload_cpu.json")
 else
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py tests/ops/test_triton_attention.py
-         tests/ops/test_triton_append.py tests/ops/test_triton_blocks.py tests/ops/test_triton_register.py)
+         tests/ops/test_triton_append.py tests/ops/test_triton_register.py)
   PARALLEL=()
   if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi  # each test compiles its own kernel variants
-  ATTENTION=(--device cuda --out "$OUT/attention_cuda.json")
+  ATTENTION=(--device cuda --repeats 21 --out "$OUT/attention_cuda.json")
   E2E=(--device cuda --mode reduce-overhead --models llama-rand --contexts 32768 --new-tokens 16
        --configs raw,codec_pass --out "$OUT/e2e_cuda.json")
+  OFFLOAD=(--device cuda --out "$OUT/offload_cuda.json")
 fi
 step gpu_tests 220 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
-step bench_attention 75 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
-step bench_e2e 150 "$PY" benchmarks/bench_e2e.py "${E2E[@]}"
+step bench_attention 110 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
+step bench_e2e 120 "$PY" benchmarks/bench_e2e.py "${E2E[@]}"
+step bench_offload 45 "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}"
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, os, sys

@@ -8,9 +8,10 @@ memory report is read back. Nothing runs on a device. Run it without ``TRITON_IN
 the compiler).
 
     python benchmarks/triton_compile.py --quick    # one configuration per code path (CI, both triton versions)
-    python benchmarks/triton_compile.py            # every tier x bf16/fp16/fp32 x D=64/128, GQA 1/4/8, T=1/4, masks
+    python benchmarks/triton_compile.py            # every pair x bf16/fp16/fp32 x D=64/128 x GQA 1/4/8 x T=1/4 x masks
 
-Exit status 1 when a configuration fails to compile; the JSON (``--out``) lists every configuration.
+Exit status 1 when a configuration fails to compile or needs more shared memory than the target has; the JSON
+(``--out``) lists every configuration.
 """
 
 from __future__ import annotations
@@ -31,24 +32,46 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from preset_codecs import preset_codecs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
+from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
+from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.triton_append import triton_append  # noqa: E402
 from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E402
-from flashcodec_fx.ops.triton_blocks import triton_decode, triton_encode, triton_read  # noqa: E402
 
-TIERS = {  # every stored form the kernels have: r=8 (the default) and r=16 for the heaviest (pruned png, jpeg int8)
-    "jpeg_k8": ("jpeg", {"block_size": 8, "keep_freqs": 8}),
-    "jpeg_k2_int8": ("jpeg", {"block_size": 8, "keep_freqs": 2, "quant_bits": 8}),
-    "jpeg_k8_int8": ("jpeg", {"block_size": 8, "keep_freqs": 8, "quant_bits": 8}),
-    "png": ("png", {"block_size": 8}),
+# Stored forms beyond the presets (every code path of the kernels): float jpeg with dropped coefficients, pruned png
+# (r=8 and its limit r=16), channel-axis codes whose scale group is one block (no fold: dequantized in registers),
+# channel-axis values (the fold on the output), value blocks at an offset inside the tiles (other sinks), lloyd and
+# uniform rows in one table with a rotation and a center.
+FORMS = {
+    "jpeg_k3": ("jpeg", {"block_size": 8, "keep_freqs": 3}),
     "png_pruned": ("png", {"block_size": 8, "keep_ratio": 0.5}),
-    "jpeg_r16_int8": ("jpeg", {"block_size": 16, "keep_freqs": 16, "quant_bits": 8}),
     "png_r16_pruned": ("png", {"block_size": 16, "keep_ratio": 0.5}),
+    "channel_unfolded": ("jpeg", {"block_size": 8, "quant_bits": (3, 2, 2, 1, 1, 1, 1, 1), "levels": ("int", "midrise"),
+                                  "scale_axis": "channel", "group": 8, "sinks": 3}),
+    "channel_v": ("jpeg", {"block_size": 8, "quant_bits": (4, 2, 2, 2, 2, 2, 2, 2), "levels": ("uniform", "int"),
+                           "scale_axis": "channel", "group": 64, "sinks": 4, "window": 3}),
+    "token_offset": ("jpeg", {"block_size": 4, "quant_bits": 3, "levels": "midrise", "sinks": 1, "window": 5}),
+    "mixed_rotated": ("jpeg", {"block_size": 2, "quant_bits": (6, 3), "levels": ("lloyd", "uniform"), "rotate": 3,
+                               "center": True}),
+}
+# (key, value) pairs the quick set compiles, with (dtype, mask kind, new tokens) each: one configuration per code path
+QUICK = {
+    "preset 3bit": (torch.bfloat16, "bool", True),
+    "preset 4bit": (torch.bfloat16, "additive", False),
+    "preset int8": (torch.float32, None, False),
+    "preset lossless": (torch.bfloat16, "bool", False),
+    "jpeg_k3/png_pruned": (torch.bfloat16, None, False),
+    "channel_unfolded/token_offset": (torch.bfloat16, "bool", False),
+    "preset 3bit keys/channel_v": (torch.float16, None, False),
+    "mixed_rotated/mixed_rotated": (torch.bfloat16, None, True),
 }
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# Shared memory one block may use (opt-in maximum, bytes): a kernel that needs more compiles but fails to launch
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 class Recorder:
@@ -56,6 +79,8 @@ class Recorder:
 
     def __init__(self):
         self.launches: dict[str, tuple] = {}
+        self.label = ""  # what the launches being recorded are for (a pair / codec and its options)
+        self.labels: dict[str, str] = {}
 
     def __enter__(self):
         self._run = JITFunction.run
@@ -77,56 +102,79 @@ class Recorder:
         signature = {name: "constexpr" if name in constexprs else mangle_type(value) for name, value in bound.items()}
         key = f"{fn.__name__} {sorted(signature.items())} {sorted((k, str(v)) for k, v in constexprs.items())} {options}"
         self.launches.setdefault(key, (fn, signature, constexprs, options))
+        self.labels.setdefault(key, self.label)
 
 
-def _state(codec, b, h, blocks, d, dtype, length):
-    data, scale, index = codec.empty_state((b, h), blocks, d, dtype, "cpu")
-    tail = torch.zeros(b, h, codec.block_size, d, dtype=dtype)
-    return data, scale, index, tail, torch.tensor(length)
+def _state(codec, b, h, groups, d, dtype, length):
+    st = empty_state(codec, b, h, groups, d, dtype, "cpu")
+    st.length.fill_(length)
+    st.start.fill_(codec.sinks)
+    return st
 
 
-def _attention(ck, cv, dtype, d, g, t, mask_kind) -> None:
-    r, hkv, blocks = ck.block_size, 8, 64
+def _attention(ck, cv, dtype, d, g, t, mask_kind, new: bool = False) -> None:
+    hkv, groups = 8, 4
     q = torch.zeros(1, hkv * g, t, d, dtype=dtype)
-    ks, vs = _state(ck, 1, hkv, blocks, d, dtype, 100), _state(cv, 1, hkv, blocks, d, dtype, 100)
+    ks, vs = _state(ck, 1, hkv, groups, d, dtype, 100), _state(cv, 1, hkv, groups, d, dtype, 100)
+    width = 4 * max(ck.group, cv.group) + 64
     mask = None
     if mask_kind == "bool":
-        mask = torch.ones(1, 1, t, blocks * r, dtype=torch.bool)
+        mask = torch.ones(1, 1, t, width, dtype=torch.bool)
     elif mask_kind == "additive":
-        mask = torch.zeros(1, hkv * g, t, blocks * r, dtype=dtype)
-    triton_codec_attention(q, *ks[:4], *vs[:4], ks[4], ck.spec, cv.spec, mask)
+        mask = torch.zeros(1, hkv * g, t, width, dtype=dtype)
+    k_new = v_new = torch.zeros(1, hkv, t, d, dtype=dtype) if new else None
+    triton_codec_attention(q, list(ks), list(vs), ck.spec, cv.spec, k_new, v_new, mask)
 
 
-def _codec(name: str):
-    mode, opts = TIERS[name]
-    return make_codec(mode, **opts)
+def pairs() -> dict[str, tuple]:
+    """(key codec, value codec) of every preset, and of every extra form (as keys and values, or paired so that
+    value blocks sit at an offset, or behind the 3-bit preset's keys)."""
+    out = {}
+    for name in PRESETS:
+        out[f"preset {name}"] = preset_codecs(name, layer_idx=1)
+    forms = {name: make_codec(mode, **opts) for name, (mode, opts) in FORMS.items()}
+    out |= {f"{name}/{name}": (c, c) for name, c in forms.items()}
+    out["jpeg_k3/png_pruned"] = (forms["jpeg_k3"], forms["png_pruned"])
+    out["channel_unfolded/token_offset"] = (forms["channel_unfolded"], forms["token_offset"])
+    out["preset 3bit keys/channel_v"] = (out["preset 3bit"][0], forms["channel_v"])
+    return out
 
 
-def launch_everything(quick: bool) -> None:
-    """Call every launcher over the configuration grid (CPU tensors; the recorder catches the launches). Quick: one
-    configuration per code path (each stored form in bf16 at D=128, plus the fp32 ``ieee`` attention)."""
-    tiers = ["jpeg_k8", "jpeg_k2_int8", "png", "png_pruned"] if quick else list(TIERS)
-    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
-    dims = [128] if quick else [128, 64]
-    for name, dtype, d in itertools.product(tiers, dtypes, dims):
-        c = _codec(name)
-        r = c.block_size
-        x = torch.zeros(1, 2, 4 * r, d, dtype=dtype)
-        triton_encode(x, c.spec)
-        state = _state(c, 1, 2, 4, d, dtype, 2 * r + 3)
-        triton_decode(*state[:3], c.spec, dtype)
-        triton_read(*state, c.spec)
-        memos = [torch.zeros(1, 2, 4 * r, d, dtype=dtype)] + ([] if quick else [None])
-        for memo, t in itertools.product(memos, [1] if quick else [1, r + 3]):
-            triton_append(*_state(c, 1, 2, 4, d, dtype, 3), x[:, :, :t], c.spec, memo)
-        if quick:
-            _attention(c, c, dtype, d, 4, 1, "bool")
-            continue
-        v_names = sorted({name, "jpeg_k8_int8" if r == 8 else name})
-        for g, t, mask_kind, v_name in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"], v_names):
-            _attention(c, _codec(v_name), dtype, d, g, t, mask_kind)
+def _append(codec, dtype, d, t, memo: bool) -> None:
+    groups = 4
+    state = list(_state(codec, 1, 2, groups, d, dtype, 3))
+    cap = codec.sinks + groups * codec.group
+    x = torch.zeros(1, 2, t, d, dtype=dtype)
+    triton_append(state, x, codec.spec, torch.zeros(1, 2, cap, d, dtype=dtype) if memo else None)
+
+
+def launch_everything(quick: bool, recorder: Recorder) -> None:
+    """Call every launcher over the configuration grid (CPU tensors; the recorder catches the launches). Quick: the
+    pairs of ``QUICK`` at D=128 (attention with their dtype / mask / new tokens; append of each codec once, with a
+    memo);
+    full: every pair x bf16/fp16/fp32 x D=64/128 x GQA 1/4/8 x T=1/4 x every mask kind, append with and without a
+    memo, one token and a chunk."""
+    all_pairs = pairs()
     if quick:
-        _attention(_codec("jpeg_k2_int8"), _codec("png"), torch.float32, 128, 4, 1, "additive")
+        appended = set()  # each codec's append once (in the first pair's dtype): its code path does not change
+        for name, (dtype, mask_kind, new) in QUICK.items():
+            ck, cv = all_pairs[name]
+            recorder.label = f"{name} {str(dtype)[6:]} D=128 mask={mask_kind} new={new}"
+            _attention(ck, cv, dtype, 128, 4, 4 if new else 1, mask_kind, new=new)
+            for codec in (ck, cv):
+                if codec.spec not in appended:
+                    appended.add(codec.spec)
+                    recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
+                    _append(codec, dtype, 128, 1, memo=True)
+        return
+    for (name, (ck, cv)), dtype, d in itertools.product(all_pairs.items(),
+                                                        [torch.bfloat16, torch.float16, torch.float32], [128, 64]):
+        for g, t, mask_kind in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"]):
+            recorder.label = f"{name} {str(dtype)[6:]} D={d} G={g} T={t} mask={mask_kind}"
+            _attention(ck, cv, dtype, d, g, t, mask_kind, new=t > 1)
+        for codec, t, memo in itertools.product({ck.spec: ck, cv.spec: cv}.values(), [1, 9], [False, True]):
+            recorder.label = f"append {codec.spec} {str(dtype)[6:]} D={d} T={t} memo={memo}"
+            _append(codec, dtype, d, t, memo)
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:
@@ -147,25 +195,29 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None}
 
 
-def compile_all(launches: dict, arch: int) -> list[dict]:
+def compile_all(launches: dict, labels: dict, arch: int) -> list[dict]:
     target = GPUTarget("cuda", arch, 32)
     rows = []
-    for fn, signature, constexprs, options in launches.values():
-        row = {"kernel": fn.__name__, **options,
+    for key, (fn, signature, constexprs, options) in launches.items():
+        row = {"kernel": fn.__name__, "for": labels[key], **options,
                "constexprs": {k: str(v) for k, v in constexprs.items()},
                "pointers": {k: v for k, v in signature.items() if v.startswith("*")}}
         start = time.perf_counter()
         try:
             src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
             kernel = triton.compile(src, target=target, options=options)
-            row.update(ok=True, shared_bytes=kernel.metadata.shared, **_ptxas_report(kernel.asm["ptx"], arch))
+            shared = kernel.metadata.shared
+            limit = SHARED_LIMIT.get(arch)
+            row.update(ok=limit is None or shared <= limit, shared_bytes=shared, **_ptxas_report(kernel.asm["ptx"], arch))
+            if not row["ok"]:
+                row["error"] = f"needs {shared} B of shared memory, sm_{arch} has {limit}"
         except Exception as err:  # recorded and counted: a failure here is what this check exists to find
             row.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         row["compile_s"] = round(time.perf_counter() - start, 2)
         rows.append(row)
         status = "ok" if row["ok"] else "FAILED " + row["error"]
         print(f"{fn.__name__:16s} {row.get('registers')} regs, {row.get('spill_store_bytes')} B spilled, "
-              f"{row.get('shared_bytes')} B shared, {row['compile_s']} s: {status}", flush=True)
+              f"{row.get('shared_bytes')} B shared, {row['compile_s']} s: {status}  [{row['for']}]", flush=True)
     return rows
 
 
@@ -176,10 +228,10 @@ def main() -> None:
     parser.add_argument("--out", help="JSON path (default benchmarks/results/triton_compile_<triton version>.json)")
     args = parser.parse_args()
     with Recorder() as recorder:
-        launch_everything(args.quick)
+        launch_everything(args.quick, recorder)
     print(f"{len(recorder.launches)} distinct kernel configurations, compiling for sm_{args.arch} "
           f"with triton {triton.__version__}", flush=True)
-    rows = compile_all(recorder.launches, args.arch)
+    rows = compile_all(recorder.launches, recorder.labels, args.arch)
     failed = [r for r in rows if not r["ok"]]
     from common import write_result
 

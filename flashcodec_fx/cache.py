@@ -16,7 +16,7 @@ import math
 import torch
 
 from . import ops
-from .codecs import Codec, Encoded, make_codec
+from .codecs import PNG, Codec, Encoded, make_codec
 from .ops.state import StreamState, advance, capacity
 
 LAYOUTS = ("dynamic", "static")
@@ -95,7 +95,7 @@ class CodecStream:
     @property
     def exact_crop(self) -> bool:
         """Whether reopening an archived group gives back the exact tokens (png lossless on 16-bit streams)."""
-        return getattr(self.codec, "kept_deltas", 0) == self.codec.block_size - 1 and self.state is not None \
+        return self.codec.mode == PNG and not self.codec.pruned and self.state is not None \
             and self.state.tail.dtype in (torch.float16, torch.bfloat16)
 
     def _groups_for(self, positions: int) -> int:
@@ -104,7 +104,7 @@ class CodecStream:
     def _allocate(self, like: torch.Tensor, groups: int) -> None:
         b, h, _, d = like.shape
         self.state = ops.empty_state(self.codec, b, h, groups, d, like.dtype, like.device)
-        self.codec.warm(d, like.device)
+        ops.warm(self.codec, d, like.device)  # device constants now, never inside a CUDA-graph capture
         self.memo = like.new_zeros(b, h, capacity(self.codec, self.state), d) if self.memoize else None
 
     def _grow(self, groups: int) -> None:
@@ -202,22 +202,15 @@ class CodecStream:
         equals never cropping, bitwise. A crop inside an archived group reopens it: its kept tokens come back into the
         tail as the values attention read, when the codec is exact or ``crop="decode"``; otherwise it raises and
         nothing changes."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n must be an int, got {type(n).__name__}")
+        keep = self.check_crop(n)
         length = self.get_seq_length()
-        keep = max(0, length + n) if n < 0 else min(n, length)
         if self.state is None or keep == length:
             return
         codec, st, start = self.codec, self.state, self._host_start
         if keep >= start:  # inside the tail: drop raw rows
             st.tail[:, :, keep - start:].zero_()
         else:
-            reopened = codec.sinks + max(0, keep - codec.sinks) // codec.group * codec.group
-            if keep > reopened and self.crop_mode == "exact" and not self.exact_crop:
-                raise ValueError(f"crop to {keep} tokens would reopen archived tokens {reopened}..{keep - 1} of a lossy "
-                                 f"codec, which cannot give them back exactly; crop at most "
-                                 f"{length - max(start, min(length, codec.sinks))} tokens here, or build the cache "
-                                 f"with crop='decode'")
+            reopened = self._reopened(keep)
             rows = torch.zeros_like(st.tail)
             if keep > reopened:
                 rows[:, :, : keep - reopened] = self.read()[:, :, reopened:keep]
@@ -259,6 +252,27 @@ class CodecStream:
             self.memo[:, :, self.memo.shape[2] - tokens:].zero_()
         self._host_length -= tokens
         self._host_start -= tokens
+
+    def _reopened(self, keep: int) -> int:
+        """Start of the archive group holding position ``keep`` (the archive's end after a crop to ``keep``)."""
+        codec = self.codec
+        return codec.sinks + max(0, keep - codec.sinks) // codec.group * codec.group
+
+    def check_crop(self, n: int) -> int:
+        """The length :meth:`crop` ``(n)`` leaves; raises (TypeError, ValueError) where crop would, changing nothing."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be an int, got {type(n).__name__}")
+        length = self.get_seq_length()
+        keep = max(0, length + n) if n < 0 else min(n, length)
+        start = self._host_start
+        if self.state is not None and keep < min(start, length) and self.crop_mode == "exact" and not self.exact_crop:
+            reopened = self._reopened(keep)
+            if keep > reopened:
+                raise ValueError(f"crop to {keep} tokens would reopen archived tokens {reopened}..{keep - 1} of a lossy "
+                                 f"codec, which cannot give them back exactly; crop at most "
+                                 f"{length - max(start, min(length, self.codec.sinks))} tokens here, or build the "
+                                 f"cache with crop='decode'")
+        return keep
 
     def index_select(self, indices: torch.Tensor) -> None:
         """Reorder / select along batch (beam search): every state tensor and the memo move together. A static
@@ -403,11 +417,16 @@ class CodecKVCache:
         self.append(new_k, new_v)
         return self.read()
 
-    def check_new(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    def check_new(self, new_k: torch.Tensor, new_v: torch.Tensor, same_head_dim: bool = True) -> None:
+        """Reject keys and values these streams cannot take together, before any state changes. ``same_head_dim``:
+        both need one head dim, as :meth:`attention` reads them with the same queries (False: :meth:`read` only)."""
         self.keys.check_new(new_k)
         self.values.check_new(new_v)
         if new_k.shape[:3] != new_v.shape[:3]:
             raise ValueError(f"new_k and new_v must share (B, H, T), got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
+        if same_head_dim and new_k.shape[3] != new_v.shape[3]:
+            raise ValueError(f"new_k and new_v must share the head dim: keys have {new_k.shape[3]}, values "
+                             f"{new_v.shape[3]} (CodecKVCache.attention reads both with the queries' head dim)")
 
     def append(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         if not torch.compiler.is_compiling():
@@ -422,6 +441,9 @@ class CodecKVCache:
         return self.keys.get_seq_length()
 
     def crop(self, n: int) -> None:
+        """Both streams keep the same tokens (see :meth:`CodecStream.crop`); a refused crop changes neither."""
+        self.keys.check_crop(n)
+        self.values.check_crop(n)
         self.keys.crop(n)
         self.values.crop(n)
 

@@ -64,8 +64,13 @@ def kernel_report() -> dict[str, Any]:
         cpu_why = "no CPU kernel is registered: the plain-torch reference (the spec) serves CPU tensors"
     else:
         cpu_why = f"CPU kernels registered: {', '.join(kinds['cpu'])}"
-    if "triton" in kinds["cuda"]:
-        cuda_why = f"{triton['why']}: its kernels are registered for CUDA"
+    on_triton = [op.split("::")[1] for op, kernels in registry.items() if kernel_kind(kernels["cuda"]) == "triton"]
+    if on_triton:
+        others = [op.split("::")[1] for op in registry if op.split("::")[1] not in on_triton]
+        cuda_why = (f"{triton['why']}: Triton kernels serve {', '.join(on_triton)} on CUDA devices of compute "
+                    f"capability >= 8.0 (older ones run the reference)")
+        if others:
+            cuda_why += f"; the plain-torch reference serves {', '.join(others)} on CUDA too"
     else:
         cuda_why = f"{triton['why']}: the reference serves CUDA tensors too"
     cuda_why += f"; CUDA device: {cuda}" if cuda else "; no CUDA device on this machine"

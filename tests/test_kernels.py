@@ -7,26 +7,42 @@ import importlib.util
 import torch
 
 from flashcodec_fx import kernels
+from flashcodec_fx.ops import cpu
 
 
-def test_cpu_tensors_run_the_reference_kernels():
+def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
+    """codec_attention and append run the C++ kernels of ``ops/cpu`` on CPU (unless ``FLASHCODEC_KERNELS=reference``),
+    every other op the reference."""
     registry = kernels.kernel_registry()
     assert sorted(registry) == sorted(kernels.OPS)
-    assert registry["flashcodec::codec_attention"]["cpu"] == "flashcodec_fx.ops.attention.codec_attention"
-    assert registry["flashcodec::append"]["cpu"] == "flashcodec_fx.ops.append.append"
-    assert all(kernels.kernel_kind(k["cpu"]) == "reference" for k in registry.values())
+    fast = cpu.kernel_mode() != "reference"
+    want = {"flashcodec::codec_attention": ("flashcodec_fx.ops.cpu.launch.cpu_codec_attention" if fast
+                                            else "flashcodec_fx.ops.attention.codec_attention"),
+            "flashcodec::append": "flashcodec_fx.ops.cpu.launch.cpu_append" if fast else "flashcodec_fx.ops.append.append"}
+    for op, by_device in registry.items():
+        if op in want:
+            assert by_device["cpu"] == want[op]
+        assert kernels.kernel_kind(by_device["cpu"]) == ("cpu" if fast and op in want else "reference"), op
 
 
-def test_cuda_kernels_are_triton_exactly_when_triton_imports():
+def test_cuda_kernels_are_triton_exactly_where_triton_has_one():
+    """With Triton, the ops of ``triton_register.KERNELS`` (codec_attention, append) run Triton on CUDA, the others
+    the reference; without Triton, every op runs the reference."""
     registry = kernels.kernel_registry()
     triton = importlib.util.find_spec("triton") is not None
-    for op, by_device in registry.items():
-        assert kernels.kernel_kind(by_device["cuda"]) == ("triton" if triton else "reference"), op
+    on_triton = set()
     if triton:
         from flashcodec_fx.ops import triton_register
 
-        assert {op: f"{fn.__module__}.{fn.__qualname__}" for op, fn in triton_register.KERNELS.items()} == \
-            {op: by_device["cuda"] for op, by_device in registry.items()}
+        on_triton = set(triton_register.KERNELS)
+        assert on_triton == {"flashcodec::append", "flashcodec::codec_attention"}
+        for op, fn in triton_register.KERNELS.items():
+            assert registry[op]["cuda"] == f"{fn.__module__}.{fn.__qualname__}"
+    for op, by_device in registry.items():
+        assert kernels.kernel_kind(by_device["cuda"]) == ("triton" if op in on_triton else "reference"), op
+    why = kernels.kernel_report()["why"]["cuda"]
+    for op in on_triton:
+        assert op.split("::")[1] in why.split("; the plain-torch")[0]
 
 
 def test_a_kernel_registered_for_cpu_shows_up(monkeypatch):
@@ -48,8 +64,9 @@ def test_a_kernel_registered_for_cpu_shows_up(monkeypatch):
 
 def test_report_says_why():
     report = kernels.kernel_report()
-    assert report["active"]["cpu"] == ["reference"]
-    assert "reference" in report["why"]["cpu"]
+    fast = cpu.kernel_mode() != "reference"
+    assert report["active"]["cpu"] == (["cpu", "reference"] if fast else ["reference"])
+    assert ("CPU kernels registered: cpu, reference" if fast else "reference") in report["why"]["cpu"]
     assert ("CUDA device:" in report["why"]["cuda"]) == torch.cuda.is_available()
     assert report["triton"]["importable"] == (importlib.util.find_spec("triton") is not None)
     assert report["ops"]["flashcodec::read"]["cpu"] == {"kernel": "flashcodec_fx.ops.read.read", "kind": "reference"}

@@ -11,15 +11,16 @@ tensors that carry the layer that stored them; the ``"kvcodec"`` attention funct
 Every other call (layers without a codec, linear layers, models not using a FlashCodecCache) runs the previous
 implementation unchanged; a codec sliding-window layer is served like a full one (the mask bounds its window).
 Calls the stored-form path cannot serve (``output_attentions``, dropout, a sliding window on a layer that is not a
-codec ring, logit soft-capping, attention sinks, position bias, a multi-token call without a mask, K/V head dims
-differing from the query's) attend on one decode of the stored view, with a ``MaterializationFreeFallback``
-warning, or raise ``NotImplementedError`` when the cache was built with ``strict=True``.
+codec ring, logit soft-capping, attention sinks, position bias, a multi-token call without a mask) attend on one
+decode of the stored view, with a ``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the
+cache was built with ``strict=True``. A call that receives other keys than those its codec layer handed out raises.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,8 @@ def plain(x: torch.Tensor) -> torch.Tensor:
 
 
 _delegate_of: dict[int, str] = {}  # id(config) -> implementation the model used before apply_codec_attention
+# attention module -> weak reference to the codec layer whose prefill it served last (neither is kept alive by this)
+_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _delegate(module: torch.nn.Module) -> Callable:
@@ -84,9 +87,6 @@ def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
         return "a multi-token step without an explicit mask"
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
         return f"a {type(mask).__name__} mask (needs a 4D bool or additive tensor)"
-    dims = {query.shape[-1], layer.keys_stream.tail.shape[-1], layer.values_stream.tail.shape[-1]}
-    if len(dims) > 1:
-        return "key / value head dims differing from the query's"
     return None
 
 
@@ -97,24 +97,47 @@ def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     (like transformers' sdpa implementation)."""
     delegate = _delegate(module)
     if not isinstance(key, CodecStates) or torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
+            _check_no_pending_hand_off(module)
         return delegate(module, query, plain(key), plain(value), attention_mask, dropout=dropout, scaling=scaling,
                         **kwargs)
     layer, decode = key.codec_layer, key.codec_decode
     key, value = plain(key), plain(value)
-    layer.handed_out = False
+    try:
+        return _attend(module, delegate, layer, decode, query, key, value, attention_mask, dropout, scaling, kwargs)
+    finally:
+        layer.finish_step()  # the step's state was read: a waiting offload may move it now
+
+
+def _attend(module: torch.nn.Module, delegate: Callable, layer: Any, decode: bool, query: torch.Tensor,
+            key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+            scaling: float | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not decode:
         layer.attention_bound = True
+        _served[module] = weakref.ref(layer)
         return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     reason = _unsupported(query, attention_mask, dropout, layer, kwargs)
     if reason is not None:
         if layer.strict:
             raise NotImplementedError(f"attention on the stored form does not support {reason} (strict=True)")
         warnings.warn(f"attention on the stored form does not support {reason}: this step attends on the decoded view",
-                      MaterializationFreeFallback, stacklevel=2)
+                      MaterializationFreeFallback, stacklevel=3)
         key_view, value_view = layer.read_view((key, value))
         return delegate(module, query, key_view, value_view, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = layer.attend(query, attention_mask, scaling, (key, value))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_no_pending_hand_off(module: torch.nn.Module) -> None:
+    """Raise when ``module`` served a codec layer's prefill and that layer handed this step's states to attention,
+    but the call received other keys (the model changed K/V between ``cache.update`` and attention): attending on them
+    would read this call's tokens only, a wrong answer."""
+    served = _served.get(module)
+    layer = None if served is None else served()
+    if layer is not None and layer.handed_out:
+        raise RuntimeError("the 'kvcodec' attention did not receive the keys its cache layer handed out for this step "
+                           "(the model changes K/V between cache.update and attention): attention on the stored form "
+                           "cannot serve this model; build the cache with materialization_free=False")
 
 
 def flashcodec_mask(*args: Any, **kwargs: Any):

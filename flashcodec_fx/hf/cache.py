@@ -16,6 +16,7 @@ model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any
@@ -34,6 +35,7 @@ from ..cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_
 from ..codecs import Codec
 from ..presets import with_preset
 from .attention import MaterializationFreeFallback, tag_states
+from .offload import HOST, allocated_groups, move_stream
 from .options import (
     CACHE_OPTIONS,
     UNSET,
@@ -45,7 +47,19 @@ from .options import (
 )
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
-_SWITCHES = ("layout", "max_cache_len", "materialization_free", "strict", "memoize", "crop")
+
+
+def crop_count(tokens_to_remove: Any) -> int:
+    """``crop``'s argument as an int: an int, or a one-element integer tensor (transformers 5.17's assisted decoding
+    passes one; reading it is a host sync, outside any decode step)."""
+    value = tokens_to_remove
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"tokens_to_remove must be an int (or a one-element integer tensor), got "
+                        f"{type(tokens_to_remove).__name__}")
+    return value
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -83,6 +97,8 @@ class FlashCodecLayer(CacheLayerMixin):
         self.attention_bound = False  # set by the "kvcodec" attention function when it serves this layer's prefill
         self.handed_out = False  # new states handed to attention and not consumed yet
         self._marked_static = False
+        self._offloaded: tuple[int, int] | None = None  # on the host: the archive groups (K, V) to restore on arrival
+        self._offload_pending = False  # offload() came while attention had not read this step's state yet
 
     def __repr__(self) -> str:
         k, v = self.keys_stream.codec, self.values_stream.codec
@@ -141,8 +157,13 @@ class FlashCodecLayer(CacheLayerMixin):
 
     @property
     def batch_size(self) -> int:
+        """Batch rows held. Like transformers' lazily initialized layers, the attribute does not exist before the
+        layer is (``hasattr`` is False), so ``Cache.batch_size`` skips it."""
         tail = self.keys_stream.tail
-        return -1 if tail is None else tail.shape[0]
+        if tail is None:
+            raise AttributeError("batch_size: this FlashCodecLayer holds no storage yet (first update or "
+                                 "early_initialization allocates it)")
+        return tail.shape[0]
 
     def _compiled_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.codec_cache.append(key_states, value_states)
@@ -163,7 +184,9 @@ class FlashCodecLayer(CacheLayerMixin):
             raise RuntimeError("the attention function did not receive the keys this cache layer handed out at the "
                                "previous step (the model changes K/V between cache.update and attention, or does not "
                                "use the 'kvcodec' attention): build the cache with materialization_free=False")
-        self.codec_cache.check_new(key_states, value_states)
+        self._check_new(key_states, value_states)
+        if self._offloaded is not None:  # not prefetched (a call outside Cache.update's order): bring it back now
+            self.prefetch()
         first_fill = self.keys_stream.get_seq_length() == 0
         if self.materialization_free and not first_fill and not self.attention_bound:
             self._fall_back_to_view()
@@ -187,6 +210,20 @@ class FlashCodecLayer(CacheLayerMixin):
             self.handed_out = True
             return tag_states(key_states, self, True), tag_states(value_states, self, True)
         return self.read_view((key_states, value_states))
+
+    def _check_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Reject states this layer cannot take, before any state changes. Keys and values may have different head dims
+        when attention reads the decoded view; attention on the stored form reads both with the queries' head dim."""
+        if not self.materialization_free:
+            self.codec_cache.check_new(key_states, value_states, same_head_dim=False)
+            return
+        if all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (key_states, value_states)) \
+                and key_states.shape[3] != value_states.shape[3]:
+            raise ValueError(f"keys have head_dim {key_states.shape[3]} and values {value_states.shape[3]}: attention "
+                             f"on the stored form (materialization_free=True, the default) needs one head dim; build the "
+                             f"cache with materialization_free=False to store them (attention then reads the decoded "
+                             f"view)")
+        self.codec_cache.check_new(key_states, value_states)
 
     def _fall_back_to_view(self) -> None:
         reason = ("this layer attends on the stored form, but the 'kvcodec' attention function did not serve its "
@@ -241,20 +278,24 @@ class FlashCodecLayer(CacheLayerMixin):
         """Forget every token (dynamic: storage released, the next update may bring another batch size; static:
         zeroed in place)."""
         self.codec_cache.reset()
-        self.attention_bound = self.handed_out = False
+        self.attention_bound = self.handed_out = self._offload_pending = False
         if self.layout == "dynamic":
-            self.is_initialized = False
+            self.is_initialized, self._offloaded = False, None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers 5.x: a negative int; ``max_length``-style positive
         ints keep that many tokens; past the start empties the layer, as DynamicLayer does). See
         :meth:`CodecStream.crop` for exactness."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        tokens_to_remove = crop_count(tokens_to_remove)
         if tokens_to_remove == 0 or not self.keys_stream.is_initialized:
             return
-        self.keys_stream.crop(tokens_to_remove)
-        self.values_stream.crop(tokens_to_remove)
+        self.codec_cache.crop(tokens_to_remove)  # both streams or, refused, neither
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise where :meth:`crop` would (TypeError, ValueError), changing nothing."""
+        tokens_to_remove = crop_count(tokens_to_remove)
+        self.keys_stream.check_crop(tokens_to_remove)
+        self.values_stream.check_crop(tokens_to_remove)
 
     def _batch_indices(self, indices: Any) -> torch.Tensor:
         device = self.keys_stream.tail.device
@@ -282,10 +323,36 @@ class FlashCodecLayer(CacheLayerMixin):
             self.codec_cache.repeat_interleave(repeats)
             self._marked_static = False
 
-    def offload(self):
-        raise NotImplementedError("FlashCodecLayer does not support offloading")
+    def offload(self) -> None:
+        """Move the stored form to the CPU (transformers' offloading; see :mod:`flashcodec_fx.hf.offload`): the
+        archive's filled groups, the raw sinks and tail, the mean and lengths (and the memo, where kept). When attention
+        on the stored form has not read this step's state yet, the move waits for it (the attention function calls
+        :meth:`finish_step`)."""
+        if self.handed_out:
+            self._offload_pending = True
+            return
+        if self._offloaded is not None or not self.keys_stream.is_initialized:
+            return
+        streams = (self.keys_stream, self.values_stream)
+        self._offloaded = tuple(allocated_groups(stream) for stream in streams)
+        for stream in streams:
+            move_stream(stream, HOST)
+        self._marked_static = False
 
-    prefetch = offload
+    def prefetch(self) -> None:
+        """Move an offloaded layer back to its device, with the archive's capacity it had there."""
+        if self._offloaded is None:
+            return
+        for stream, groups in zip((self.keys_stream, self.values_stream), self._offloaded, strict=True):
+            move_stream(stream, self.device, groups)
+        self._offloaded = None
+
+    def finish_step(self) -> None:
+        """Called by the attention function once it has read this step's state: a waiting offload runs now."""
+        self.handed_out = False
+        if self._offload_pending:
+            self._offload_pending = False
+            self.offload()
 
     def storage_breakdown(self) -> dict[str, int]:
         """Bytes held by both streams, by part (see :meth:`CodecStream.storage_breakdown`)."""
@@ -363,17 +430,24 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
             self.dropped = target
         return super().update(key_states, value_states, *args, **kwargs)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """As :meth:`FlashCodecLayer.crop`; positions the ring has dropped cannot come back (ValueError)."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+    def _stream_crop(self, tokens_to_remove: int) -> int:
+        """The streams' crop argument for ``crop(tokens_to_remove)`` (positions relative to the ring); raises where
+        the ring has dropped positions that the crop would need back."""
+        tokens_to_remove = crop_count(tokens_to_remove)
         seen = self.get_seq_length()
         keep = max(0, seen + tokens_to_remove) if tokens_to_remove < 0 else min(tokens_to_remove, seen)
         if keep < self.dropped:
             raise ValueError(f"crop to {keep} tokens: this sliding-window layer has dropped positions 0.."
                              f"{self.dropped - 1} (outside its window of {self.sliding_window}); crop to at least "
                              f"{self.dropped}")
-        super().crop(keep - seen if keep < seen else 0)
+        return keep - seen if keep < seen else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As :meth:`FlashCodecLayer.crop`; positions the ring has dropped cannot come back (ValueError)."""
+        super().crop(self._stream_crop(tokens_to_remove))
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        super().check_crop(self._stream_crop(tokens_to_remove))
 
     def reset(self) -> None:
         super().reset()
@@ -412,8 +486,12 @@ class FlashCodecCache(Cache):
                  key_options: dict | None = None, value_options: dict | None = None, layout: str = "dynamic",
                  max_cache_len: int | None = None, per_layer: dict[int, dict | None] | None = None,
                  materialization_free: bool = True, strict: bool = False, memoize: bool | None = None,
-                 crop: str = "exact", config: Any = None, num_layers: int | None = None, **codec_options: Any):
+                 crop: str = "exact", offloading: bool = False, offload_only_non_sliding: bool = True,
+                 config: Any = None, num_layers: int | None = None, **codec_options: Any):
         check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
+        for name, value in (("offloading", offloading), ("offload_only_non_sliding", offload_only_non_sliding)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         check_option_names(codec_options, CACHE_OPTIONS)
         given = {"mode": mode, "block_size": block_size, "keep_freqs": keep_freqs, "quant_bits": quant_bits,
                  "keep_ratio": keep_ratio, **codec_options}
@@ -440,14 +518,11 @@ class FlashCodecCache(Cache):
                                  "or pass num_layers=")
         resolve_layer_codecs(codec_options)  # every option checked before anything is built
 
-        self.options = {**codec_options, "per_layer": overrides, **layer_kwargs}
+        self.options = {**codec_options, "per_layer": overrides, **layer_kwargs, "offloading": offloading}
         self._padding_mask: torch.Tensor | None = None
+        offload = dict(offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         if layer_types is None:
-            def replicate() -> FlashCodecLayer:
-                codecs = resolve_layer_codecs(codec_options, layer_idx=len(self.layers))
-                return FlashCodecLayer(codecs.key, codecs.value, **layer_kwargs)
-
-            super().__init__(layer_class_to_replicate=replicate)
+            super().__init__(layer_class_to_replicate=_LayerFactory(codec_options, layer_kwargs), **offload)
             return
         for idx in overrides:
             if idx >= len(layer_types):
@@ -473,7 +548,18 @@ class FlashCodecCache(Cache):
                 layers.append(STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kwargs))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
-        super().__init__(layers=layers)
+        super().__init__(layers=layers, **offload)
+
+    def __deepcopy__(self, memo: dict) -> FlashCodecCache:
+        """A deep copy of every layer; the offloading prefetch stream (a device queue, not data) is shared."""
+        stream = vars(self).get("prefetch_stream")
+        if stream is not None:
+            memo[id(stream)] = stream
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in vars(self).items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
 
     @classmethod
     def from_config(cls, config: Any, **options: Any) -> FlashCodecCache:
@@ -513,13 +599,41 @@ class FlashCodecCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``: the layer's update, with the padding mask (codec layers) and, when offloading, the next
+        offloaded layer prefetched before and this one offloaded after (stream-ordered on CUDA, in order elsewhere)."""
         if self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())
         layer = self.layers[layer_idx]
-        if isinstance(layer, FlashCodecLayer) and self._padding_mask is not None and not torch.compiler.is_compiling():
-            return layer.update(key_states, value_states, *args, keep=self._keep_mask(layer, key_states), **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        compiling = torch.compiler.is_compiling()
+        if isinstance(layer, FlashCodecLayer) and self._padding_mask is not None and not compiling:
+            kwargs = {**kwargs, "keep": self._keep_mask(layer, key_states)}
+        if not self.offloading:
+            return layer.update(key_states, value_states, *args, **kwargs)
+        if compiling:
+            raise RuntimeError("FlashCodecCache offloading runs eagerly only: compile the model without offloading, "
+                               "or offload without torch.compile")
+        if isinstance(layer, FlashCodecLayer):
+            layer._check_new(key_states, value_states)  # refused before the prefetch moves anything
+        if key_states.device.type == "cuda":  # as transformers' Cache.update
+            torch.cuda.default_stream(key_states.device).wait_stream(self.prefetch_stream)
+            self.prefetch_stream.wait_stream(torch.cuda.default_stream(key_states.device))
+        self.prefetch(layer_idx + 1, self.only_non_sliding)
+        out = layer.update(key_states, value_states, *args, **kwargs)
+        self.offload(layer_idx, self.only_non_sliding)
+        return out
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``Cache.crop`` on every layer: a negative int drops that many tokens (past the start: empty, as
+        DynamicLayer); a positive int keeps that many (transformers < 5.18's convention, on native layers too). A crop
+        that a codec layer refuses (see :meth:`flashcodec_fx.CodecStream.crop`) raises before any layer changes."""
+        tokens_to_remove = crop_count(tokens_to_remove)
+        if tokens_to_remove > 0:
+            tokens_to_remove = min(0, tokens_to_remove - int(self.get_seq_length()))
+        for layer in self.layers:
+            if isinstance(layer, FlashCodecLayer) and layer.keys_stream.is_initialized:
+                layer.check_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def storage_breakdown(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
         """Every byte the cache holds, by part, summed over layers: the codec parts of
@@ -551,6 +665,20 @@ class FlashCodecCache(Cache):
         layers = [layer for layer in self.layers if isinstance(layer, FlashCodecLayer)]
         bits = sum(layer.stored_bits() for layer in layers)
         return bits / max(1, sum(layer.cached_values() for layer in layers))
+
+
+class _LayerFactory:
+    """``layer_class_to_replicate`` of a cache built without a layer count: the next codec layer, seeded by its index
+    (``rotate=True``). A plain object rather than a closure over the cache, so a deep copy of the cache stays
+    independent of the original."""
+
+    def __init__(self, codec_options: dict, layer_kwargs: dict):
+        self.codec_options, self.layer_kwargs, self.made = codec_options, layer_kwargs, 0
+
+    def __call__(self) -> FlashCodecLayer:
+        codecs = resolve_layer_codecs(self.codec_options, layer_idx=self.made)
+        self.made += 1
+        return FlashCodecLayer(codecs.key, codecs.value, **self.layer_kwargs)
 
 
 def _layer_types(config: Any) -> tuple[list[str], list[dict]]:

@@ -26,7 +26,7 @@ DEFAULTS = {"mode": "jpeg", "block_size": 8, "keep_freqs": None, "quant_bits": 8
 STREAM_OPTIONS = ("key_options", "value_options")
 LAYER_OPTIONS = (*CODEC_OPTIONS, *STREAM_OPTIONS)
 CACHE_OPTIONS = (*LAYER_OPTIONS, "preset", "layout", "max_cache_len", "per_layer", "materialization_free", "strict",
-                 "memoize", "crop")
+                 "memoize", "crop", "offloading", "offload_only_non_sliding")
 
 
 @dataclass(frozen=True)

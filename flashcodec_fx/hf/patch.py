@@ -3,8 +3,10 @@
 Both wrap the model's ``_prepare_cache_for_generation`` (same signature in transformers 5.17 .. 5.24): transformers
 first prepares its own cache as usual; a fresh ``DynamicCache`` is then replaced by
 ``FlashCodecCache.from_config(model.config, **options)`` and a fresh ``StaticCache`` (``cache_implementation="static"``)
-by the static layout with the same ``max_cache_len``. A cache passed by the caller is kept as is (a FlashCodecCache
-passed this way still receives the prompt's padding mask). ``remove_flash_codec`` restores exactly what was there.
+by the static layout with the same ``max_cache_len``; their offloading variants (``"offloaded"``,
+``"offloaded_static"``) by the same caches with ``offloading=True``. A cache passed by the caller is kept as is (a
+FlashCodecCache passed this way still receives the prompt's padding mask). Every other ``cache_implementation``
+raises ValueError before transformers builds anything. ``remove_flash_codec`` restores exactly what was there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .compile import check_compile, install_compile_config
 from .options import CACHE_OPTIONS, check_option_names, check_per_layer
 
 METHOD = PREPARE_CACHE_METHOD
+REPLACED = (None, "dynamic", "static", "offloaded", "offloaded_static")  # cache_implementation values the codec serves
 T = TypeVar("T", bound=type)
 
 
@@ -40,18 +43,24 @@ def _validate(options: dict[str, Any], config: Any = None) -> dict[str, Any]:
     return dict(options)
 
 
-def _codec_cache_for(model: Any, options: dict[str, Any], native: Cache, max_cache_length: int) -> FlashCodecCache:
+def _codec_cache_for(model: Any, options: dict[str, Any], native: Cache, max_cache_length: int,
+                     compiled: bool) -> FlashCodecCache:
     opts = dict(options)
-    if type(native) is StaticCache and not native.offloading:
+    if type(native) is StaticCache:
         opts["layout"] = "static"
         opts["max_cache_len"] = opts.get("max_cache_len") or native.get_max_length()
-    elif type(native) is DynamicCache and not native.offloading:
+    elif type(native) is DynamicCache:
         if opts.get("layout") == "static":
             opts["max_cache_len"] = opts.get("max_cache_len") or max_cache_length
     else:
         raise ValueError(f"flashcodec_fx replaces transformers' default dynamic and static caches; this generate() call "
-                         f"asked for a {type(native).__name__}{' with offloading' if native.offloading else ''} "
-                         f"(cache_implementation); pass a FlashCodecCache or remove the codec")
+                         f"asked for a {type(native).__name__} (cache_implementation); pass a FlashCodecCache or remove "
+                         f"the codec")
+    if native.offloading:
+        if compiled:
+            raise ValueError("apply_flash_codec(compile=...) does not combine with an offloaded cache "
+                             "(cache_implementation='offloaded' / 'offloaded_static'): offloading runs eagerly")
+        opts["offloading"] = True
     return FlashCodecCache.from_config(model.config, **opts)
 
 
@@ -62,10 +71,10 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
     generation_config = bound.arguments["generation_config"]
     install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.hf.compile
     wanted = getattr(generation_config, "cache_implementation", None)
-    if wanted not in (None, "dynamic", "static") and not _user_cache(bound.arguments["model_kwargs"]):
-        raise ValueError(f"flashcodec_fx replaces transformers' default dynamic and static caches; this generate() call "
-                         f"asked for cache_implementation={wanted!r}: pass a FlashCodecCache or remove the codec "
-                         f"(remove_flash_codec)")
+    if wanted not in REPLACED and not _user_cache(bound.arguments["model_kwargs"]):
+        raise ValueError(f"flashcodec_fx replaces transformers' dynamic and static caches (cache_implementation in "
+                         f"{REPLACED}); this generate() call asked for cache_implementation={wanted!r}: pass a "
+                         f"FlashCodecCache or remove the codec (remove_flash_codec)")
     if options.get("materialization_free", True):
         apply_codec_attention(model)
     native(*args, **kwargs)
@@ -74,7 +83,7 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
         return
     cache = model_kwargs[name]
     if not is_user_defined_cache(cache):
-        cache = _codec_cache_for(model, options, cache, max_cache_length)
+        cache = _codec_cache_for(model, options, cache, max_cache_length, compiled is not None)
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
         model_kwargs[name] = cache

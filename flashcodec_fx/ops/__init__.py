@@ -13,8 +13,16 @@ from .blocks import decode, encode
 from .cpu import register as _register_cpu_kernels
 from .read import read
 from .state import StreamState, advance, capacity, empty_state
+from .warm import warm
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # without triton the reference kernels serve every device
+    triton_register = None
+else:
+    from . import triton_register  # noqa: F401  (Triton CUDA kernels, behind a capability gate)
 
 _register_cpu_kernels()
 
 __all__ = ["StreamState", "append", "advance", "capacity", "codec_attention", "completable_groups", "decode",
-           "empty_state", "encode", "read"]
+           "empty_state", "encode", "read", "warm"]

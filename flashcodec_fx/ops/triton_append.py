@@ -1,105 +1,708 @@
-"""Triton `append`: new tokens into the raw tail, completed blocks encoded into their archive slots on the device.
+"""Triton `append`: new tokens into the stream; groups that complete and leave the window are encoded on the device.
 
-Two kernels and one in-place add, the same launches every step (grids depend on shapes only; the length is
-read on the device), so a decode step is capturable in a CUDA graph:
+Four launches, the same every step (grids depend on shapes only; lengths are read on the device: no host sync,
+CUDA-graph capturable), in the reference's order (``ops/append.py``):
 
-1. ``_archive_kernel``, one program per (batch * head, touched block ``j``): builds the block's rows from the
-   old tail and the new tokens, encodes + stores it when it is complete, and writes the memo (decoded rows of a
-   newly archived block, raw rows of the open block), exactly as the reference does.
-2. ``_tail_kernel``, one program per (batch * head): the open block's rows become the new tail.
-3. ``length += T``.
+1. ``_intake_kernel``, one program per (batch * head): sink rows, the per-channel mean (``center``: the first
+   append reaching past the sinks), the new tokens' raw rows in the memo;
+2. ``_encode_kernel``, one program per (batch * head, completable group ``k``): group ``k`` of the work buffer (old
+   tail, then the new tokens) is encoded and stored when ``advance`` archives it and it fits in the capacity (never
+   past it); else the program does nothing. Encoding: center, rotate (``x @ R^T``), the jpeg DCT (``M @ X`` per
+   block) or png's anchor + deltas (pruned: the largest kept per channel), then the quantizer: each scale class's
+   base scale (``int`` / ``midrise``: the largest magnitude over the class's step, ``uniform``: the range and its
+   minimum as zero point, ``lloyd``: the RMS), the clipping search over ``quant.SHRINK_FACTORS`` /
+   ``LLOYD_FACTORS`` (least squared error, the first of equal errors), fp16 scales and zero points, nearest codes
+   (grids round half to even, Lloyd-Max by their midpoints), codes packed in power-of-two bit slices; the memo
+   gets the group's decoded rows;
+3. ``_tail_kernel``, one program per (batch * head): the rows after the archived groups become the tail (zeros
+   past the length), after every reader of the old tail has run;
+4. ``_advance_kernel``, one program: ``start`` moves past the archived groups, ``length += T``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._validate import check_append_args
-from .append import touched_blocks
-from .triton_common import BlockForm, archive_block, check_triton_limits, codec_matrices, pow2, require_contiguous
+from ..codecs import JPEG
+from .append import check_append_args, completable_groups
+from .triton_common import (
+    CHANNEL_CODES,
+    F_CENTER,
+    F_CLASSES,
+    F_DENSE_P,
+    F_FORM,
+    F_GROUP_BLOCKS,
+    F_KEPT,
+    F_LEVELS_W,
+    F_LLOYD,
+    F_R,
+    F_ROTATE,
+    F_ROW_BYTES,
+    F_ROWS,
+    F_SINKS,
+    F_SLICES,
+    F_TAIL,
+    F_ZEROS,
+    FACTOR_SLOTS,
+    KIND_INT,
+    KIND_LLOYD,
+    KIND_UNIFORM,
+    MAX_GROUP_TOKENS,
+    N_LLOYD,
+    N_SHRINK,
+    PRUNED_ROWS,
+    ROW_BIT_OFFSET,
+    ROW_CLASS,
+    ROW_KIND,
+    ROW_ZERO_SLOT,
+    StreamForm,
+    check_triton_limits,
+    float_rows,
+    level_values,
+    pow2,
+    require_contiguous,
+    row_info,
+    stream_tables,
+    unpack_codes,
+)
+
+_CHANNEL_CODES: tl.constexpr = tl.constexpr(CHANNEL_CODES)
+_PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
+_FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+_CHUNK = 16  # token rows per step of the intake and tail loops
+# Index of each EncodeTiles field in its constexpr tuple:
+E_D: tl.constexpr = tl.constexpr(0)
+E_DP: tl.constexpr = tl.constexpr(1)
+E_GP: tl.constexpr = tl.constexpr(2)
+E_RP: tl.constexpr = tl.constexpr(3)
+E_RC: tl.constexpr = tl.constexpr(4)
+E_WINDOW: tl.constexpr = tl.constexpr(5)
+E_IS_JPEG: tl.constexpr = tl.constexpr(6)
+E_QUANT: tl.constexpr = tl.constexpr(7)
+E_SEARCH: tl.constexpr = tl.constexpr(8)
+E_HAS_MEMO: tl.constexpr = tl.constexpr(9)
+E_CHUNK: tl.constexpr = tl.constexpr(10)
+E_DC: tl.constexpr = tl.constexpr(11)
+
+
+@dataclass(frozen=True)
+class EncodeTiles:
+    """The append kernels' shape constexprs (tuple order = field order): ``head_dim`` (``dp`` its tile), ``gp`` rows
+    of a group's token tile and ``rp`` of its stored-row tile (powers of two >= 16, tl.dot's minimum), ``rc`` the
+    rotation's column chunk, ``window``, ``is_jpeg``, ``quant``, ``search`` (the clipping search), ``has_memo``,
+    ``chunk`` token rows per loop step of the intake and tail kernels, ``dc`` channels per encode program (the whole
+    head_dim for token-axis codes, whose scales span it; else ``rc``: every other stored form is per channel)."""
+
+    head_dim: int
+    dp: int
+    gp: int
+    rp: int
+    rc: int
+    window: int
+    is_jpeg: bool
+    quant: bool
+    search: bool
+    has_memo: bool
+    chunk: int
+    dc: int
+
+    @classmethod
+    def of(cls, codec, head_dim: int, has_memo: bool) -> EncodeTiles:
+        q = codec.quantizer
+        dp = pow2(head_dim, 16)
+        stored = codec.blocks * pow2(codec.rows if codec.mode == JPEG else codec.block_size)
+        rc = min(32, dp)
+        return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), rc, codec.window, codec.mode == JPEG,
+                   q is not None, q is not None and q.search, has_memo, _CHUNK,
+                   dp if q is not None and q.axis == "token" else rc)
+
+    def constexpr(self) -> tuple:
+        return tuple(self.__dict__.values())
+
+
+# --- device helpers ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _work_rows(tail, new, NS, b, h, bh, w, d, ok, start, length, T, TAIL: tl.constexpr, D: tl.constexpr):
+    """Rows ``w`` of the reference's work buffer (position ``start + w``): new token ``start + w - length`` when it
+    exists, else old tail row ``w`` (zeros past the tail), fp32; zero where not ``ok``."""
+    sn0, sn1, sn2, sn3 = NS
+    token = start + w - length
+    ok = ok & (d < D) & (w >= 0)
+    is_new = ok & (token >= 0) & (token < T)
+    x = tl.load(new + b * sn0 + h * sn1 + token * sn2 + d * sn3, mask=is_new, other=0.0).to(tl.float32)
+    x += tl.load(tail + (bh * TAIL + w) * D + d, mask=ok & (token < 0) & (w < TAIL), other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit
-def _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w, d, off, T, r: tl.constexpr, D: tl.constexpr):
-    """Rows ``w`` of the reference's work buffer (old tail, then ``new`` written from ``off``, zeros after), fp32."""
-    in_new = (w >= off) & (w < off + T) & (d < D)
-    fresh = tl.load(new_ptr + b * snb + h * snh + (w - off) * snt + d, mask=in_new, other=0.0)
-    old = tl.load(tail_ptr + bh * (r * D) + w * D + d, mask=(w >= 0) & (w < r) & (d < D) & ~in_new, other=0.0)
-    return tl.where(in_new, fresh.to(tl.float32), old.to(tl.float32))
+def _advance(start, end, WINDOW: tl.constexpr, G: tl.constexpr):
+    """``state.advance``: the archive's end after appending up to ``end``."""
+    return start + tl.maximum(end - start - WINDOW, 0) // G * G
 
 
 @triton.jit
-def _archive_kernel(data_ptr, scale_ptr, index_ptr, tail_ptr, len_ptr, new_ptr, snb, snh, snt, memo_ptr, an_ptr,
-                    syn_ptr, H, NB, T, D: tl.constexpr, DP: tl.constexpr, HAS_MEMO: tl.constexpr,
-                    r: tl.constexpr, R: tl.constexpr, IS_JPEG: tl.constexpr, QMAX: tl.constexpr, KEPT: tl.constexpr,
-                    XR: tl.constexpr, KR: tl.constexpr):
-    """Program ``(bh, j)``: block ``first + j`` of head ``bh``, encoded and stored once complete (never past the
-    capacity ``NB``); the memo gets its decoded rows, or the raw rows of the open block."""
+def _fp16_toward(x, UP: tl.constexpr):
+    """``quant.fp16_toward``: the nearest fp16 value ``>= x`` (``UP``) or ``<= x``, in fp32 (clamped to the fp16
+    range): scales round up and zero points down, so the stored grid covers what the unrounded one covered."""
+    half = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+    near = half.to(tl.float32)
+    if UP:
+        off = near < x
+    else:
+        off = near > x
+    off = off & (tl.abs(x) <= _FP16_MAX)
+    bits = half.to(tl.int16, bitcast=True).to(tl.int32)
+    negative = bits < 0
+    if UP:
+        grow = ~negative  # away from zero: up from a positive value, down from a negative one
+    else:
+        grow = negative
+    magnitude = tl.where(grow, (bits & 0x7FFF) + 1, (bits & 0x7FFF) - 1)
+    crossing = magnitude < 0  # from a zero of the other sign: the smallest subnormal of the direction's sign
+    negative = tl.where(crossing, not UP, negative)
+    magnitude = tl.where(crossing, 1, magnitude)
+    stepped = tl.where(negative, magnitude - 32768, magnitude).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(off, stepped.to(tl.float32), near)
+
+
+@triton.jit
+def _candidate(base, zero0, fac, n1, kind_s):
+    """``Quantizer._candidates`` for one clipping factor: the fp16 ``(scale, zero)`` (uniform grids keep their
+    middle: zero point rounded down, then the scale that reaches the top rounded up; other kinds: no zero)."""
+    s = base * fac
+    mid = zero0 + base * n1 / 2
+    low = _fp16_toward(mid - s * n1 / 2, False)
+    uniform = kind_s == KIND_UNIFORM
+    scale = _fp16_toward(tl.where(uniform, tl.math.div_rn(mid + s * n1 / 2 - low, n1), s), True)
+    return scale, tl.where(uniform, low, 0.0)
+
+
+@triton.jit
+def _round_half_even(x):
+    """``torch.round``: nearest integer, ties to even."""
+    f = tl.floor(x)
+    diff = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return tl.where((diff > 0.5) | ((diff == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _nearest(x, s, z, bits, kind, j, levels, F: tl.constexpr):
+    """Codes (int32) of the levels nearest to ``x`` for scale ``s`` and zero ``z`` (all broadcast): grids round half
+    to even and clamp to their code range (``int`` skips code 0), Lloyd-Max rows count the level midpoints below."""
+    W: tl.constexpr = F[F_LEVELS_W]
+    LOG_W: tl.constexpr = W.bit_length() - 1
+    LLOYD: tl.constexpr = F[F_LLOYD]
+    y = tl.math.div_rn(x - z, tl.where(s > 0, s, 1.0))
+    top = (1 << bits) - 1
+    off = tl.where(kind == KIND_INT, -((1 << bits) >> 1).to(tl.float32),
+                   tl.where(kind == KIND_UNIFORM, 0.0, 0.5 - ((1 << bits) >> 1).to(tl.float32)))
+    code = _round_half_even(y - off)
+    code = tl.minimum(tl.maximum(code, tl.where(kind == KIND_INT, 1.0, 0.0)), top.to(tl.float32)).to(tl.int32)
+    if LLOYD:
+        # the number of level midpoints below y (torch.bucketize), by binary lifting over the sorted midpoints
+        count = tl.zeros(code.shape, tl.int32)
+        for k in tl.static_range(LOG_W):
+            active = ((W >> 1) >> k) <= top
+            mid = count + ((W >> 1) >> k) - 1
+            lo = tl.load(levels + j * W + mid, mask=active, other=0.0)
+            hi = tl.load(levels + j * W + mid + 1, mask=active, other=0.0)
+            count = tl.where(active & ((hi + lo) / 2 < y), count + ((W >> 1) >> k), count)
+        code = tl.where(kind == KIND_LLOYD, count, code)
+    return code
+
+
+@triton.jit
+def _level(code, bits, kind, j, levels, ok, F: tl.constexpr):
+    """``level[code]``, fp32: affine grids by arithmetic, Lloyd-Max rows from the level table."""
+    W: tl.constexpr = F[F_LEVELS_W]
+    LLOYD: tl.constexpr = F[F_LLOYD]
+    half = ((1 << bits) >> 1).to(tl.float32)
+    value = code.to(tl.float32) - tl.where(kind == KIND_INT, half, tl.where(kind == KIND_UNIFORM, 0.0, half - 0.5))
+    if LLOYD:
+        value = tl.where(kind == KIND_LLOYD, tl.load(levels + j * W + code, mask=ok & (kind == KIND_LLOYD), other=0.0),
+                         value)
+    return value
+
+
+@triton.jit
+def _base(x, ok, bits, kind, axis: tl.constexpr, count):
+    """Each slice's no-clipping ``(scale, zero)`` before the search (``levels.base_scale``; ``int`` / ``midrise``
+    classes of several rows share the largest step any row needs), reducing ``x`` over ``axis`` where ``ok``."""
+    step = tl.where(kind == KIND_INT, ((1 << bits) >> 1) - 1, (1 << bits) >> 1).to(tl.float32)
+    amax = tl.max(tl.where(ok, tl.math.div_rn(tl.abs(x), tl.where(step > 0, step, 1.0)), 0.0), axis)
+    low = tl.min(tl.where(ok, x, float("inf")), axis)
+    high = tl.max(tl.where(ok, x, float("-inf")), axis)
+    rms = tl.sqrt_rn(tl.math.div_rn(tl.sum(tl.where(ok, x * x, 0.0), axis), count))
+    return amax, low, high, rms
+
+
+@triton.jit
+def _search(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s, bits_s, axis: tl.constexpr,
+            F: tl.constexpr, SEARCH: tl.constexpr):
+    """The fp16 ``(scale, zero)`` of each slice with the least squared error over the clipping factors
+    (``Quantizer._candidates`` then the argmin; the first of equal errors), given the slice's kind / bits."""
+    n1 = ((1 << bits_s) - 1).to(tl.float32)
+    base = tl.where(kind_s == KIND_UNIFORM, tl.math.div_rn(high - low, n1), tl.where(kind_s == KIND_LLOYD, rms, amax))
+    zero0 = tl.where(kind_s == KIND_UNIFORM, low, 0.0)
+    best_s, best_z = _candidate(base, zero0, 1.0, n1, kind_s)
+    if SEARCH:
+        best_err = tl.full(base.shape, float("inf"), tl.float32)
+        lloyd = kind_s == KIND_LLOYD
+        for f in tl.static_range(FACTOR_SLOTS):
+            fac = tl.load(factors + tl.where(lloyd, FACTOR_SLOTS, 0) + f)
+            f_ok = f < tl.where(lloyd, N_LLOYD, N_SHRINK)
+            s, z = _candidate(base, zero0, fac, n1, kind_s)
+            if axis == 1:
+                sb, zb = s[:, None], z[:, None]
+            else:
+                sb, zb = s[None, :], z[None, :]
+            code = _nearest(x, sb, zb, bits, kind, j, levels, F)
+            err = _level(code, bits, kind, j, levels, ok, F) * sb + zb - x
+            err = tl.sum(tl.where(ok, err * err, 0.0), axis)
+            better = f_ok & (err < best_err)
+            best_err = tl.where(better, err, best_err)
+            best_s = tl.where(better, s, best_s)
+            best_z = tl.where(better, z, best_z)
+    return best_s, best_z
+
+
+@triton.jit
+def _store_slice(data, code, blk, bits, bit_off, row_ok, c0, w: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
+                 DC: tl.constexpr):
+    """Store the ``w``-bit slice of codes ``(RP, DC)`` of channels ``c0 .. c0 + DC - 1``: row ``r``'s at byte
+    ``(bit_off + shift) * D / 8`` of block ``blk[r]``, channel ``d`` at byte ``d * w // 8``, bit ``d * w % 8`` (rows
+    without that slice: nothing). ``c0`` is a multiple of 8, so a chunk's channels fill whole bytes."""
+    ROW_BYTES: tl.constexpr = F[F_ROW_BYTES]
+    PB: tl.constexpr = 8 // w
+    has = row_ok & ((bits & w) != 0)
+    shift = bits - (bits & (2 * w - 1))
+    part = (code >> shift[:, None]) & ((1 << w) - 1)
+    weight = (tl.arange(0, PB) * w)[None, None, :]
+    packed = tl.sum(tl.reshape(part, (code.shape[0], DC // PB, PB)) << weight, axis=2)
+    byte = c0 // PB + tl.arange(0, DC // PB)
+    ptr = data + (blk * ROW_BYTES + (bit_off + shift) * (D // 8))[:, None] + byte[None, :]
+    tl.store(ptr, packed.to(tl.uint8), mask=has[:, None] & (byte[None, :] < D // PB))
+
+
+@triton.jit
+def _store_codes(data, code, blk, bits, bit_off, row_ok, c0, F: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+    """Pack codes ``(RP, DC)`` into the power-of-two bit slices their rows use (``codecs/pack.py``)."""
+    SLICES: tl.constexpr = F[F_SLICES]
+    if (SLICES & 8) != 0:
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 8, F, D, DC)
+    if (SLICES & 4) != 0:
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 4, F, D, DC)
+    if (SLICES & 2) != 0:
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 2, F, D, DC)
+    if (SLICES & 1) != 0:
+        _store_slice(data, code, blk, bits, bit_off, row_ok, c0, 1, F, D, DC)
+
+
+@triton.jit
+def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.constexpr, E: tl.constexpr):
+    """Quantize the stored rows ``coef (RP, DC)`` (row ``n * KP + j``: row ``j`` of block ``n`` of the group; channels
+    ``c0 ..``) of linear group ``grp`` and store codes, scales and zero points."""
+    FORM: tl.constexpr = F[F_FORM]
+    K: tl.constexpr = F[F_ROWS]
+    KP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    C: tl.constexpr = F[F_CLASSES]
+    Z: tl.constexpr = F[F_ZEROS]
+    D: tl.constexpr = E[E_D]
+    RP: tl.constexpr = E[E_RP]
+    DC: tl.constexpr = E[E_DC]
+    SEARCH: tl.constexpr = E[E_SEARCH]
+    c = tl.arange(0, RP)
+    n = c // KP
+    j = c % KP
+    row_ok = (n < GB) & (j < K)
+    dd = c0 + tl.arange(0, DC)
+    ok = row_ok[:, None] & (dd[None, :] < D)
+    bits = tl.load(rows_t + j, mask=row_ok, other=1)
+    bit_off = tl.load(rows_t + ROW_BIT_OFFSET * K + j, mask=row_ok, other=0)
+    cls = tl.load(rows_t + ROW_CLASS * K + j, mask=row_ok, other=0)
+    zslot = tl.load(rows_t + ROW_ZERO_SLOT * K + j, mask=row_ok, other=-1)
+    kind = tl.load(rows_t + ROW_KIND * K + j, mask=row_ok, other=0)
+    x = tl.where(ok, coef, 0.0)
+    bits2, kind2, j2 = bits[:, None], kind[:, None], j[:, None]
+    if FORM == _CHANNEL_CODES:
+        # one scale (and zero point) per (class, channel) over the group's rows of that class
+        s_rows = tl.zeros((RP, DC), tl.float32)
+        z_rows = tl.zeros((RP, DC), tl.float32)
+        for k in tl.static_range(C):
+            in_k = ok & (cls == k)[:, None]
+            count = tl.sum(in_k.to(tl.float32), 0)
+            kind_k = tl.load(rows_t + ROW_KIND * K + k + tl.zeros_like(dd))  # class k's level kind: row k's (DC 0, AC 1)
+            bits_k = tl.load(rows_t + k + tl.zeros_like(dd))
+            amax, low, high, rms = _base(x, in_k, bits2, kind2, 0, tl.where(count > 0, count, 1.0))
+            s, z = _search(x, in_k, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind_k, bits_k, 0, F,
+                           SEARCH)
+            d_ok = dd < D
+            tl.store(scale + (grp * C + k) * D + dd, s.to(tl.float16), mask=d_ok)
+            if Z > 0:
+                slot = tl.load(rows_t + ROW_ZERO_SLOT * K + k + tl.zeros_like(dd))
+                tl.store(zero + (grp * Z + slot) * D + dd, z.to(tl.float16), mask=d_ok & (slot >= 0))
+            s_rows = tl.where(in_k, s[None, :], s_rows)
+            z_rows = tl.where(in_k, z[None, :], z_rows)
+    else:
+        # token axis: every row its own class, one scale over head_dim (the chunk is the whole head_dim)
+        amax, low, high, rms = _base(x, ok, bits2, kind2, 1, D * 1.0)
+        s, z = _search(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, SEARCH)
+        tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
+        if Z > 0:
+            tl.store(zero + grp * Z + zslot, z.to(tl.float16), mask=row_ok & (zslot >= 0))
+        s_rows = s[:, None] + tl.zeros((RP, DC), tl.float32)
+        z_rows = z[:, None] + tl.zeros((RP, DC), tl.float32)
+    code = tl.where(ok, _nearest(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
+    _store_codes(data, code, grp * GB + n, bits, bit_off, row_ok, c0, F, D, DC)
+
+
+@triton.jit
+def _png_rows(x, x_prev, i, dd, d1, data, index, grp, F: tl.constexpr, E: tl.constexpr):
+    """png: anchor + fp32 deltas of one block (``x`` rows ``i``, ``x_prev`` rows ``i - 1``, channels ``dd`` as a
+    ``(1, DC)`` tile and ``d1`` as a vector), stored;
+    pruned: the ``KEPT`` largest deltas per channel (ties to the earlier position) in decreasing magnitude, with
+    their uint8 positions."""
+    R: tl.constexpr = F[F_R]
+    ROWS: tl.constexpr = F[F_ROWS]
+    KEPT: tl.constexpr = F[F_KEPT]
+    FORM: tl.constexpr = F[F_FORM]
+    D: tl.constexpr = E[E_D]
+    GP: tl.constexpr = E[E_GP]
+    ok_d = dd < D
+    dense = tl.where(i == 0, x, x - x_prev)
+    dense = tl.where(i < R, dense, 0.0)
+    base = data + grp * (ROWS * D)
+    if FORM == _PRUNED_ROWS:
+        mag = tl.abs(dense)
+        j3 = tl.arange(0, GP)[None, :, None]
+        i3 = tl.arange(0, GP)[:, None, None]
+        a_i = tl.expand_dims(mag, 1)
+        a_j = tl.expand_dims(mag, 0)
+        beats = (j3 >= 1) & (j3 < R) & ((a_j > a_i) | ((a_j == a_i) & (j3 < i3)))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        delta_row = (i >= 1) & (i < R)
+        tl.store(base + i * D + dd, x, mask=(i == 0) & ok_d)
+        for m in tl.static_range(KEPT):
+            sel = delta_row & (rank == m)
+            val = tl.sum(tl.where(sel, dense, 0.0), axis=0)
+            pos = tl.sum(tl.where(sel, i - 1, 0), axis=0)
+            tl.store(base + (1 + m) * D + d1, val, mask=d1 < D)
+            tl.store(index + grp * (KEPT * D) + m * D + d1, pos.to(tl.uint8), mask=d1 < D)
+    else:
+        tl.store(base + i * D + dd, dense, mask=(i < R) & ok_d)
+
+
+@triton.jit
+def _block_matrix(ptr, F: tl.constexpr, E: tl.constexpr, SYNTHESIS: tl.constexpr):
+    """The group's block-diagonal DCT matrix: analysis ``(RP, GP)`` (entry ``((n, j), w) = M[j, w - n r]``) or
+    synthesis ``(GP, RP)`` (``A[w - n r, j]``), zero outside the blocks."""
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    KP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    GP: tl.constexpr = E[E_GP]
+    RP: tl.constexpr = E[E_RP]
+    if SYNTHESIS:
+        c = tl.arange(0, RP)[None, :]
+        w = tl.arange(0, GP)[:, None]
+    else:
+        c = tl.arange(0, RP)[:, None]
+        w = tl.arange(0, GP)[None, :]
+    n = c // KP
+    j = c % KP
+    i = w - n * R
+    ok = (n < GB) & (j < K) & (i >= 0) & (i < R)
+    if SYNTHESIS:
+        out = tl.load(ptr + i * K + j, mask=ok, other=0.0)
+    else:
+        out = tl.load(ptr + j * R + i, mask=ok, other=0.0)
+    return out
+
+
+@triton.jit
+def _archives(start, length, T, k, NG, F: tl.constexpr, E: tl.constexpr):
+    """``(whether this append archives group k of the work buffer, its archive slot)``: when ``advance`` moves the
+    archive past it and the slot exists (never past the capacity ``NG``: a longer length records the overflow)."""
+    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    first = (start - F[F_SINKS]) // G
+    return (start + (k + 1) * G <= _advance(start, length + T, E[E_WINDOW], G)) & (first + k < NG), first + k
+
+
+# --- kernels ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _intake_kernel(sink, mean, memo, len_ptr, new, sn0, sn1, sn2, sn3, H, T, MEMO_CAP,
+                   F: tl.constexpr, E: tl.constexpr):
+    """Program ``bh``: sink rows from the new tokens at positions ``< sinks``; the per-channel mean of the first
+    append that reaches past the sinks (its non-sink tokens); the new tokens' raw rows in the memo."""
+    SINKS: tl.constexpr = F[F_SINKS]
+    CENTER: tl.constexpr = F[F_CENTER]
+    D: tl.constexpr = E[E_D]
+    DP: tl.constexpr = E[E_DP]
+    HAS_MEMO: tl.constexpr = E[E_HAS_MEMO]
+    CH: tl.constexpr = E[E_CHUNK]
     bh = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
     b = bh // H
     h = bh % H
     length = tl.load(len_ptr)
-    off = length % r
-    first = length // r
-    end = length + T
-    i = tl.arange(0, XR)[:, None]
-    d = tl.arange(0, DP)[None, :]
-    w = j * r + i
-    x = _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w, d, off, T, r, D)
-    x_prev = x
-    if not IS_JPEG:
-        x_prev = _work_rows(new_ptr, snb, snh, snt, tail_ptr, b, h, bh, w - 1, d, off, T, r, D)
-    one = tl.zeros((1, 1), tl.int64)
-    complete = (first + j + 1) * r + one <= end
-    inside = first + j + one < NB  # never past the capacity: length > NB * r records the overflow
-    rows = archive_block(x, x_prev, i, d, bh * NB + first + j, complete & inside, an_ptr, syn_ptr, data_ptr, scale_ptr,
-                         index_ptr, D, r, R, IS_JPEG, QMAX, KEPT, XR, KR)
+    dd = tl.arange(0, DP)
+    src = new + b * sn0 + h * sn1 + dd[None, :] * sn3
+    if SINKS > 0:
+        s = tl.arange(0, CH)
+        for s0 in tl.static_range(0, SINKS, CH):
+            token = s0 + s - length
+            ok = ((s0 + s < SINKS) & (token >= 0) & (token < T))[:, None] & (dd[None, :] < D)
+            x = tl.load(src + token[:, None] * sn2, mask=ok, other=0.0)
+            tl.store(sink + (bh * SINKS + s0 + s)[:, None] * D + dd[None, :], x, mask=ok)
+    if CENTER:
+        total = tl.zeros((DP,), tl.float32)
+        count = tl.zeros((DP,), tl.float32)
+        for c0 in range(0, T, CH):
+            t = c0 + tl.arange(0, CH)
+            counted = (t < T) & (length + t >= SINKS)
+            x = tl.load(src + t[:, None] * sn2, mask=counted[:, None] & (dd[None, :] < D), other=0.0)
+            total += tl.sum(x.to(tl.float32), 0)
+            count += tl.sum(counted.to(tl.float32), 0)
+        first = (length + tl.zeros_like(dd) <= SINKS) & (length + T + tl.zeros_like(dd) > SINKS)
+        tl.store(mean + bh * D + dd, tl.math.div_rn(total, tl.maximum(count, 1.0)), mask=first & (dd < D))
     if HAS_MEMO:
-        is_open = (j + one == end // r - first) & (end % r + one != 0)
-        rows = tl.where(complete, rows, x)
-        tl.store(memo_ptr + bh * (NB * r * D) + ((first + j) * r + i) * D + d, rows.to(memo_ptr.dtype.element_ty),
-                 mask=(complete | is_open) & inside & (i < r) & (d < D))
+        for c0 in range(0, T, CH):
+            t = c0 + tl.arange(0, CH)
+            pos = length + t
+            ok = ((t < T) & (pos < MEMO_CAP))[:, None] & (dd[None, :] < D)
+            x = tl.load(src + t[:, None] * sn2, mask=ok, other=0.0)
+            tl.store(memo + (bh * MEMO_CAP + pos)[:, None] * D + dd[None, :], x, mask=ok)
 
 
 @triton.jit
-def _tail_kernel(tail_ptr, len_ptr, new_ptr, snb, snh, snt, H, T, r: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr, RP: tl.constexpr):
+def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3,
+                   rot, rows_t, levels, analysis, factors, H, NG, T, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of group ``k`` of the work buffer (the whole head_dim
+    for token-axis codes, whose scales span it), encoded and stored in its archive slot when the append archives
+    it (:func:`_archives`); else nothing."""
+    R: tl.constexpr = F[F_R]
+    G: tl.constexpr = R * F[F_GROUP_BLOCKS]
+    TAIL: tl.constexpr = F[F_TAIL]
+    ROTATE: tl.constexpr = F[F_ROTATE]
+    CENTER: tl.constexpr = F[F_CENTER]
+    K: tl.constexpr = F[F_ROWS]
+    D: tl.constexpr = E[E_D]
+    DP: tl.constexpr = E[E_DP]
+    GP: tl.constexpr = E[E_GP]
+    RC: tl.constexpr = E[E_RC]
+    DC: tl.constexpr = E[E_DC]
+    IS_JPEG: tl.constexpr = E[E_IS_JPEG]
+    QUANT: tl.constexpr = E[E_QUANT]
+    bh = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    c0 = tl.program_id(2) * DC
+    b = bh // H
+    h = bh % H
+    length = tl.load(len_ptr)
+    start = tl.load(start_ptr)
+    write, slot = _archives(start, length, T, k, NG, F, E)
+    if write:
+        grp = bh * NG + slot
+        NS = (sn0, sn1, sn2, sn3)
+        w = tl.arange(0, GP)[:, None]
+        dd = c0 + tl.arange(0, DC)[None, :]
+        row = k * G + w
+        in_group = w < G
+        if ROTATE:
+            # centered then rotated: (x - mean) @ R^T, this chunk's output channels, all input channels by chunks
+            x = tl.zeros((GP, DC), tl.float32)
+            for c in tl.static_range(DP // RC):
+                di = c * RC + tl.arange(0, RC)
+                xc = _work_rows(tail, new, NS, b, h, bh, row, di[None, :], in_group, start, length, T, TAIL, D)
+                if CENTER:
+                    xc -= tl.load(mean + bh * D + di, mask=di < D, other=0.0)[None, :]
+                rt = tl.load(rot + dd * D + di[:, None], mask=(di[:, None] < D) & (dd < D), other=0.0)
+                x += tl.dot(tl.where(in_group & (di[None, :] < D), xc, 0.0), rt, input_precision="ieee")
+        else:
+            x = _work_rows(tail, new, NS, b, h, bh, row, dd, in_group, start, length, T, TAIL, D)
+            if CENTER:
+                x = tl.where(in_group & (dd < D), x - tl.load(mean + bh * D + dd, mask=dd < D, other=0.0), 0.0)
+        if IS_JPEG:
+            if R == 1:
+                coef = x
+            else:
+                coef = tl.dot(_block_matrix(analysis, F, E, False), x, input_precision="ieee")
+            if QUANT:
+                _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F, E)
+            else:
+                jr = tl.arange(0, E[E_RP])[:, None]
+                tl.store(data + (grp * K + jr) * D + dd, coef.to(data.dtype.element_ty), mask=(jr < K) & (dd < D))
+        else:
+            prev = _work_rows(tail, new, NS, b, h, bh, row - 1, dd, in_group & (w >= 1), start, length, T, TAIL, D)
+            _png_rows(x, prev, w, dd, c0 + tl.arange(0, DC), data, index, grp, F, E)
+
+
+@triton.jit
+def _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c0, F: tl.constexpr, E: tl.constexpr):
+    """Channels ``c0 .. c0 + RC - 1`` of archive group ``grp`` decoded from its stored form (``A @ S`` per block, in
+    the rotated space, before the mean), ``(GP, RC)`` fp32."""
+    FORM: tl.constexpr = F[F_FORM]
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    KP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    C: tl.constexpr = F[F_CLASSES]
+    Z: tl.constexpr = F[F_ZEROS]
+    D: tl.constexpr = E[E_D]
+    GP: tl.constexpr = E[E_GP]
+    RP: tl.constexpr = E[E_RP]
+    RC: tl.constexpr = E[E_RC]
+    w = tl.arange(0, GP)[:, None]
+    dd = c0 + tl.arange(0, RC)[None, :]
+    if E[E_IS_JPEG]:
+        c = tl.arange(0, RP)
+        n = c // KP
+        j = c % KP
+        row_ok = (n < GB) & (j < K)
+        ok = row_ok[:, None] & (dd < D)
+        if E[E_QUANT]:
+            bits, bit_off, cls, zslot, lloyd, off = row_info(rows_t, levels, j, row_ok, F)
+            code = unpack_codes(data, (grp * GB + n)[:, None], dd, ok, bits[:, None], bit_off[:, None], F, D)
+            value = level_values(code, j[:, None], lloyd[:, None], levels, ok, F) + off[:, None]
+            if FORM == _CHANNEL_CODES:
+                s = tl.load(scale + ((grp * C + cls) * D)[:, None] + dd, mask=ok, other=0.0).to(tl.float32)
+                z = tl.load(zero + ((grp * Z + zslot) * D)[:, None] + dd, mask=ok & (zslot >= 0)[:, None],
+                            other=0.0).to(tl.float32)
+            else:
+                s = tl.load(scale + grp * C + cls, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+                z = tl.load(zero + grp * Z + zslot, mask=row_ok & (zslot >= 0), other=0.0).to(tl.float32)[:, None]
+            rows = tl.where(ok, value * s + z, 0.0)
+        else:
+            rows = tl.load(data + (grp * K + j[:, None]) * D + dd, mask=ok, other=0.0).to(tl.float32)
+        if R == 1:
+            xs = rows
+        else:
+            xs = tl.dot(_block_matrix(syn, F, E, True), rows, input_precision="ieee")
+    else:
+        xs = tl.cumsum(float_rows(data, index, grp, w, dd, w < R, F, D), axis=0)
+    return xs
+
+
+@triton.jit
+def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
+                 MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k, chunk)``: when group ``k`` was archived by this append, output channels ``chunk * RC ..`` of
+    its decoded rows (what ``codec.decode`` rebuilds from the stored form: ``A @ S`` per block, rotated back from
+    every input chunk, mean added) into the memo."""
+    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    D: tl.constexpr = E[E_D]
+    DP: tl.constexpr = E[E_DP]
+    GP: tl.constexpr = E[E_GP]
+    RC: tl.constexpr = E[E_RC]
+    bh = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    dc = tl.program_id(2) * RC + tl.arange(0, RC)
+    length = tl.load(len_ptr)
+    start = tl.load(start_ptr)
+    write, slot = _archives(start, length, T, k, NG, F, E)
+    if write:
+        grp = bh * NG + slot
+        if F[F_ROTATE]:
+            # back in the stream's space: xs @ R, this chunk's output channels, summed over the input chunks
+            out = tl.zeros((GP, RC), tl.float32)
+            for c in tl.static_range(DP // RC):
+                di = c * RC + tl.arange(0, RC)
+                r = tl.load(rot + di[:, None] * D + dc[None, :], mask=(di[:, None] < D) & (dc[None, :] < D), other=0.0)
+                xs = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c * RC, F, E)
+                out += tl.dot(xs, r, input_precision="ieee")
+        else:
+            out = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, tl.program_id(2) * RC, F, E)
+        if F[F_CENTER]:
+            out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
+        w = tl.arange(0, GP)[:, None]
+        pos = F[F_SINKS] + slot * G + w
+        dst = memo + (bh * MEMO_CAP + pos) * D + dc[None, :]
+        tl.store(dst, out.to(memo.dtype.element_ty), mask=(w < G) & (pos < MEMO_CAP) & (dc[None, :] < D))
+
+
+@triton.jit
+def _tail_kernel(tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3, H, T, F: tl.constexpr, E: tl.constexpr):
+    """Program ``bh``: tail row ``i`` becomes work row ``advance(start, end) - start + i`` (zeros past the new length);
+    read ahead of writing, one chunk at a time (rows move towards the front only)."""
+    R: tl.constexpr = F[F_R]
+    G: tl.constexpr = R * F[F_GROUP_BLOCKS]
+    TAIL: tl.constexpr = F[F_TAIL]
+    D: tl.constexpr = E[E_D]
+    DP: tl.constexpr = E[E_DP]
+    WINDOW: tl.constexpr = E[E_WINDOW]
+    CH: tl.constexpr = E[E_CHUNK]
     bh = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr)
-    off = length % r
-    last = (length + T) // r - length // r
-    i = tl.arange(0, RP)[:, None]
-    d = tl.arange(0, DP)[None, :]
-    rows = _work_rows(new_ptr, snb, snh, snt, tail_ptr, bh // H, bh % H, bh, last * r + i, d, off, T, r, D)
-    tl.debug_barrier()
-    tl.store(tail_ptr + bh * (r * D) + i * D + d, rows.to(tail_ptr.dtype.element_ty), mask=(i < r) & (d < D))
+    start = tl.load(start_ptr)
+    end = length + T
+    new_start = _advance(start, end, WINDOW, G)
+    shift = new_start - start
+    dd = tl.arange(0, DP)[None, :]
+    for i0 in tl.static_range(0, TAIL, CH):
+        i = i0 + tl.arange(0, CH)[:, None]
+        rows = _work_rows(tail, new, (sn0, sn1, sn2, sn3), bh // H, bh % H, bh, shift + i, dd,
+                          (i < TAIL) & (new_start + i < end), start, length, T, TAIL, D)
+        tl.debug_barrier()  # every row of this chunk is read before any is overwritten
+        tl.store(tail + (bh * TAIL + i) * D + dd, rows.to(tail.dtype.element_ty), mask=(i < TAIL) & (dd < D))
 
 
-def triton_append(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, tail: torch.Tensor, length: torch.Tensor,
-                  new: torch.Tensor, spec: list[int], memo: torch.Tensor | None = None) -> None:
-    """Triton ``flashcodec::append`` (same contract as the reference): append ``new (B, H, T, D)`` in place.
+@triton.jit
+def _advance_kernel(len_ptr, start_ptr, T, F: tl.constexpr, E: tl.constexpr):
+    """``start = advance(start, length + T)``; ``length += T`` (after every reader of the old values)."""
+    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    length = tl.load(len_ptr)
+    start = tl.load(start_ptr)
+    tl.store(start_ptr, _advance(start, length + T, E[E_WINDOW], G))
+    tl.store(len_ptr, length + T)
 
-    Mutates ``data/scale/index`` (archive), ``tail``, ``length`` and ``memo``; no host sync. State tensors must be
-    contiguous (the cache allocates them so). Quantized codes may differ from the reference's by one step at
-    fp32 rounding ties of the DCT sums; pruned png ties in delta magnitude keep the earlier position.
-    """
-    codec = check_append_args(data, scale, index, tail, length, new, spec, memo)
+
+# --- launcher ---------------------------------------------------------------------------------------------------
+
+def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
+    """Triton ``flashcodec::append`` (same contract and validation as
+    :func:`~flashcodec_fx.ops.append.append_reference`): append ``new (B, H, T, D)`` (any strides) in place; no host
+    sync. State tensors and the memo must be contiguous (the cache allocates them so). Stored codes may differ from
+    the reference's by one step where an fp32 sum in another order lands on a rounding tie, and the clipping search
+    may pick another factor where two factors' errors tie within fp32 rounding (docs/triton.md)."""
+    codec, st = check_append_args(state, new, spec, memo)
     b, h, t, d = new.shape
-    r = codec.block_size
     check_triton_limits(codec, d)
-    require_contiguous(data=data, scale=scale, index=index, tail=tail, memo=memo)
-    if new.stride(3) != 1:
-        new = new.contiguous()
-    nb = data.shape[2]
-    syn, an = codec_matrices(codec, new.device)
-    dp = pow2(d, 16)
-    strides = (new.stride(0), new.stride(1), new.stride(2))
-    if b * h and t:
-        _archive_kernel[(b * h, touched_blocks(t, r))](
-            data, scale, index, tail, length, new, *strides, tail if memo is None else memo, an, syn, h, nb, t,
-            D=d, DP=dp, HAS_MEMO=memo is not None, **BlockForm.of(codec).constexprs())
-        _tail_kernel[(b * h,)](tail, length, new, *strides, h, t, r=r, D=d, DP=dp, RP=pow2(r))
-    length.add_(t)
+    if codec.group > MAX_GROUP_TOKENS:
+        raise ValueError(f"spec: the Triton append encodes groups of <= {MAX_GROUP_TOKENS} tokens (one group per "
+                         f"program), got {codec.group}")
+    require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
+    if t == 0 or b * h == 0:
+        return
+    form = StreamForm.of(codec, d).constexpr()
+    enc = EncodeTiles.of(codec, d, memo is not None)
+    tiles = enc.constexpr()  # (the tuple the kernels take)
+    tab = stream_tables(codec, d, new.device)
+    ng = st.data.shape[2]
+    memo_t = new if memo is None else memo
+    memo_cap = 0 if memo is None else memo.shape[2]
+
+    def some(x: torch.Tensor) -> torch.Tensor:  # empty state tensors are never read: any pointer will do
+        return new if x.numel() == 0 else x
+
+    strides = new.stride()
+    groups = completable_groups(t, codec.group)
+    _intake_kernel[(b * h,)](some(st.sink), some(st.mean), memo_t, st.length, new, *strides, h, t, memo_cap,
+                             F=form, E=tiles)
+    _encode_kernel[(b * h, groups, enc.dp // enc.dc)](
+        st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.tail, st.length, st.start, new,
+        *strides, tab.rotation, tab.rows, tab.levels, tab.analysis, tab.factors, h, ng, t, F=form, E=tiles,
+        num_warps=8 if enc.gp * enc.dc >= 8192 else 4)
+    if memo is not None:
+        _memo_kernel[(b * h, groups, enc.dp // enc.rc)](
+            st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.length, st.start, memo,
+            tab.synthesis, tab.rotation, tab.rows, tab.levels, ng, t, memo_cap, F=form, E=tiles,
+            num_warps=8 if enc.gp * enc.rc >= 8192 else 4)
+    _tail_kernel[(b * h,)](st.tail, st.length, st.start, new, *strides, h, t, F=form, E=tiles)
+    _advance_kernel[(1,)](st.length, st.start, t, F=form, E=tiles)

@@ -1,14 +1,25 @@
-"""Triton `codec_attention`: flash-decoding split-K attention on the stored rows, plus the combine kernel.
+"""Triton `codec_attention`: flash-decoding split-K attention on the stored state, plus the combine kernel.
 
-Split kernel, one program per (batch, kv head, row chunk, split): the query heads of one kv head (GQA group,
-``G * T`` rows) are processed together, so each stored row is read once per kv head. For a tile of
-``BLOCK_N`` archive blocks it loads the stored rows ``S`` (pruned png deltas scattered in registers; int8 codes
-as they are, their per-row scales applied outside the dots), computes ``C = q @ S_k^T``, expands ``C`` through
-the block-diagonal synthesis matrix to per-position scores, applies scale and mask, runs an online softmax,
-folds the probabilities back through the synthesis matrix (``P @ A_v``, times V's row scales) and accumulates
-that against ``S_v``. The extra last split attends the raw tail. Each split writes its normalized partial
-output and log-sum-exp; the combine kernel merges them. Lengths are read on the device and every block range
-derives from them: the launch depends on shapes only (CUDA-graph safe).
+Positions are visited in *tiles* of ``BP`` positions aligned to the key stream's blocks (``BP`` a multiple of both
+streams' block sizes, so the value stream's blocks sit at a constant offset inside every tile). For each tile:
+
+- key scores: archived keys in the coefficient domain, ``C = q_k @ S_k^T`` (``q_k``: q rotated once per program when
+  the keys are rotated; packed codes enter the dot as integers, their scales after it: token axis per column of
+  ``C``, channel axis folded into ``q_k`` once per tile, which lies inside one scale group), expanded to positions
+  through the block-diagonal synthesis matrix, plus ``q . mean_k``; raw keys (sinks, tail, the call's new tokens)
+  as ``q @ k^T``;
+- scale, mask, online softmax (base 2);
+- values: archived ones as ``(P @ blockdiag(A_v)) * scales @ S_v`` (token-axis scales folded into the
+  probabilities, channel-axis scales applied to the output columns: codes enter the dot exactly), accumulated in
+  the values' rotated space together with raw values rotated into it and ``mass * mean_v``; the combine kernel
+  rotates the merged output back once.
+
+Split kernel, one program per (batch, kv head, row chunk, split): the ``G * T`` query rows of one kv head are
+processed together (GQA), so each stored row is read once per kv head. Splits ``0 .. NUM_SPLITS - 1`` deal the
+*main region* (positions archived in both streams) in equal runs of tiles, from the device lengths; the extra split
+``NUM_SPLITS`` attends the *edge* (sinks, the region where one stream is archived and the other raw, the tails and
+the new tokens: bounded by sinks + window + group + T). Each split writes its normalized partial output and
+log-sum-exp; the combine kernel merges them. The launch depends on shapes only (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -20,78 +31,397 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import check_length
 from .attention import check_attention_args
+from .state import StreamState, spec_codec
 from .triton_common import (
-    StoredForm,
+    CHANNEL_CODES,
+    F_CENTER,
+    F_CLASSES,
+    F_DENSE,
+    F_DENSE_P,
+    F_FOLD,
+    F_FORM,
+    F_GROUP_BLOCKS,
+    F_OFFSET,
+    F_R,
+    F_ROTATE,
+    F_ROWS,
+    F_SINKS,
+    F_TAIL,
+    F_ZEROS,
+    FLOAT_ROWS,
+    MAX_TILE_POSITIONS,
+    PRUNED_ROWS,
+    ROW_ZERO_SLOT,
+    TOKEN_CODES,
+    StreamForm,
     check_triton_limits,
-    codec_matrices,
-    dot_dtype,
-    dot_precision,
+    fdiv,
+    float_rows,
+    io_dtype,
+    lcm,
+    level_values,
+    mdot,
     pow2,
     require_contiguous,
-    stored_rows,
+    row_info,
+    stream_tables,
+    unpack_codes,
 )
 
 LOG2E = 1.4426950408889634
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _MAX_ROWS = 64  # query rows (G * T) per program; more rows get more programs
+_TARGET_POSITIONS = 64  # positions per tile the plan aims at
+EDGE_WARPS = 4  # the edge launch's small tiles
+NUM_STAGES = 1  # software pipelining of the tile loop (2 doubles the shared memory: see docs/triton.md)
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2  # MASK_KIND
 _NO_MASK: tl.constexpr = tl.constexpr(NO_MASK)
 _BOOL_MASK: tl.constexpr = tl.constexpr(BOOL_MASK)
+_FLOAT_ROWS: tl.constexpr = tl.constexpr(FLOAT_ROWS)
+_PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
+_TOKEN_CODES: tl.constexpr = tl.constexpr(TOKEN_CODES)
+# Index of each AttentionTiles field in its constexpr tuple:
+T_D: tl.constexpr = tl.constexpr(0)
+T_DP: tl.constexpr = tl.constexpr(1)
+T_BP: tl.constexpr = tl.constexpr(2)
+T_BPP: tl.constexpr = tl.constexpr(3)
+T_NKB: tl.constexpr = tl.constexpr(4)
+T_NVB: tl.constexpr = tl.constexpr(5)
+T_BLOCK_M: tl.constexpr = tl.constexpr(6)
+T_RC: tl.constexpr = tl.constexpr(7)
+T_A0: tl.constexpr = tl.constexpr(8)
+
+
+# --- one stream's pieces ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _arch_rows_t(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, KA_T: tl.constexpr, PREC: tl.constexpr,
+                 q_k, qsum):
+    """Key coefficients ``q_k . S[blk, j]`` of one tile, ``(BLOCK_M, NKB * DENSE_P)``, column ``n * DENSE_P + j`` for
+    block ``blk0 + n`` (scales, level offsets and zero points applied)."""
+    data, scale, zero, index, mean, sink, tail, new, syn, rot, rows, levels = S
+    FORM: tl.constexpr = F[F_FORM]
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    DENSE: tl.constexpr = F[F_DENSE]
+    DKP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    C: tl.constexpr = F[F_CLASSES]
+    Z: tl.constexpr = F[F_ZEROS]
+    FOLD: tl.constexpr = F[F_FOLD]
+    D: tl.constexpr = TL[T_D]
+    DP: tl.constexpr = TL[T_DP]
+    NKB: tl.constexpr = TL[T_NKB]
+    BN: tl.constexpr = TL[T_BP] // R
+    c = tl.arange(0, NKB * DKP)
+    n = c // DKP
+    j = c % DKP
+    blk = blk0 + n
+    col_ok = (n < BN) & (j < DENSE) & (blk >= 0) & (blk < NB)
+    lin = bh * NB + blk
+    dd = tl.arange(0, DP)
+    if FORM == _FLOAT_ROWS or FORM == _PRUNED_ROWS:
+        st = float_rows(data, index, lin[None, :], j[None, :], dd[:, None], col_ok[None, :], F, D)
+        coef = mdot(q_k, st, KA_T, PREC)
+    else:
+        bits, bit_off, cls, zslot, lloyd, off = row_info(rows, levels, j, col_ok, F)
+        ok = col_ok[None, :] & (dd[:, None] < D)
+        codes = unpack_codes(data, lin[None, :], dd[:, None], ok, bits[None, :], bit_off[None, :], F, D)
+        vals = level_values(codes, j[None, :], lloyd[None, :], levels, ok, F)
+        if FORM == _TOKEN_CODES:
+            s = tl.load(scale + lin * C + cls, mask=col_ok, other=0.0).to(tl.float32)
+            coef = s[None, :] * (mdot(q_k, vals, KA_T, PREC) + off[None, :] * qsum[:, None])
+            if Z > 0:
+                z = tl.load(zero + lin * Z + zslot, mask=col_ok & (zslot >= 0), other=0.0).to(tl.float32)
+                coef += z[None, :] * qsum[:, None]
+        elif FOLD:
+            # the tile lies inside one scale group: fold its per-channel scales into q once per class
+            NG = NB // GB
+            grp = fdiv(blk0, GB) + tl.zeros_like(dd)  # (a vector: the interpreter mis-types scalar & vector masks)
+            g_ok = (dd < D) & (grp >= 0) & (grp < NG)
+            base = bh * NG + grp
+            coef = tl.zeros((q_k.shape[0], NKB * DKP), tl.float32)
+            for k in tl.static_range(C):
+                q_c = q_k * tl.load(scale + (base * C + k) * D + dd, mask=g_ok, other=0.0).to(tl.float32)[None, :]
+                part = mdot(q_c, vals, KA_T, PREC) + off[None, :] * tl.sum(q_c, 1)[:, None]
+                if Z > 0:
+                    slot = tl.load(rows + ROW_ZERO_SLOT * K + k + tl.zeros_like(dd))  # class k's zero slot: row k's
+                    z = tl.load(zero + (base * Z + slot) * D + dd, mask=g_ok & (slot >= 0), other=0.0).to(tl.float32)
+                    part += tl.sum(q_k * z[None, :], 1)[:, None]
+                coef = tl.where((cls == k)[None, :], part, coef)
+        else:
+            # scales vary inside the tile: dequantize in registers (fp32 dot)
+            base = bh * (NB // GB) + fdiv(blk, GB)
+            s = tl.load(scale + ((base * C + cls) * D)[None, :] + dd[:, None], mask=ok, other=0.0).to(tl.float32)
+            st = (vals + off[None, :]) * s
+            if Z > 0:
+                st += tl.load(zero + ((base * Z + zslot) * D)[None, :] + dd[:, None], mask=ok & (zslot >= 0)[None, :],
+                              other=0.0).to(tl.float32)
+            coef = mdot(q_k, st, tl.float32, PREC)
+    return coef
 
 
 @triton.jit
-def _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, pos, ok, MASK_KIND: tl.constexpr):
-    """Additive fp32 bias for rows (head, t) x positions pos: 0 / -inf for bool masks, the value for float ones.
-    Every index is int64 (``t * smt`` alone passes 2**31 for a long mask)."""
-    ptr = mask_ptr + b * smb + head[:, None] * smh + t[:, None] * smt + pos[None, :] * sml
-    inside = ok & (pos[None, :] < mask_len)
-    if MASK_KIND == _BOOL_MASK:
-        bias = tl.where(tl.load(ptr, mask=inside, other=1) != 0, 0.0, float("-inf"))
+def _arch_values(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, VA_T: tl.constexpr, PREC: tl.constexpr, pc):
+    """``sum_(n, j) pc[:, (n, j)] * S[blk0 + n, j, :]`` ``(BLOCK_M, DP)`` for the value blocks of one tile; ``pc``
+    ``(BLOCK_M, NVB * DENSE_P)``: the probabilities folded through the synthesis matrix."""
+    data, scale, zero, index, mean, sink, tail, new, syn, rot, rows, levels = S
+    FORM: tl.constexpr = F[F_FORM]
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    DENSE: tl.constexpr = F[F_DENSE]
+    DVP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    C: tl.constexpr = F[F_CLASSES]
+    Z: tl.constexpr = F[F_ZEROS]
+    FOLD: tl.constexpr = F[F_FOLD]
+    D: tl.constexpr = TL[T_D]
+    DP: tl.constexpr = TL[T_DP]
+    NVB: tl.constexpr = TL[T_NVB]
+    BN: tl.constexpr = TL[T_BP] // R + (F[F_OFFSET] > 0)
+    c = tl.arange(0, NVB * DVP)
+    u = c // DVP
+    j = c % DVP
+    blk = blk0 + u
+    row_ok = (u < BN) & (j < DENSE) & (blk >= 0) & (blk < NB)
+    lin = bh * NB + blk
+    dd = tl.arange(0, DP)
+    if FORM == _FLOAT_ROWS or FORM == _PRUNED_ROWS:
+        sv = float_rows(data, index, lin[:, None], j[:, None], dd[None, :], row_ok[:, None], F, D)
+        out = mdot(pc, sv, VA_T, PREC)
     else:
-        bias = tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+        bits, bit_off, cls, zslot, lloyd, off = row_info(rows, levels, j, row_ok, F)
+        ok = row_ok[:, None] & (dd[None, :] < D)
+        codes = unpack_codes(data, lin[:, None], dd[None, :], ok, bits[:, None], bit_off[:, None], F, D)
+        vals = level_values(codes, j[:, None], lloyd[:, None], levels, ok, F)
+        if FORM == _TOKEN_CODES:
+            pcs = pc * tl.load(scale + lin * C + cls, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            extra = tl.sum(pcs * off[None, :], 1)
+            if Z > 0:
+                z = tl.load(zero + lin * Z + zslot, mask=row_ok & (zslot >= 0), other=0.0).to(tl.float32)
+                extra += tl.sum(pc * z[None, :], 1)
+            out = mdot(pcs, vals, VA_T, PREC) + extra[:, None]
+        elif FOLD:
+            # the tile lies inside one scale group: per-channel scales multiply the output columns, once per class
+            NG = NB // GB
+            grp = fdiv(blk0, GB) + tl.zeros_like(dd)
+            g_ok = (dd < D) & (grp >= 0) & (grp < NG)
+            base = bh * NG + grp
+            out = tl.zeros((pc.shape[0], DP), tl.float32)
+            for k in tl.static_range(C):
+                pck = tl.where((cls == k)[None, :], pc, 0.0)
+                s = tl.load(scale + (base * C + k) * D + dd, mask=g_ok, other=0.0).to(tl.float32)
+                out += (mdot(pck, vals, VA_T, PREC) + tl.sum(pck * off[None, :], 1)[:, None]) * s[None, :]
+                if Z > 0:
+                    slot = tl.load(rows + ROW_ZERO_SLOT * K + k + tl.zeros_like(dd))
+                    z = tl.load(zero + (base * Z + slot) * D + dd, mask=g_ok & (slot >= 0), other=0.0).to(tl.float32)
+                    out += tl.sum(pck, 1)[:, None] * z[None, :]
+        else:
+            base = bh * (NB // GB) + fdiv(blk, GB)
+            s = tl.load(scale + ((base * C + cls) * D)[:, None] + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+            sv = (vals + off[:, None]) * s
+            if Z > 0:
+                sv += tl.load(zero + ((base * Z + zslot) * D)[:, None] + dd[None, :], mask=ok & (zslot >= 0)[:, None],
+                              other=0.0).to(tl.float32)
+            out = mdot(pc, sv, tl.float32, PREC)
+    return out
+
+
+@triton.jit
+def _raw_found(L, F: tl.constexpr, p, ok):
+    """Which positions ``p`` one stream holds raw: a sink, a tail row, or one of the call's new tokens."""
+    length, start, stored_end, arch_end, NB = L
+    SINKS: tl.constexpr = F[F_SINKS]
+    TAIL: tl.constexpr = F[F_TAIL]
+    found = ok & (p >= start) & (p < stored_end) & (p - start < TAIL)
+    found |= ok & (p >= stored_end) & (p < length)
+    if SINKS > 0:
+        found |= ok & (p >= 0) & (p < SINKS) & (p < stored_end)
+    return found
+
+
+@triton.jit
+def _raw_rows(S, N, L, F: tl.constexpr, D: tl.constexpr, b, kvh, bh, p, d, ok):
+    """Raw tokens of one stream at positions ``p``, channel ``d`` (broadcast to the tile), zero where not held raw:
+    sink ``p``, tail row ``p - start`` or new token ``p - stored_end`` (``N``: the new tokens' strides)."""
+    data, scale, zero, index, mean, sink, tail, new, syn, rot, rows, levels = S
+    length, start, stored_end, arch_end, NB = L
+    sn0, sn1, sn2, sn3 = N
+    SINKS: tl.constexpr = F[F_SINKS]
+    TAIL: tl.constexpr = F[F_TAIL]
+    ok = ok & (d < D)
+    in_tail = ok & (p >= start) & (p < stored_end) & (p - start < TAIL)
+    x = tl.load(tail + (bh * TAIL + (p - start)) * D + d, mask=in_tail, other=0.0).to(tl.float32)
+    in_new = ok & (p >= stored_end) & (p < length)
+    x += tl.load(new + b * sn0 + kvh * sn1 + (p - stored_end) * sn2 + d * sn3, mask=in_new, other=0.0).to(tl.float32)
+    if SINKS > 0:
+        in_sink = ok & (p >= 0) & (p < SINKS) & (p < stored_end)
+        x += tl.load(sink + (bh * SINKS + p) * D + d, mask=in_sink, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotated(x_chunk_rows, rot, D: tl.constexpr, DP: tl.constexpr, RC: tl.constexpr, k: tl.constexpr, PREC: tl.constexpr):
+    """``x[:, chunk k] @ R^T[chunk k, :]`` for one ``RC``-column chunk of ``x``: ``R (D, D)`` row-major."""
+    dc = k * RC + tl.arange(0, RC)
+    e = tl.arange(0, DP)
+    rt = tl.load(rot + e[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & (e[None, :] < D), other=0.0)
+    return tl.dot(x_chunk_rows, rt, input_precision=PREC)
+
+
+@triton.jit
+def _mask_bias(mk, b, head, t, pos, ok, MASK_KIND: tl.constexpr):
+    """Additive fp32 bias for rows (head, t) x positions ``pos``: 0 / -inf for bool masks, the value for float ones.
+    Positions past the mask's width read its last column (as the reference's clamped gather). Every index is int64."""
+    mask_ptr, smb, smh, smt, sml, mask_len = mk
+    col = tl.minimum(tl.maximum(pos, 0), mask_len - 1).to(tl.int64)
+    ptr = mask_ptr + b * smb + head[:, None] * smh + t[:, None] * smt + col[None, :] * sml
+    if MASK_KIND == _BOOL_MASK:
+        bias = tl.where(tl.load(ptr, mask=ok, other=1) != 0, 0.0, float("-inf"))
+    else:
+        bias = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
     return bias
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, acc):
-    """One online-softmax step on log2-domain scores ``s (M, P)``; returns probabilities and the rescaled state."""
+def _softmax_step(s, st):
+    """One online-softmax step on log2-domain scores ``s (M, P)``; returns the probabilities and the rescaled state
+    ``(max, sum, archive-space accumulator, archive mass, raw accumulator)``."""
+    m_i, l_i, acc, mass, acc_raw = st
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+    return p, (m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None], mass * alpha, acc_raw * alpha[:, None])
+
+
+# --- one tile of positions --------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile(p0, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
+          KF: tl.constexpr, VF: tl.constexpr, TL: tl.constexpr, MASK_KIND: tl.constexpr, EDGE: tl.constexpr,
+          IO_T: tl.constexpr, KA_T: tl.constexpr, VA_T: tl.constexpr, PREC: tl.constexpr):
+    """Attend positions ``[p0, p0 + BP) & [lo, hi)``; returns the updated online-softmax state ``st``.
+
+    ``EDGE`` (the extra split): positions may also be raw in either stream; else every position is archived in
+    both (or past a stream's capacity: not stored). Raw values of a rotated value stream accumulate apart (they are
+    rotated into the archive's space once per program)."""
+    q_io, q_k, qsum_k, qm_k = qc
+    b, kvh, bh, head, t, row_ok = rc
+    a_k, a_v, mean_v = mats
+    k_len, k_start, k_se, k_arch_end, k_nb = KL
+    v_len, v_start, v_se, v_arch_end, v_nb = VL
+    D: tl.constexpr = TL[T_D]
+    DP: tl.constexpr = TL[T_DP]
+    BP: tl.constexpr = TL[T_BP]
+    BPP: tl.constexpr = TL[T_BPP]
+    i = tl.arange(0, BPP)
+    p = p0 + i
+    dd = tl.arange(0, DP)
+    in_range = (i < BP) & (p >= lo) & (p < hi)
+    # key scores
+    k_arch = in_range & (p >= KF[F_SINKS]) & (p < k_arch_end)
+    coef = _arch_rows_t(K, KF, TL, bh, fdiv(p0 - KF[F_SINKS], KF[F_R]), k_nb, KA_T, PREC, q_k, qsum_k)
+    if KF[F_R] == 1:
+        s = coef
+    else:
+        s = mdot(coef, a_k, tl.float32, PREC)
+    if KF[F_CENTER]:
+        s += qm_k[:, None]
+    valid = k_arch
+    if EDGE:
+        k_raw = _raw_found(KL, KF, p, in_range)
+        kt = _raw_rows(K, KN, KL, KF, D, b, kvh, bh, p[None, :], dd[:, None], k_raw[None, :])
+        s = tl.where(k_raw[None, :], mdot(q_io, kt, IO_T, PREC), s)
+        valid = valid | k_raw
+    s = s * qk_scale
+    if MASK_KIND != _NO_MASK:
+        s += _mask_bias(mk, b, head, t, p, row_ok[:, None] & valid[None, :], MASK_KIND) * _LOG2E
+    s = tl.where(valid[None, :], s, float("-inf"))
+    prob, st = _softmax_step(s, st)
+    m_i, l_i, acc, mass, acc_raw = st
+    # values
+    v_arch = in_range & (p >= VF[F_SINKS]) & (p < v_arch_end)
+    p_arch = tl.where(v_arch[None, :], prob, 0.0)
+    if VF[F_R] == 1:
+        pc = p_arch
+    else:
+        pc = mdot(p_arch, a_v, tl.float32, PREC)
+    acc += _arch_values(V, VF, TL, bh, fdiv(p0 - VF[F_SINKS] - VF[F_OFFSET], VF[F_R]), v_nb, VA_T, PREC, pc)
+    if VF[F_CENTER]:
+        mass += tl.sum(p_arch, 1)
+    if EDGE:
+        v_raw = _raw_found(VL, VF, p, in_range)
+        p_raw = tl.where(v_raw[None, :], prob, 0.0)
+        rows = _raw_rows(V, VN, VL, VF, D, b, kvh, bh, p[:, None], dd[None, :], v_raw[:, None])
+        if VF[F_ROTATE]:
+            acc_raw += mdot(p_raw, rows, IO_T, PREC)  # rotated into the archive's space once, at the end
+        else:
+            acc += mdot(p_raw, rows, IO_T, PREC)
+    return m_i, l_i, acc, mass, acc_raw
 
 
 @triton.jit
-def split_range(length, split, NB, NUM_SPLITS, r: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Archive blocks ``[lo, hi)`` of one split: the ``ceil(n / BLOCK_N)`` stored tiles (``n = min(length // r,
-    NB)``: an overflowed append archived only ``NB``) dealt in equal contiguous runs over the ``NUM_SPLITS``
-    splits, from the device length (a short fill of a large static cache still spreads over every split)."""
-    n_arch = tl.minimum(length // r, NB)
-    per_split = tl.cdiv(tl.cdiv(n_arch, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    lo = split * per_split
-    return lo, tl.minimum(lo + per_split, n_arch)
+def _tile_span(lo, hi, origin: tl.constexpr, BP: tl.constexpr):
+    """``(first tile, tile count)`` of the tiles (of ``BP`` positions from ``origin``) meeting ``[lo, hi)``."""
+    first = fdiv(lo - origin, BP)
+    return first, tl.where(hi > lo, fdiv(hi - 1 - origin, BP) + 1 - first, 0)
+
+
+@triton.jit
+def _synthesis_blocks(syn, F: tl.constexpr, TL: tl.constexpr, BY_POSITION: tl.constexpr):
+    """Block-diagonal synthesis matrix of one tile: entry ``((n, j), i)`` is ``A[i + offset - n * r, j]`` where
+    position ``i`` of the tile lies in block ``n``; ``(NB * DENSE_P, BPP)`` (keys), or its transpose ``(BPP, ...)``
+    with ``BY_POSITION`` (values); a placeholder for ``r = 1`` (the identity, skipped)."""
+    R: tl.constexpr = F[F_R]
+    DENSE: tl.constexpr = F[F_DENSE]
+    DNP: tl.constexpr = F[F_DENSE_P]
+    OFF: tl.constexpr = F[F_OFFSET]
+    BP: tl.constexpr = TL[T_BP]
+    BPP: tl.constexpr = TL[T_BPP]
+    if R == 1:
+        out = tl.zeros((1, 1), tl.float32)  # (the identity: never read)
+    else:
+        if BY_POSITION:
+            NBLK: tl.constexpr = TL[T_NVB]
+            c = tl.arange(0, NBLK * DNP)[None, :]
+            i = tl.arange(0, BPP)[:, None]
+        else:
+            NBLK: tl.constexpr = TL[T_NKB]
+            c = tl.arange(0, NBLK * DNP)[:, None]
+            i = tl.arange(0, BPP)[None, :]
+        n = c // DNP
+        j = c % DNP
+        row = i + OFF - n * R
+        out = tl.load(syn + row * DENSE + j, mask=(i < BP) & (row >= 0) & (row < R) & (j < DENSE), other=0.0)
+    return out
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, sqb, sqh, sqt,
-    kd_ptr, ks_ptr, ki_ptr, kt_ptr, vd_ptr, vs_ptr, vi_ptr, vt_ptr,  # K and V: data, scale, index, raw tail
-    ak_ptr, av_ptr, len_ptr,  # synthesis matrices (r, dense rows) and the 0-dim device length
+    q_ptr, sq0, sq1, sq2, sq3,
+    kd, ks, kz, ki, kmean, ksink, ktail, klen, kstart, knew, skn0, skn1, skn2, skn3, k_syn, k_rot, k_rows, k_lvl, NB_K,
+    vd, vs, vz, vi, vmean, vsink, vtail, vlen, vstart, vnew, svn0, svn1, svn2, svn3, v_syn, v_rot, v_rows, v_lvl, NB_V,
     mask_ptr, smb, smh, smt, sml, mask_len,
-    o_part, lse_part, qk_scale, NB, HKV, T, G, N_MCHUNK, NUM_SPLITS,
-    D: tl.constexpr, DP: tl.constexpr, r: tl.constexpr, RP: tl.constexpr, TP: tl.constexpr,
-    K_ROWS: tl.constexpr, K_DENSE: tl.constexpr, K_DENSE_P: tl.constexpr, K_QUANT: tl.constexpr, K_KEPT: tl.constexpr,
-    V_ROWS: tl.constexpr, V_DENSE: tl.constexpr, V_DENSE_P: tl.constexpr, V_QUANT: tl.constexpr, V_KEPT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
-    DOT_T: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr,
+    o_part, lse_part, qk_scale, HKV, T, G, N_MCHUNK, NUM_SPLITS, T_NEW,
+    KF: tl.constexpr, VF: tl.constexpr, TL: tl.constexpr, MASK_KIND: tl.constexpr, EDGE: tl.constexpr,
+    IO_T: tl.constexpr, KA_T: tl.constexpr, VA_T: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program ``(bh * N_MCHUNK + row chunk, split)``; split ``NUM_SPLITS`` attends the raw tail. Constexprs:
-    :class:`AttentionTiles` (``D`` .. ``TP``, ``BLOCK_N``, ``BLOCK_M``), :class:`StoredForm` of K and V, the mask
-    kind, and :class:`DotTypes` (``DOT_T``: 16-bit or fp32 dot operands; ``PREC``: fp32 dots; ``PREC_S``: dots on
-    stored rows)."""
+    """Program ``(bh * N_MCHUNK + row chunk, split)`` of the main region (``EDGE`` False: splits ``0 .. NUM_SPLITS -
+    1``) or of the edge (``EDGE``: one split, written as part ``NUM_SPLITS``; a launch of its own, so that each
+    variant keeps only its own registers). Per stream: the 9 state tensors' pointers (data, scale, zero, index, mean,
+    sink, tail, length, start), the new tokens and their strides, the tables (synthesis, rotation, rows, levels) and
+    the archive's capacity in blocks. Constexprs: ``KF``/``VF`` the streams' :class:`StreamForm` tuples, ``TL`` the
+    :class:`AttentionTiles` tuple, the mask kind and the dot types (``IO_T`` raw operands, ``KA_T``/``VA_T`` archive
+    operands, ``PREC`` fp32 dots)."""
+    D: tl.constexpr = TL[T_D]
+    DP: tl.constexpr = TL[T_DP]
+    BP: tl.constexpr = TL[T_BP]
+    BLOCK_M: tl.constexpr = TL[T_BLOCK_M]
+    RC: tl.constexpr = TL[T_RC]
+    A0: tl.constexpr = TL[T_A0]
+    K_SINKS: tl.constexpr = KF[F_SINKS]
     pid = tl.program_id(0)
     split = tl.program_id(1)
     bh = (pid // N_MCHUNK).to(tl.int64)
@@ -103,82 +433,110 @@ def _split_kernel(
     t = (m % T).to(tl.int64)
     head = kvh * G + g
     dd = tl.arange(0, DP)
-    q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + t[:, None] * sqt + dd[None, :],
-                mask=row_ok[:, None] & (dd[None, :] < D), other=0.0).to(DOT_T)
-    length = tl.load(len_ptr)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, DP), tl.float32)
-    if split < NUM_SPLITS:
-        lo, hi = split_range(length, split, NB, NUM_SPLITS, r, BLOCK_N)
-        ck = tl.arange(0, BLOCK_N * K_DENSE_P)
-        nk = ck // K_DENSE_P
-        jk = ck % K_DENSE_P
-        cv = tl.arange(0, BLOCK_N * V_DENSE_P)
-        nv = cv // V_DENSE_P
-        jv = cv % V_DENSE_P
-        pp = tl.arange(0, BLOCK_N * RP)
-        npos = pp // RP
-        p_in = pp % RP
-        # block-diagonal synthesis: scores = C @ a_k, folded probabilities = P @ a_v
-        a_k = tl.load(ak_ptr + p_in[None, :] * K_DENSE + jk[:, None],
-                      mask=(nk[:, None] == npos[None, :]) & (jk[:, None] < K_DENSE) & (p_in[None, :] < r), other=0.0)
-        a_v = tl.load(av_ptr + p_in[:, None] * V_DENSE + jv[None, :],
-                      mask=(npos[:, None] == nv[None, :]) & (p_in[:, None] < r) & (jv[None, :] < V_DENSE), other=0.0)
-        for n0 in range(lo, hi, BLOCK_N):
-            # S_k^T, loaded transposed; int8 codes enter the dot exactly, their scales multiply its output
-            kblk = bh * NB + n0 + nk
-            kok = n0 + nk < hi
-            sk_t = stored_rows(kd_ptr, ks_ptr, ki_ptr, kblk[None, :], jk[None, :], dd[:, None], kok[None, :],
-                               K_ROWS, D, False, K_KEPT)
-            coef = tl.dot(q, sk_t.to(DOT_T), input_precision=PREC_S)
-            if K_QUANT:
-                coef = coef * tl.load(ks_ptr + kblk * K_ROWS + jk, mask=kok & (jk < K_ROWS), other=0.0)[None, :]
-            s = tl.dot(coef, a_k, input_precision=PREC) * qk_scale
-            pos_ok = (n0 + npos < hi) & (p_in < r)
-            if MASK_KIND != _NO_MASK:
-                pos = (n0 + npos) * r + p_in
-                s += _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, pos,
-                                row_ok[:, None] & pos_ok[None, :], MASK_KIND) * _LOG2E
-            s = tl.where(pos_ok[None, :], s, float("-inf"))
-            p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc)
-            # folded probabilities per stored row; V's int8 scales fold in here, so its codes enter the dot exactly
-            pc = tl.dot(p, a_v, input_precision=PREC)
-            vblk = bh * NB + n0 + nv
-            vok = n0 + nv < hi
-            if V_QUANT:
-                pc = pc * tl.load(vs_ptr + vblk * V_ROWS + jv, mask=vok & (jv < V_ROWS), other=0.0)[None, :]
-            sv = stored_rows(vd_ptr, vs_ptr, vi_ptr, vblk[:, None], jv[:, None], dd[None, :], vok[:, None],
-                             V_ROWS, D, False, V_KEPT)
-            acc += tl.dot(pc.to(DOT_T), sv.to(DOT_T), input_precision=PREC_S)
+    q_row = q_ptr + b * sq0 + head[:, None] * sq1 + t[:, None] * sq2
+    q = tl.load(q_row + dd[None, :] * sq3, mask=row_ok[:, None] & (dd[None, :] < D), other=0.0)
+    q_f = q.to(tl.float32)
+    q_k = q_f
+    if KF[F_ROTATE]:
+        # the keys' rotation folded into q once: q_k = q @ R_k^T
+        q_k = tl.zeros((BLOCK_M, DP), tl.float32)
+        for k in tl.static_range(DP // RC):
+            dc = k * RC + tl.arange(0, RC)
+            x = tl.load(q_row + dc[None, :] * sq3, mask=row_ok[:, None] & (dc[None, :] < D), other=0.0)
+            q_k += _rotated(x.to(tl.float32), k_rot, D, DP, RC, k, PREC)
+    qm_k = tl.zeros((BLOCK_M,), tl.float32)
+    if KF[F_CENTER]:
+        qm_k = tl.sum(q_f * tl.load(kmean + bh * D + dd, mask=dd < D, other=0.0)[None, :], 1)
+    mean_v = tl.zeros((DP,), tl.float32)
+    if VF[F_CENTER]:
+        if VF[F_ROTATE]:
+            for k in tl.static_range(DP // RC):
+                dc = k * RC + tl.arange(0, RC)
+                mv = tl.load(vmean + bh * D + dc, mask=dc < D, other=0.0)
+                rot = tl.load(v_rot + dd[:, None] * D + dc[None, :], mask=(dd[:, None] < D) & (dc[None, :] < D),
+                              other=0.0)
+                mean_v += tl.sum(rot * mv[None, :], 1)
+        else:
+            mean_v = tl.load(vmean + bh * D + dd, mask=dd < D, other=0.0)
+    # per stream: (length, start, stored end, archive end, capacity in blocks); positions are int64
+    k_len = tl.load(klen)
+    k_start = tl.load(kstart)
+    k_se = k_len - T_NEW
+    k_end = tl.minimum(tl.minimum(k_start, k_se), K_SINKS + NB_K.to(tl.int64) * KF[F_R])
+    v_len = tl.load(vlen)
+    v_start = tl.load(vstart)
+    v_se = v_len - T_NEW
+    v_end = tl.minimum(tl.minimum(v_start, v_se), VF[F_SINKS] + NB_V.to(tl.int64) * VF[F_R])
+    K = (kd, ks, kz, ki, kmean, ksink, ktail, knew, k_syn, k_rot, k_rows, k_lvl)
+    V = (vd, vs, vz, vi, vmean, vsink, vtail, vnew, v_syn, v_rot, v_rows, v_lvl)
+    KN = (skn0, skn1, skn2, skn3)
+    VN = (svn0, svn1, svn2, svn3)
+    KL = (k_len, k_start, k_se, k_end, NB_K)
+    VL = (v_len, v_start, v_se, v_end, NB_V)
+    qc = (q.to(IO_T), q_k, tl.sum(q_k, 1), qm_k)
+    rc = (b, kvh, bh, head, t, row_ok)
+    mk = (mask_ptr, smb, smh, smt, sml, mask_len)
+    mats = (_synthesis_blocks(k_syn, KF, TL, False), _synthesis_blocks(v_syn, VF, TL, True), mean_v)  # (r > 1)
+    raw_width: tl.constexpr = DP if EDGE and VF[F_ROTATE] else 1
+    st = (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+          tl.zeros((BLOCK_M, DP), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+          tl.zeros((BLOCK_M, raw_width), tl.float32))
+    # main region [A0, A1): archived in both streams
+    a1 = tl.maximum(tl.minimum(k_end, tl.minimum(v_start, v_se)), A0)
+    if EDGE:
+        # the edge: ranges [0, min(A0, k_end)), [A1, k_end), [min(start_k, stored_end_k), length_k), visited as one
+        # run of tiles (tile i of the run lies in the first range whose tiles it has not passed yet)
+        lo0, hi0 = k_len * 0, tl.minimum(k_end, A0)
+        lo1, hi1 = a1, k_end
+        lo2, hi2 = tl.minimum(k_start, k_se), k_len
+        f0, n0 = _tile_span(lo0, hi0, K_SINKS, BP)
+        f1, n1 = _tile_span(lo1, hi1, K_SINKS, BP)
+        f2, n2 = _tile_span(lo2, hi2, K_SINKS, BP)
+        for i in range(0, n0 + n1 + n2):
+            in0 = i < n0
+            in1 = (i >= n0) & (i < n0 + n1)
+            tt = tl.where(in0, f0 + i, tl.where(in1, f1 + i - n0, f2 + i - n0 - n1))
+            lo = tl.where(in0, lo0, tl.where(in1, lo1, lo2))
+            hi = tl.where(in0, hi0, tl.where(in1, hi1, hi2))
+            st = _tile(K_SINKS + tt * BP, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
+                       KF, VF, TL, MASK_KIND, True, IO_T, KA_T, VA_T, PREC)
     else:
-        i = tl.arange(0, TP)
-        start = length // r * r
-        ok = (i < r) & (start + i < length)
-        kt_t = tl.load(kt_ptr + bh * (r * D) + i[None, :] * D + dd[:, None], mask=ok[None, :] & (dd[:, None] < D),
-                       other=0.0)
-        s = tl.dot(q, kt_t.to(DOT_T), input_precision=PREC_S) * qk_scale
-        if MASK_KIND != _NO_MASK:
-            s += _mask_bias(mask_ptr, smb, smh, smt, sml, mask_len, b, head, t, start + i,
-                            row_ok[:, None] & ok[None, :], MASK_KIND) * _LOG2E
-        s = tl.where(ok[None, :], s, float("-inf"))
-        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc)
-        vt = tl.load(vt_ptr + bh * (r * D) + i[:, None] * D + dd[None, :], mask=ok[:, None] & (dd[None, :] < D),
-                     other=0.0)
-        acc += tl.dot(p.to(DOT_T), vt.to(DOT_T), input_precision=PREC_S)
+        t_lo = (A0 - K_SINKS) // BP
+        t_hi = (a1 - K_SINKS + BP - 1) // BP
+        per = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
+        lo = t_lo + split * per
+        hi = tl.minimum(lo + per, t_hi)
+        for tt in range(lo, hi):
+            st = _tile(K_SINKS + tt * BP, A0, a1, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
+                       KF, VF, TL, MASK_KIND, False, IO_T, KA_T, VA_T, PREC)
+    m_i, l_i, acc, mass, acc_raw = st
+    if VF[F_CENTER]:
+        acc += mass[:, None] * mean_v[None, :]
+    part = pid.to(tl.int64) * (NUM_SPLITS + 1) + (NUM_SPLITS if EDGE else split)
+    rows = tl.arange(0, BLOCK_M)
+    slot = o_part + part * (BLOCK_M * DP) + rows[:, None] * DP
+    if EDGE and VF[F_ROTATE]:
+        # the raw values into the archive's rotated space, once: acc_raw @ R_v^T, one column chunk at a time
+        # (stashed in this program's own partial slot, read back after a barrier)
+        tl.store(slot + dd[None, :], acc_raw)
+        tl.debug_barrier()
+        for k in tl.static_range(DP // RC):
+            dc = k * RC + tl.arange(0, RC)
+            acc += _rotated(tl.load(slot + dc[None, :]), v_rot, D, DP, RC, k, PREC)
+        tl.debug_barrier()
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = pid.to(tl.int64) * (NUM_SPLITS + 1) + split
-    rows = tl.arange(0, BLOCK_M)
-    tl.store(o_part + part * (BLOCK_M * DP) + rows[:, None] * DP + dd[None, :], out)
+    tl.store(slot + dd[None, :], out)
     tl.store(lse_part + part * BLOCK_M + rows, lse)
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, out_ptr, sob, soh, sot, HKV, T, G, N_MCHUNK, PARTS,
-                    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Merge the ``PARTS`` partial (output, log2-sum-exp) pairs of one program's rows into the final output."""
+def _combine_kernel(o_part, lse_part, out_ptr, so0, so1, so2, so3, v_rot, HKV, T, G, N_MCHUNK, PARTS,
+                    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, RC: tl.constexpr,
+                    ROTATE: tl.constexpr, PREC: tl.constexpr):
+    """Merge the ``PARTS`` partial (output, log2-sum-exp) pairs of one program's rows; with ``ROTATE`` the merged
+    output (in the values' rotated space) is rotated back once, ``out @ R_v``, one column chunk at a time."""
     pid = tl.program_id(0)
     bh = (pid // N_MCHUNK).to(tl.int64)
     b = bh // HKV
@@ -200,12 +558,23 @@ def _combine_kernel(o_part, lse_part, out_ptr, sob, soh, sot, HKV, T, G, N_MCHUN
         acc = acc * alpha[:, None] + w[:, None] * o
         l_run = l_run * alpha + w
         m_run = m_new
-    out = tl.where((l_run > 0)[:, None], acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
+    acc = tl.where((l_run > 0)[:, None], acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
     g = m // T
     t = (m % T).to(tl.int64)
-    ptr = out_ptr + b * sob + (kvh * G + g)[:, None] * soh + t[:, None] * sot + dd[None, :]
-    tl.store(ptr, out.to(out_ptr.dtype.element_ty), mask=(m < G * T)[:, None] & (dd[None, :] < D))
+    row_ptr = out_ptr + b * so0 + (kvh * G + g)[:, None] * so1 + t[:, None] * so2
+    row_ok = (m < G * T)[:, None]
+    if ROTATE:
+        for k in tl.static_range(DP // RC):
+            dc = k * RC + tl.arange(0, RC)
+            rot = tl.load(v_rot + dd[:, None] * D + dc[None, :], mask=(dd[:, None] < D) & (dc[None, :] < D),
+                          other=0.0)
+            o = tl.dot(acc, rot, input_precision=PREC)
+            tl.store(row_ptr + dc[None, :] * so3, o.to(out_ptr.dtype.element_ty), mask=row_ok & (dc[None, :] < D))
+    else:
+        tl.store(row_ptr + dd[None, :] * so3, acc.to(out_ptr.dtype.element_ty), mask=row_ok & (dd[None, :] < D))
 
+
+# --- launcher ---------------------------------------------------------------------------------------------------
 
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -213,145 +582,192 @@ def _sm_count(device: torch.device) -> int:
     return 2
 
 
-def attention_plan(batch: int, kv_heads: int, rows: int, blocks: int, block_size: int, rows_k: int, rows_v: int,
-                   head_dim: int, device: torch.device, num_splits: int | None = None) -> dict[str, int]:
-    """Tile sizes and split count from shapes only (never from the device length, so the launch is fixed).
-
-    - ``BLOCK_M``: the ``G * T`` query rows of a kv head, padded to a power of two >= 16 (tl.dot minimum), at
-      most 64 per program; larger groups get more programs.
-    - ``BLOCK_N``: archive blocks per tile, chosen so a tile spans about 64 token positions and at least 16
-      stored rows of K and of V (tl.dot minimum).
-    - splits: enough programs to fill the device twice over (``2 * SMs`` programs on CUDA), never more splits
-      than tiles, so short contexts get few splits (little combine work) and long ones many (full occupancy,
-      each split streams a contiguous block range). The split count comes from the capacity ``NB`` (shapes
-      only); each split's block range comes from the device length inside the kernel: the stored tiles are dealt
-      evenly over the splits, so a short fill of a large static cache still spreads over every split.
-    - ``num_warps``: 8 when a stored tile holds >= 8192 values (e.g. 8 blocks x 8 rows x D=128), else 4: with
-      D=128 on sm_90 that keeps every tier under 255 registers without spills (ptxas -v, Triton 3.9).
-    """
-    rp = pow2(block_size)
-    block_m = pow2(rows, 16) if rows <= _MAX_ROWS else _MAX_ROWS
-    n_mchunk = -(-rows // block_m)
-    block_n = max(1, 64 // rp)
-    while block_n * min(pow2(rows_k), pow2(rows_v), rp) < 16:
-        block_n *= 2
-    tiles = -(-blocks // block_n)
-    if num_splits is None:
-        base = batch * kv_heads * n_mchunk
-        num_splits = min(tiles, max(1, -(-2 * _sm_count(device) // base)))
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    num_splits = max(1, min(num_splits, tiles))
-    warps = 8 if block_n * max(pow2(rows_k), pow2(rows_v)) * pow2(head_dim, 16) >= 8192 else 4
-    return {"BLOCK_M": block_m, "n_mchunk": n_mchunk, "BLOCK_N": block_n, "num_splits": num_splits,
-            "num_warps": warps}
-
-
-
 @dataclass(frozen=True)
 class AttentionTiles:
-    """The shape constexprs of the split kernel: ``D`` head_dim (``DP`` its tile), ``r`` block size (``RP`` its
-    tile, ``TP`` the tail's, >= 16), and the plan's ``BLOCK_N`` blocks per tile and ``BLOCK_M`` query rows."""
+    """The split kernel's shape constexprs (tuple order = field order): ``head_dim`` (``DP`` its tile), ``positions``
+    per tile ``BP`` (``BPP`` its power-of-two tile), key / value block slots per tile, ``block_m`` query rows per
+    program, ``rc`` the column chunk of the rotations, ``a0`` the first position both streams archive."""
 
     head_dim: int
-    block_size: int
-    block_n: int
+    dp: int
+    positions: int
+    positions_p: int
+    key_blocks: int
+    value_blocks: int
     block_m: int
+    rc: int
+    a0: int
 
-    def constexprs(self) -> dict[str, int]:
-        return {"D": self.head_dim, "DP": pow2(self.head_dim, 16), "r": self.block_size, "RP": pow2(self.block_size),
-                "TP": pow2(self.block_size, 16), "BLOCK_N": self.block_n, "BLOCK_M": self.block_m}
+    def constexpr(self) -> tuple:
+        return tuple(self.__dict__.values())
 
 
 @dataclass(frozen=True)
-class DotTypes:
-    """Dot operand dtype and precisions (see :func:`triton_codec_attention`)."""
+class TilePlan:
+    """How positions are tiled for one (key codec, value codec) pair (shapes only): ``positions`` per tile of the
+    main region, ``edge_positions`` per tile of the edge (its own launch: the smallest tile with the same folds, as
+    the edge tile also loads raw rows and rotates raw values), the value blocks' offset inside a tile, the folds."""
 
-    operand: tl.dtype
-    precision: str
+    positions: int
+    edge_positions: int
+    value_offset: int
+    fold_k: bool
+    fold_v: bool
 
-    @classmethod
-    def of(cls, q_dtype: torch.dtype, *stored: torch.dtype) -> DotTypes:
-        return cls(dot_dtype(q_dtype, *(dt for dt in stored if dt.is_floating_point)), dot_precision(q_dtype))
 
-    def constexprs(self) -> dict:
-        stored = self.precision if self.operand == tl.float32 else "tf32"  # (unused by 16-bit dots)
-        return {"DOT_T": self.operand, "PREC": self.precision, "PREC_S": stored}
+def tile_plan(ck, cv) -> TilePlan:
+    """Tile positions ``BP``: a multiple of ``lcm(r_k, r_v)`` (tiles start on key block boundaries, value blocks sit
+    at the constant offset ``(sinks_k - sinks_v) mod r_v``), large enough for ``tl.dot`` (>= 16 per dimension),
+    preferring tiles inside one scale group of each channel-axis stream (the scale fold), then about 64 positions."""
+    rk, rv = ck.block_size, cv.block_size
+    step = lcm(rk, rv)
+    if step > MAX_TILE_POSITIONS:
+        raise ValueError(f"the Triton kernels need lcm(block_size of k, block_size of v) <= {MAX_TILE_POSITIONS}, "
+                         f"got lcm({rk}, {rv}) = {step}")
+    off = (ck.sinks - cv.sinks) % rv
+    fits = []
+    bp = step
+    while bp <= MAX_TILE_POSITIONS:
+        if (pow2(bp) >= 16 and pow2(bp // rk) * pow2(ck.dense_rows) >= 16
+                and pow2(bp // rv + (off > 0)) * pow2(cv.dense_rows) >= 16):
+            fold_k = ck.quantizer is not None and ck.quantizer.axis == "channel" and ck.group % bp == 0
+            fold_v = (cv.quantizer is not None and cv.quantizer.axis == "channel" and cv.group % bp == 0
+                      and (ck.sinks - cv.sinks) % cv.group == 0)
+            fits.append(((fold_k + fold_v, -abs(math.log2(bp / _TARGET_POSITIONS)), -bp), bp, fold_k, fold_v))
+        bp *= 2
+    if not fits:
+        raise ValueError(f"the Triton kernels find no tile of <= {MAX_TILE_POSITIONS} positions for block sizes "
+                         f"{rk} (k) and {rv} (v)")
+    _, bp, fold_k, fold_v = max(fits)
+    edge = min(e for _, e, fk, fv in fits if (fk, fv) == (fold_k, fold_v))
+    return TilePlan(bp, edge, off, fold_k, fold_v)
+
+
+def _tiles(ck, cv, positions: int, offset: int, head_dim: int, block_m: int) -> AttentionTiles:
+    dp = pow2(head_dim, 16)
+    return AttentionTiles(head_dim, dp, positions, pow2(positions), pow2(positions // ck.block_size),
+                          pow2(positions // cv.block_size + (offset > 0)), block_m, min(32, dp),
+                          max(ck.sinks, cv.sinks))
+
+
+def attention_plan(batch: int, kv_heads: int, rows: int, ck, cv, groups_k: int, head_dim: int, device: torch.device,
+                   num_splits: int | None = None) -> dict:
+    """Tiles and split count from shapes only (never from the device lengths, so the launch is fixed).
+
+    - ``BLOCK_M``: the ``G * T`` query rows of a kv head, padded to a power of two >= 16 (tl.dot minimum), at most 64
+      per program; larger groups get more programs.
+    - tile positions: :func:`tile_plan`.
+    - splits: enough programs to fill the device twice over (``2 * SMs`` on CUDA), never more splits than tiles of
+      the key archive's capacity; each split's tile range comes from the device lengths inside the kernel (the
+      stored tiles are dealt evenly over the splits, so a short fill of a large static cache spreads over all).
+    - ``num_warps``: 8 when a stored tile holds >= 8192 values (e.g. 64 positions x 8 rows / 8 x D=128), else 4.
+    """
+    plan = tile_plan(ck, cv)
+    block_m = pow2(rows, 16) if rows <= _MAX_ROWS else _MAX_ROWS
+    n_mchunk = -(-rows // block_m)
+    n_tiles = max(1, -(-(groups_k * ck.group) // plan.positions))
+    if num_splits is None:
+        base = batch * kv_heads * n_mchunk
+        num_splits = min(n_tiles, max(1, -(-2 * _sm_count(device) // base)))
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    num_splits = max(1, min(num_splits, n_tiles))
+    tiles = _tiles(ck, cv, plan.positions, plan.value_offset, head_dim, block_m)
+    stored = max(tiles.key_blocks * pow2(ck.dense_rows), tiles.value_blocks * pow2(cv.dense_rows))
+    warps = 8 if stored * tiles.dp >= 8192 else 4
+    return {"BLOCK_M": block_m, "n_mchunk": n_mchunk, "num_splits": num_splits, "num_warps": warps,
+            "num_stages": NUM_STAGES, "tiles": tiles, "tile_plan": plan,
+            "edge_tiles": _tiles(ck, cv, plan.edge_positions, plan.value_offset, head_dim, block_m)}
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple:
     """``(tensor, stride_b, stride_h, stride_t, stride_l, length, kind)``; broadcast dims get stride 0."""
     if mask is None:
-        return q, 0, 0, 0, 0, 0, NO_MASK
+        return q, 0, 0, 0, 0, 1, NO_MASK
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3)]
     return mask, *strides, mask.stride(3), mask.shape[3], BOOL_MASK if mask.dtype == torch.uint8 else ADDITIVE_MASK
 
 
-def split_partials(q: torch.Tensor, k_state: tuple, v_state: tuple, length: torch.Tensor, spec_k: list[int],
-                   spec_v: list[int], mask: torch.Tensor | None, scale: float | None,
-                   num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _exact16(form: StreamForm, data: torch.Tensor) -> bool:
+    """Whether a stream's archive operand is exact in a 16-bit dot: integer codes of affine levels, jpeg rows stored
+    in a 16-bit dtype (not lloyd levels, not png's fp32 deltas)."""
+    if form.form in (TOKEN_CODES, CHANNEL_CODES):
+        return not form.lloyd
+    return form.form == FLOAT_ROWS and data.dtype in (torch.float16, torch.bfloat16)
+
+
+def _stream_args(codec, st, new: torch.Tensor | None, placeholder: torch.Tensor, tables) -> list:
+    """One stream's kernel arguments: state tensors (empty ones replaced by ``placeholder``: never read), the new
+    tokens and their strides, the tables, the archive's capacity in blocks."""
+    tensors = [placeholder if x.numel() == 0 else x for x in st[:7]]
+    new_t = placeholder if new is None else new
+    strides = (0, 0, 0, 0) if new is None else new.stride()
+    return [*tensors, st.length, st.start, new_t, *strides, tables.synthesis, tables.rotation, tables.rows,
+            tables.levels, st.data.shape[2] * codec.blocks]
+
+
+def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, k_new: torch.Tensor | None = None,
+                   v_new: torch.Tensor | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
+                   num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Validate, plan and launch the split kernel. Returns the partial outputs ``(programs, splits + 1, BLOCK_M,
-    DP)`` fp32, their log2-sum-exp ``(programs, splits + 1, BLOCK_M)`` (``-inf``: the split saw nothing) and the
-    plan; part ``splits`` is the raw tail's. ``k_state``/``v_state``: ``(data, scale, index, tail)``."""
-    ck, cv = check_attention_args(q, k_state, v_state, spec_k, spec_v, mask)
-    check_length(length)
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    DP)`` fp32 (in the values' rotated space), their log2-sum-exp ``(programs, splits + 1, BLOCK_M)`` (``-inf``: the
+    split saw nothing) and the plan; part ``splits`` is the edge's."""
+    ck, cv, ks, vs = check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask)
+    io_t = io_dtype(q.dtype)
     b, hq, t, d = q.shape
     check_triton_limits(ck, d, "spec_k")
     check_triton_limits(cv, d, "spec_v")
-    require_contiguous(**{f"{s}_{part}": x for s, state in (("k", k_state), ("v", v_state))
-                          for part, x in zip(("data", "scale", "index", "tail"), state, strict=True)})
-    hkv, nb, r = k_state[0].shape[1], k_state[0].shape[2], ck.block_size
+    require_contiguous(**{f"{name}.{field}": x for name, st in (("k_state", ks), ("v_state", vs))
+                          for field, x in zip(st._fields[:7], st[:7], strict=True)})
+    hkv = ks.tail.shape[1]
     g = hq // hkv
-    q = q if q.stride(3) == 1 else q.contiguous()
-    plan = attention_plan(b, hkv, g * t, nb, r, ck.dense_rows, cv.dense_rows, d, q.device, num_splits)
-    tiles = AttentionTiles(d, r, plan["BLOCK_N"], plan["BLOCK_M"])
-    parts, programs, dp = plan["num_splits"] + 1, b * hkv * plan["n_mchunk"], pow2(d, 16)
+    plan = attention_plan(b, hkv, g * t, ck, cv, ks.data.shape[2], d, q.device, num_splits)
+    tp: TilePlan = plan["tile_plan"]
+    kf = StreamForm.of(ck, d, fold=tp.fold_k)
+    vf = StreamForm.of(cv, d, fold=tp.fold_v, offset=tp.value_offset)
+    tk, tv = stream_tables(ck, d, q.device), stream_tables(cv, d, q.device)
+    parts, programs, dp = plan["num_splits"] + 1, b * hkv * plan["n_mchunk"], plan["tiles"].dp
     o_part = torch.empty(programs, parts, plan["BLOCK_M"], dp, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(programs, parts, plan["BLOCK_M"], dtype=torch.float32, device=q.device)
-    a_k, _ = codec_matrices(ck, q.device)
-    a_v, _ = codec_matrices(cv, q.device)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    dots = DotTypes.of(q.dtype, ck.storage_dtype(k_state[3].dtype), cv.storage_dtype(v_state[3].dtype),
-                       k_state[3].dtype, v_state[3].dtype)
     mask_t, smb, smh, smt, sml, mask_len, mask_kind = _mask_args(mask, q)
-    _split_kernel[(programs, parts)](
-        q, q.stride(0), q.stride(1), q.stride(2), *k_state, *v_state, a_k, a_v, length,
-        mask_t, smb, smh, smt, sml, mask_len,
-        o_part, lse_part, sm_scale * LOG2E, nb, hkv, t, g, plan["n_mchunk"], plan["num_splits"],
-        **tiles.constexprs(), **StoredForm.of(ck).constexprs("K"), **StoredForm.of(cv).constexprs("V"),
-        MASK_KIND=mask_kind, **dots.constexprs(),
-        num_stages=1 if ck.index_rows or cv.index_rows else 2, num_warps=plan["num_warps"],
-    )
+    wide = q.dtype == torch.float32
+    ka_t = io_t if not wide and _exact16(kf, ks.data) and not kf.rotate and kf.form != CHANNEL_CODES else tl.float32
+    va_t = io_t if not wide and _exact16(vf, vs.data) else tl.float32
+    args = (q, *q.stride(), *_stream_args(ck, ks, k_new, q, tk), *_stream_args(cv, vs, v_new, q, tv),
+            mask_t, smb, smh, smt, sml, mask_len, o_part, lse_part, sm_scale * LOG2E, hkv, t, g, plan["n_mchunk"],
+            plan["num_splits"], 0 if k_new is None else k_new.shape[2])
+    constexprs = dict(KF=kf.constexpr(), VF=vf.constexpr(), MASK_KIND=mask_kind, IO_T=io_t, KA_T=ka_t, VA_T=va_t,
+                      PREC="ieee" if wide else "tf32x3", num_stages=plan["num_stages"])
+    _split_kernel[(programs, plan["num_splits"])](*args, TL=plan["tiles"].constexpr(), EDGE=False,
+                                                  num_warps=plan["num_warps"], **constexprs)
+    _split_kernel[(programs, 1)](*args, TL=plan["edge_tiles"].constexpr(), EDGE=True, num_warps=EDGE_WARPS,
+                                 **constexprs)
     return o_part, lse_part, plan
 
 
-def triton_codec_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, k_index: torch.Tensor,
-                           k_tail: torch.Tensor, v_data: torch.Tensor, v_scale: torch.Tensor, v_index: torch.Tensor,
-                           v_tail: torch.Tensor, length: torch.Tensor, spec_k: list[int], spec_v: list[int],
+def triton_codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[torch.Tensor], spec_k: str,
+                           spec_v: str, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                            mask: torch.Tensor | None = None, scale: float | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
-    """Triton ``flashcodec::codec_attention``: ``q (B, Hq, T, D)`` over the stored state; ``(B, Hq, T, D)`` in q's dtype.
-
-    Same contract and validation as the reference (:func:`flashcodec_fx.ops.attention.codec_attention`); every
-    codec is supported (jpeg any K <= r, int8, png, pruned png) within the Triton limits (``triton_common``).
-    fp16/bf16/fp32 I/O, fp32 accumulation: with 16-bit inputs, ``q . S_k`` runs on 16-bit tensor cores on exact
-    operands (stored rows, or int8 codes whose scales multiply the dot's output), ``P . S_v`` likewise on V's
-    exact int8 codes with the folded probabilities times V's scales rounded once to the I/O dtype (as flash
-    attention rounds P; unquantized rows enter as stored), and every fp32 product (synthesis expansion and fold,
-    png deltas) runs as tf32x3 (about fp32 accuracy); fp32 inputs use exact fp32 dots throughout.
-    Tiles and split count: see :func:`attention_plan` (``num_splits`` overrides the heuristic).
-    Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph.
-    """
-    o_part, lse_part, plan = split_partials(q, (k_data, k_scale, k_index, k_tail), (v_data, v_scale, v_index, v_tail),
-                                            length, spec_k, spec_v, mask, scale, num_splits)
+    """Triton ``flashcodec::codec_attention``: ``q (B, Hq, T, D)`` over the stored states; ``(B, Hq, T, D)`` in q's
+    dtype. Same contract and validation as :func:`~flashcodec_fx.ops.attention.codec_attention_reference`; every
+    stored form within the Triton limits (``triton_common``). fp16/bf16/fp32 I/O, fp32 accumulation (docs/triton.md:
+    which operands enter 16-bit dots). Tiles and split count: :func:`attention_plan` (``num_splits`` overrides the
+    heuristic). Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph."""
+    o_part, lse_part, plan = split_partials(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale,
+                                            num_splits)
+    cv = spec_codec("spec_v", spec_v)
+    vs = StreamState(*v_state)
     b, hq, t, d = q.shape
-    g = hq // k_data.shape[1]
+    hkv = vs.tail.shape[1]
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(o_part.shape[0],)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2),
-                                        k_data.shape[1], t, g, plan["n_mchunk"], o_part.shape[1], D=d,
-                                        DP=o_part.shape[3], BLOCK_M=plan["BLOCK_M"])
+    rot = stream_tables(cv, d, q.device).rotation
+    tiles = plan["tiles"]
+    _combine_kernel[(o_part.shape[0],)](o_part, lse_part, out, *out.stride(), rot, hkv, t, hq // hkv,
+                                        plan["n_mchunk"], o_part.shape[1], D=d, DP=tiles.dp,
+                                        BLOCK_M=plan["BLOCK_M"], RC=tiles.rc, ROTATE=cv.rotate is not None,
+                                        PREC="ieee" if q.dtype == torch.float32 else "tf32x3")
     return out

@@ -1,27 +1,81 @@
-"""Shared pieces of the Triton kernels: the codec as constexprs, device-held codec matrices, the Triton path's
-limits, and the stored-row loader.
+"""Shared pieces of the Triton kernels: the Triton path's limits, one stream's stored form as a constexpr tuple,
+the device tables the kernels read (made when a stream allocates), and the stored-row loaders.
 
-Every kernel works on the dense stored rows ``S`` of a block (``X = A @ S``): int8 codes are dequantized
-and pruned png deltas are scattered to their positions in registers, so no kernel ever writes ``S`` out.
-One loader per stored form (:func:`stored_rows`), one encoder (:func:`archive_block`).
+A stream's archive blocks are read as the dense stored rows ``S`` of ``X = A @ S`` (``codecs/base.py``) without
+ever writing ``S`` out: float rows as they are, pruned png deltas scattered by their uint8 index, and packed codes
+unpacked in registers (``codecs/pack.py``: power-of-two bit slices along head_dim) into their level values
+(``level[code] * scale + zero``, ``codecs/levels.py``). Affine level sets (``int``, ``uniform``, ``midrise``) enter
+the dots as the integer codes themselves (``level = code + offset``; the offset and the scale are applied outside the
+dot); ``lloyd`` levels come from a small per-row level table.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import astuple, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..codecs import JPEG, Codec, dct_basis
-from ..codecs.quant import qmax
+from ..codecs import JPEG, LEVELS, Codec
+from ..codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 
 # What the Triton path accepts (launchers raise a ValueError naming the limit; the reference ops take more):
 MAX_BLOCK_SIZE = 64  # a block's rows and a tile's positions live in registers
-MAX_PRUNED_BLOCK_SIZE = 16  # pruned png ranks deltas with an (r, r, D) comparison and unrolls one loop per kept delta
-MAX_HEAD_DIM = 256  # one program holds a block's whole head_dim (the int8 scale is an amax over it)
+MAX_PRUNED_BLOCK_SIZE = 16  # pruned png scatters its deltas with one unrolled loop per kept delta
+MAX_HEAD_DIM = 256  # one program holds a tile's whole head_dim
+MAX_TILE_POSITIONS = 256  # positions of one attention tile: a multiple of lcm(block_size_k, block_size_v)
+MAX_GROUP_TOKENS = 128  # the append's encode holds one archive group in registers
+# The scale search's clipping factors (``quant.SHRINK_FACTORS`` / ``LLOYD_FACTORS``): slots a kernel loops over, counts
+FACTOR_SLOTS: tl.constexpr = tl.constexpr(8)
+N_SHRINK: tl.constexpr = tl.constexpr(len(SHRINK_FACTORS))
+N_LLOYD: tl.constexpr = tl.constexpr(len(LLOYD_FACTORS))
+
+# Stored forms (``StreamForm.form``):
+FLOAT_ROWS = 0  # jpeg coefficients in the stream dtype, png anchor + deltas in fp32
+PRUNED_ROWS = 1  # png keep_ratio < 1: anchor + the kept deltas, uint8 positions
+TOKEN_CODES = 2  # packed codes, one fp16 scale per (block, row) (scale_axis="token")
+CHANNEL_CODES = 3  # packed codes, fp16 scales per (group, class, channel) (scale_axis="channel")
+FORM_NAMES = {FLOAT_ROWS: "float rows", PRUNED_ROWS: "pruned png", TOKEN_CODES: "token-axis codes",
+              CHANNEL_CODES: "channel-axis codes"}
+_FLOAT_ROWS: tl.constexpr = tl.constexpr(FLOAT_ROWS)
+_PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
+_TOKEN_CODES: tl.constexpr = tl.constexpr(TOKEN_CODES)
+_CHANNEL_CODES: tl.constexpr = tl.constexpr(CHANNEL_CODES)
+# Index of each StreamForm field in its constexpr tuple (kernels: ``R: tl.constexpr = F[F_R]``):
+F_FORM: tl.constexpr = tl.constexpr(0)
+F_R: tl.constexpr = tl.constexpr(1)
+F_ROWS: tl.constexpr = tl.constexpr(2)
+F_DENSE: tl.constexpr = tl.constexpr(3)
+F_DENSE_P: tl.constexpr = tl.constexpr(4)
+F_KEPT: tl.constexpr = tl.constexpr(5)
+F_SINKS: tl.constexpr = tl.constexpr(6)
+F_TAIL: tl.constexpr = tl.constexpr(7)
+F_GROUP_BLOCKS: tl.constexpr = tl.constexpr(8)
+F_CLASSES: tl.constexpr = tl.constexpr(9)
+F_ZEROS: tl.constexpr = tl.constexpr(10)
+F_ROW_BYTES: tl.constexpr = tl.constexpr(11)
+F_SLICES: tl.constexpr = tl.constexpr(12)
+F_LLOYD: tl.constexpr = tl.constexpr(13)
+F_LEVELS_W: tl.constexpr = tl.constexpr(14)
+F_ROTATE: tl.constexpr = tl.constexpr(15)
+F_CENTER: tl.constexpr = tl.constexpr(16)
+F_FOLD: tl.constexpr = tl.constexpr(17)
+F_OFFSET: tl.constexpr = tl.constexpr(18)
+# Rows of the per-row int32 table (``StreamTables.rows``), one column per stored row of a quantized block:
+ROW_BITS: tl.constexpr = tl.constexpr(0)
+ROW_BIT_OFFSET: tl.constexpr = tl.constexpr(1)
+ROW_CLASS: tl.constexpr = tl.constexpr(2)
+ROW_ZERO_SLOT: tl.constexpr = tl.constexpr(3)
+ROW_KIND: tl.constexpr = tl.constexpr(4)
+# Level kinds (``ROW_KIND``), in the order of ``codecs.levels.LEVELS``:
+LEVEL_KINDS = {name: i for i, name in enumerate(LEVELS)}
+KIND_INT: tl.constexpr = tl.constexpr(LEVEL_KINDS["int"])
+KIND_UNIFORM: tl.constexpr = tl.constexpr(LEVEL_KINDS["uniform"])
+KIND_MIDRISE: tl.constexpr = tl.constexpr(LEVEL_KINDS["midrise"])
+KIND_LLOYD: tl.constexpr = tl.constexpr(LEVEL_KINDS["lloyd"])
 
 
 def pow2(n: int, least: int = 1) -> int:
@@ -41,181 +95,236 @@ def check_triton_limits(codec: Codec, head_dim: int, name: str = "spec") -> None
         raise ValueError(f"the Triton kernels take head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
 
 
-@dataclass(frozen=True)
-class BlockForm:
-    """One codec as the constexprs of the kernels that encode or decode whole blocks.
+def form_of(codec: Codec) -> int:
+    if codec.quantizer is not None:
+        return TOKEN_CODES if codec.quantizer.axis == "token" else CHANNEL_CODES
+    return PRUNED_ROWS if codec.index_rows else FLOAT_ROWS
 
-    ``r`` tokens per block, ``rows`` stored rows (``R``), ``is_jpeg`` (else png), ``qmax`` the largest int code
-    (0: not quantized), ``kept`` the kept deltas of a pruned png (0: not pruned); ``XR``/``KR`` the register
-    tiles of a block's tokens and of its stored rows (>= 16: ``tl.dot``'s minimum).
+
+@dataclass(frozen=True)
+class StreamForm:
+    """One stream's stored form as the kernels' constexpr tuple (field order = tuple order; kernels read it with
+    ``NAME: tl.constexpr = F[F_NAME]``).
+
+    ``form``: one of ``FLOAT_ROWS .. CHANNEL_CODES``; ``r`` tokens per block; ``rows`` stored rows per block in
+    ``data`` (float / pruned) or quantized rows ``K``; ``dense`` rows of ``S`` (``A``'s columns) and ``dense_p`` its
+    power-of-two tile; ``kept`` deltas of a pruned png; ``sinks``; ``tail`` rows of the raw tail; ``group_blocks``
+    blocks per scale group; ``classes`` / ``zeros`` scale and zero-point classes; ``row_bytes`` packed bytes per
+    block; ``slices`` the OR of the rows' bit widths (which power-of-two slices exist); ``lloyd`` any Lloyd-Max row;
+    ``levels_w`` the level table's width; ``rotate`` / ``center``; ``fold`` (channel axis: every attention tile lies
+    inside one scale group, so the per-channel scales fold into q or into the output once per tile); ``offset``: the
+    position of an attention tile's first token inside this stream's blocks (0 for the stream tiles align to).
     """
 
+    form: int
     r: int
     rows: int
-    is_jpeg: bool
-    qmax: int
+    dense: int
+    dense_p: int
     kept: int
+    sinks: int
+    tail: int
+    group_blocks: int
+    classes: int
+    zeros: int
+    row_bytes: int
+    slices: int
+    lloyd: bool
+    levels_w: int
+    rotate: bool
+    center: bool
+    fold: bool
+    offset: int
 
     @classmethod
-    def of(cls, codec: Codec) -> BlockForm:
-        return cls(codec.block_size, codec.rows, codec.mode == JPEG, qmax(codec.quant_bits) if codec.quant_bits else 0,
-                   codec.index_rows)
+    def of(cls, codec: Codec, head_dim: int, fold: bool = False, offset: int = 0) -> StreamForm:
+        q = codec.quantizer
+        quant = dict(group_blocks=1, classes=0, zeros=0, row_bytes=0, slices=0, lloyd=False, levels_w=1)
+        if q is not None:
+            slices = 0
+            for b in q.bits:
+                slices |= b
+            quant = dict(group_blocks=q.blocks, classes=len(q.classes), zeros=q.zero_classes,
+                         row_bytes=q.row_bytes(head_dim), slices=slices, lloyd="lloyd" in q.levels,
+                         levels_w=1 << max(q.bits))
+        return cls(form_of(codec), codec.block_size, codec.rows, codec.dense_rows, pow2(codec.dense_rows),
+                   codec.index_rows, codec.sinks, codec.tail_capacity, rotate=codec.rotate is not None,
+                   center=codec.center, fold=fold and q is not None and q.axis == "channel", offset=offset, **quant)
 
-    def constexprs(self) -> dict[str, int | bool]:
-        return {"r": self.r, "R": self.rows, "IS_JPEG": self.is_jpeg, "QMAX": self.qmax, "KEPT": self.kept,
-                "XR": pow2(self.r, 16), "KR": pow2(self.rows, 16)}
+    def constexpr(self) -> tuple:
+        return astuple(self)
 
 
 @dataclass(frozen=True)
-class StoredForm:
-    """How one stream's blocks are read by attention: ``rows`` stored rows, ``dense`` rows of ``S`` (``A``'s
-    columns), ``quant`` (int8 codes, one fp32 scale per stored row), ``kept`` (pruned png: kept deltas, else 0)."""
+class StreamTables:
+    """The device tensors the kernels read for one codec (fp32 unless noted): ``synthesis`` ``A (r, R_dense)``;
+    ``rotation`` ``(D, D)`` (a 1-element placeholder without rotation); ``rows`` int32 ``(5, K)``: per quantized row
+    its bits, bit offset (units of ``D / 8`` bytes), scale class, zero-point slot (-1: none) and level kind
+    (``LEVEL_KINDS``); ``levels`` ``(K, 2**max_bits)``: each row's level table (``Quantizer.level_rows``);
+    ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(2, 8)``: the scale search's clipping
+    factors (row 0: ``quant.SHRINK_FACTORS``, row 1: ``quant.LLOYD_FACTORS``, zero-padded). Placeholders (one
+    element) where a codec has no such table."""
 
-    rows: int
-    dense: int
-    quant: bool
-    kept: int
-
-    @classmethod
-    def of(cls, codec: Codec) -> StoredForm:
-        return cls(codec.rows, codec.dense_rows, bool(codec.quant_bits), codec.index_rows)
-
-    def constexprs(self, prefix: str) -> dict[str, int | bool]:
-        """``{prefix}_ROWS, _DENSE, _DENSE_P`` (the dense rows' power-of-two tile), ``_QUANT, _KEPT``."""
-        return {f"{prefix}_ROWS": self.rows, f"{prefix}_DENSE": self.dense, f"{prefix}_DENSE_P": pow2(self.dense),
-                f"{prefix}_QUANT": self.quant, f"{prefix}_KEPT": self.kept}
+    synthesis: torch.Tensor
+    rotation: torch.Tensor
+    rows: torch.Tensor
+    levels: torch.Tensor
+    analysis: torch.Tensor
+    factors: torch.Tensor
 
 
-@functools.cache
-def _matrices(spec: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..codecs import codec_from_spec
-
-    codec = codec_from_spec(list(spec))
-    synthesis = codec.synthesis("cpu").contiguous()
-    analysis = dct_basis(codec.block_size, "cpu")[: codec.rows].contiguous() if codec.mode == JPEG else synthesis
-    return synthesis.to(device), analysis.to(device)
-
-
-def codec_matrices(codec: Codec, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, M)`` fp32 on ``device``: ``A (r, R_dense)`` synthesis, ``M (K, r)`` the jpeg analysis (png: A again).
-
-    Cached per (codec, device) for the process: the first call copies from the host, so it must not happen inside
-    a CUDA-graph capture; ``CodecStream`` makes that call when it allocates its storage (see :func:`prepare`)."""
+def _device_key(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _matrices(tuple(codec.spec), device)
+    return device
 
 
-def dot_dtype(*dtypes: torch.dtype) -> tl.dtype:
-    """Operand dtype of the Q.S / P.S dots: fp32 when any operand is fp32, else the 16-bit I/O dtype."""
-    if torch.float32 in dtypes:
-        return tl.float32
-    return tl.bfloat16 if torch.bfloat16 in dtypes else tl.float16
+@functools.cache
+def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
+    from ..codecs import codec_from_spec
+
+    codec = codec_from_spec(spec)
+    placeholder = torch.zeros(1, dtype=torch.float32)
+    rotation = codec.rotation(head_dim, "cpu")
+    q = codec.quantizer
+    if q is None:
+        rows, levels = torch.zeros(1, dtype=torch.int32), placeholder
+    else:
+        rows = torch.tensor([list(q.bits), list(q.row_offsets), list(q.row_class),
+                             [q.zero_slot[c] for c in q.row_class], [LEVEL_KINDS[q.levels[c]] for c in q.row_class]],
+                            dtype=torch.int32)
+        levels = q.level_rows("cpu")
+    factors = torch.zeros(2, FACTOR_SLOTS.value, dtype=torch.float32)
+    factors[0, : len(SHRINK_FACTORS)] = torch.tensor(SHRINK_FACTORS)
+    factors[1, : len(LLOYD_FACTORS)] = torch.tensor(LLOYD_FACTORS)
+    analysis = codec.analysis("cpu") if codec.mode == JPEG else placeholder
+    return StreamTables(*(t.contiguous().to(device) for t in (
+        codec.synthesis("cpu"), placeholder if rotation is None else rotation, rows, levels, analysis, factors)))
 
 
-def dot_precision(q_dtype: torch.dtype) -> str:
-    """Precision of the dots whose operands are fp32 (synthesis expansion and fold, png deltas): exact fp32
-    (``ieee``) for fp32 I/O; ``tf32x3`` (three tf32 tensor-core passes, about fp32 accuracy) for 16-bit I/O."""
-    return "ieee" if q_dtype == torch.float32 else "tf32x3"
+def stream_tables(codec: Codec, head_dim: int, device: torch.device | str) -> StreamTables:
+    """The kernels' tables of ``codec`` on ``device``, cached for the process. The first call copies from the host,
+    so it must not happen inside a CUDA-graph capture: a stream makes it when it allocates (``ops.warm``)."""
+    return _tables(codec.spec, head_dim, _device_key(device))
 
 
-def require_contiguous(**tensors: torch.Tensor) -> None:
+def warm_tables(codec: Codec, head_dim: int, device: torch.device | str) -> None:
+    """``ops.warm`` hook: create the kernels' tables of ``codec`` on ``device`` now."""
+    stream_tables(codec, head_dim, device)
+
+
+def require_contiguous(**tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the Triton kernels (the cache allocates it so)")
 
 
-@triton.jit
-def stored_rows(data_ptr, scale_ptr, index_ptr, blk, i, d, valid,
-                R: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, KEPT: tl.constexpr):
-    """Dense fp32 stored rows ``S[blk, i, d]`` of contiguous ``(..., NB, R, D)`` storage, zero where not ``valid``.
+def io_dtype(dtype: torch.dtype) -> tl.dtype:
+    if dtype == torch.float32:
+        return tl.float32
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16:
+        return tl.bfloat16
+    raise TypeError(f"the Triton kernels take float16, bfloat16 or float32 streams, got {dtype}")
 
-    ``blk``: linear block ids (``(b * H + h) * NB + n``, int64), ``i``: dense row in the block, ``d``: channel,
-    all broadcastable to the tile. ``QUANT``: int8 codes times their row's fp32 scale. Pruned png
-    (``KEPT > 0``): dense row ``i >= 1`` is the delta at position ``i - 1``, found among the ``KEPT`` stored
-    deltas by their uint8 index.
-    """
-    ok = valid & (d < D)
-    if KEPT > 0:
-        rows = tl.load(data_ptr + blk * (R * D) + d, mask=ok & (i == 0), other=0.0).to(tl.float32)
-        for m in tl.static_range(KEPT):
-            where = tl.load(index_ptr + blk * (KEPT * D) + m * D + d, mask=ok & (i > 0), other=255).to(tl.int32)
-            delta = tl.load(data_ptr + blk * (R * D) + (1 + m) * D + d, mask=ok & (where == i - 1), other=0.0)
+
+def lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+# --- device helpers ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def fdiv(a, b):
+    """Floor division of (possibly negative) integers by a positive ``b`` (compiled ``//`` truncates)."""
+    return tl.where(a >= 0, a // b, -((b - 1 - a) // b))
+
+
+@triton.jit
+def mdot(a, b, T: tl.constexpr, PREC: tl.constexpr):
+    """``a @ b`` with operands cast to ``T``; fp32 operands use precision ``PREC`` (``ieee`` or ``tf32x3``)."""
+    if T == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a.to(T), b.to(T))
+
+
+@triton.jit
+def row_info(rows_ptr, levels_ptr, j, ok, F: tl.constexpr):
+    """Per stored row ``j`` (any shape) of a quantized stream: ``(bits, bit offset, class, zero slot, lloyd, offset)``
+    where ``offset`` is ``level[0]`` of an affine row (its level of code ``c`` is ``c + offset``), 0 for lloyd rows."""
+    K: tl.constexpr = F[F_ROWS]
+    W: tl.constexpr = F[F_LEVELS_W]
+    m = ok & (j < K)
+    bits = tl.load(rows_ptr + j, mask=m, other=0)
+    bit_off = tl.load(rows_ptr + ROW_BIT_OFFSET * K + j, mask=m, other=0)
+    cls = tl.load(rows_ptr + ROW_CLASS * K + j, mask=m, other=0)
+    zslot = tl.load(rows_ptr + ROW_ZERO_SLOT * K + j, mask=m, other=-1)
+    lloyd = tl.load(rows_ptr + ROW_KIND * K + j, mask=m, other=0) == KIND_LLOYD
+    off = tl.where(lloyd, 0.0, tl.load(levels_ptr + j * W, mask=m, other=0.0))
+    return bits, bit_off, cls, zslot, lloyd, off
+
+
+@triton.jit
+def _slice_bits(base, bits, bit_off, d, ok, w: tl.constexpr, D: tl.constexpr):
+    """The bits a ``w``-bit slice holds of each code, already shifted into place (zero where the row has no such
+    slice)."""
+    has = (bits & w) != 0
+    shift = bits - (bits & (2 * w - 1))
+    byte = tl.load(base + (bit_off + shift) * (D // 8) + (d * w) // 8, mask=ok & has, other=0).to(tl.int32)
+    return ((byte >> ((d * w) % 8)) & ((1 << w) - 1)) << shift
+
+
+@triton.jit
+def unpack_codes(data_ptr, blk, d, ok, bits, bit_off, F: tl.constexpr, D: tl.constexpr):
+    """int32 codes of stored row (``bits``, ``bit_off``) of linear block ``blk`` (int64), channel ``d``, zero where
+    not ``ok`` (all broadcast to the tile). Slice of width ``w`` holds bits ``shift .. shift + w - 1`` of each code
+    (``shift``: the wider slices present), channel ``d`` in its byte ``d * w // 8`` at bit ``d * w % 8``; only the
+    slice widths some row uses (``SLICES``) are read."""
+    ROW_BYTES: tl.constexpr = F[F_ROW_BYTES]
+    SLICES: tl.constexpr = F[F_SLICES]
+    base = data_ptr + blk * ROW_BYTES
+    code = tl.zeros(ok.shape, tl.int32)
+    if (SLICES & 8) != 0:
+        code |= _slice_bits(base, bits, bit_off, d, ok, 8, D)
+    if (SLICES & 4) != 0:
+        code |= _slice_bits(base, bits, bit_off, d, ok, 4, D)
+    if (SLICES & 2) != 0:
+        code |= _slice_bits(base, bits, bit_off, d, ok, 2, D)
+    if (SLICES & 1) != 0:
+        code |= _slice_bits(base, bits, bit_off, d, ok, 1, D)
+    return code
+
+
+@triton.jit
+def level_values(code, j, lloyd, levels_ptr, ok, F: tl.constexpr):
+    """The unscaled value each code stands for, fp32: ``level[code]`` for lloyd rows (the level table), else the
+    code itself (affine rows: their ``offset`` is applied outside the dots)."""
+    LLOYD: tl.constexpr = F[F_LLOYD]
+    W: tl.constexpr = F[F_LEVELS_W]
+    value = code.to(tl.float32)
+    if LLOYD:
+        value = tl.where(lloyd, tl.load(levels_ptr + j * W + code, mask=ok & lloyd, other=0.0), value)
+    return value
+
+
+@triton.jit
+def float_rows(data_ptr, index_ptr, blk, j, d, ok, F: tl.constexpr, D: tl.constexpr):
+    """Dense fp32 stored rows ``S[blk, j, d]`` of a float or pruned-png stream (``blk`` linear block ids, int64),
+    zero where not ``ok``. Pruned png: dense row ``j >= 1`` is the delta at position ``j - 1``, found among the
+    ``KEPT`` stored deltas by their uint8 index."""
+    FORM: tl.constexpr = F[F_FORM]
+    ROWS: tl.constexpr = F[F_ROWS]
+    KEPT: tl.constexpr = F[F_KEPT]
+    m = ok & (d < D)
+    if FORM == _PRUNED_ROWS:
+        rows = tl.load(data_ptr + blk * (ROWS * D) + d, mask=m & (j == 0), other=0.0).to(tl.float32)
+        for i in tl.static_range(KEPT):
+            where = tl.load(index_ptr + blk * (KEPT * D) + i * D + d, mask=m & (j > 0), other=255).to(tl.int32)
+            delta = tl.load(data_ptr + blk * (ROWS * D) + (1 + i) * D + d, mask=m & (where == j - 1), other=0.0)
             rows += delta.to(tl.float32)
     else:
-        rows = tl.load(data_ptr + blk * (R * D) + i * D + d, mask=ok & (i < R), other=0.0).to(tl.float32)
-        if QUANT:
-            rows = rows * tl.load(scale_ptr + blk * R + i, mask=valid & (i < R), other=0.0)
+        rows = tl.load(data_ptr + blk * (ROWS * D) + j * D + d, mask=m & (j < ROWS), other=0.0).to(tl.float32)
     return rows
 
-
-@triton.jit
-def _round_half_even(x):
-    """``torch.round``: nearest integer, ties to even."""
-    f = tl.floor(x)
-    diff = x - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    return tl.where((diff > 0.5) | ((diff == 0.5) & odd), f + 1.0, f)
-
-
-@triton.jit
-def archive_block(x, x_prev, i, d, blk, store_ok, an_ptr, syn_ptr, data_ptr, scale_ptr, index_ptr,
-                  D: tl.constexpr, r: tl.constexpr, R: tl.constexpr, IS_JPEG: tl.constexpr, QMAX: tl.constexpr,
-                  KEPT: tl.constexpr, XR: tl.constexpr, KR: tl.constexpr):
-    """Encode one block and store it where ``store_ok`` (a ``(1, 1)`` tensor); returns its decoded fp32 rows ``(XR, DP)``.
-
-    ``x (XR, DP)``: fp32 rows ``i`` of the block (zero past ``r``); ``x_prev``: rows ``i - 1`` (png only).
-    jpeg: ``C = M @ x`` (``M`` the ``(R, r)`` analysis matrix), int8 codes with a per-row scale ``amax / QMAX``
-    when ``QMAX > 0``, else ``C`` in the storage dtype. png: anchor + deltas in fp32; ``KEPT > 0`` keeps the
-    ``KEPT`` largest deltas per channel (ties to the earlier position), in decreasing magnitude order.
-    The decoded rows are what ``codec.decode`` rebuilds from the stored values. (``BlockForm`` holds the
-    constexprs after ``D``.)
-    """
-    ok_d = d < D
-    if IS_JPEG:
-        k = tl.arange(0, KR)[:, None]
-        an = tl.load(an_ptr + k * r + tl.arange(0, XR)[None, :], mask=(k < R) & (tl.arange(0, XR)[None, :] < r),
-                     other=0.0)
-        coef = tl.dot(an, x, input_precision="ieee")
-        if QMAX > 0:
-            # IEEE divisions, as torch does (Triton's fp32 `/` may be approximate on GPUs)
-            scale = tl.math.div_rn(tl.max(tl.abs(coef), axis=1), tl.full((KR,), QMAX, tl.float32))
-            safe = tl.where(scale > 0, scale, 1.0)
-            codes = _round_half_even(tl.math.div_rn(coef, safe[:, None]))
-            codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX)
-            tl.store(data_ptr + blk * (R * D) + k * D + d, codes.to(tl.int8), mask=store_ok & (k < R) & ok_d)
-            tl.store(scale_ptr + blk * R + k, scale[:, None], mask=store_ok & (k < R))
-            rows = codes * scale[:, None]
-        else:
-            stored = coef.to(data_ptr.dtype.element_ty)
-            tl.store(data_ptr + blk * (R * D) + k * D + d, stored, mask=store_ok & (k < R) & ok_d)
-            rows = stored.to(tl.float32)
-        syn = tl.load(syn_ptr + i * R + tl.arange(0, KR)[None, :], mask=(i < r) & (tl.arange(0, KR)[None, :] < R),
-                      other=0.0)
-        decoded = tl.dot(syn, rows, input_precision="ieee")
-    else:
-        dense = tl.where(i == 0, x, x - x_prev)
-        dense = tl.where(i < r, dense, 0.0)
-        if KEPT > 0:
-            mag = tl.abs(dense)
-            j3 = tl.arange(0, XR)[None, :, None]
-            i3 = tl.arange(0, XR)[:, None, None]
-            a_i = tl.expand_dims(mag, 1)
-            a_j = tl.expand_dims(mag, 0)
-            beats = (j3 >= 1) & (j3 < r) & ((a_j > a_i) | ((a_j == a_i) & (j3 < i3)))
-            rank = tl.sum(beats.to(tl.int32), axis=1)
-            delta_row = (i >= 1) & (i < r)
-            tl.store(data_ptr + blk * (R * D) + i * D + d, x, mask=store_ok & (i == 0) & ok_d)
-            for m in tl.static_range(KEPT):
-                sel = delta_row & (rank == m)
-                val = tl.sum(tl.where(sel, dense, 0.0), axis=0)
-                pos = tl.sum(tl.where(sel, i - 1, 0), axis=0)
-                tl.store(data_ptr + blk * (R * D) + (1 + m) * D + d, tl.expand_dims(val, 0), mask=store_ok & ok_d)
-                tl.store(index_ptr + blk * (KEPT * D) + m * D + d, tl.expand_dims(pos, 0).to(tl.uint8),
-                         mask=store_ok & ok_d)
-            dense = tl.where((i == 0) | (delta_row & (rank < KEPT)), dense, 0.0)
-        else:
-            tl.store(data_ptr + blk * (R * D) + i * D + d, dense, mask=store_ok & (i < r) & ok_d)
-        decoded = tl.cumsum(dense, axis=0)
-    return decoded

@@ -1,10 +1,12 @@
-"""Registers the Triton launchers as the CUDA kernels of every ``torch.ops.flashcodec`` op, behind a capability gate.
+"""Registers the Triton launchers as the CUDA kernels of the ``torch.ops.flashcodec`` ops they implement, behind a
+capability gate, and makes their device tables when a stream allocates (``ops.warm``).
 
-The plain-torch references stay the CPU (and every other device's) kernels; the launchers themselves can be
-called on CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them against the reference).
-Every codec within the Triton limits (``triton_common``) is served by Triton on CUDA devices of compute
-capability 8.0 or newer (bf16 dots and tf32x3 need it). An older device gets the reference ops, decided per call
-from the tensor's device (cached per device) with one warning per device: never a Triton kernel it cannot run.
+``KERNELS`` lists the ops with a Triton kernel; the others (and every op on CPU) keep the plain-torch reference,
+which runs on CUDA tensors as well (docs/triton.md says which and why). The launchers themselves can be called on
+CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them against the reference). Every codec
+within the Triton limits (``triton_common``) is served by Triton on CUDA devices of compute capability 8.0 or newer
+(bf16 dots and tf32x3 need it). An older device gets the reference ops, decided per call from the tensor's device
+(cached per device) with one warning per device: never a Triton kernel it cannot run.
 """
 
 from __future__ import annotations
@@ -16,18 +18,14 @@ from collections.abc import Callable
 import torch
 
 from .. import _compat
-from ..codecs import Codec
 from .triton_append import triton_append
 from .triton_attention import triton_codec_attention
-from .triton_blocks import triton_decode, triton_encode, triton_read
-from .triton_common import codec_matrices
+from .triton_common import warm_tables
+from .warm import WARMERS
 
 MIN_CAPABILITY = (8, 0)  # sm_80: bf16 tensor-core dots and tf32x3
 
 KERNELS = {
-    "flashcodec::encode": triton_encode,
-    "flashcodec::decode": triton_decode,
-    "flashcodec::read": triton_read,
     "flashcodec::append": triton_append,
     "flashcodec::codec_attention": triton_codec_attention,
 }
@@ -55,22 +53,19 @@ def kernel_choice(device: torch.device) -> str:
 
 def gated(triton_fn: Callable, reference_fn: Callable) -> Callable:
     """The CUDA kernel of one op: ``triton_fn`` or ``reference_fn`` by :func:`kernel_choice` of the first tensor
-    argument's device."""
+    argument's device (tensor lists, the stream states, included)."""
 
     @functools.wraps(triton_fn)
     def kernel(*args, **kwargs):
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        device = next(a.device if isinstance(a, torch.Tensor) else a[0].device for a in args
+                      if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
+                                                         and isinstance(a[0], torch.Tensor)))
         fn = triton_fn if kernel_choice(torch.device(device)) == "triton" else reference_fn
         return fn(*args, **kwargs)
 
     return kernel
 
 
-def prepare(codec: Codec, device: torch.device) -> None:
-    """Create the codec matrices the kernels read on ``device`` now (they are cached for the process), so that
-    no kernel call copies them from the host later, e.g. inside a CUDA-graph capture."""
-    codec_matrices(codec, device)
-
-
+WARMERS.append(warm_tables)
 for _name, _kernel in KERNELS.items():
     torch.library.register_kernel(_name, "cuda", gated(_kernel, _compat.custom_op_kernels(_name)[None]))

@@ -1,4 +1,4 @@
-"""Shared builders for the Triton kernel tests: stored states made by the reference ops, on any device."""
+"""Shared builders for the Triton kernel tests: stored forms, stream states made by the reference ops, on any device."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from flashcodec_fx.codecs import make_codec  # noqa: E402
+from preset_codecs import preset_codecs as _preset_codecs  # noqa: E402  (benchmarks/: no transformers needed)
+
+from flashcodec_fx.codecs import Codec, make_codec  # noqa: E402
+from flashcodec_fx.ops import empty_state  # noqa: E402
+from flashcodec_fx.ops.append import append_reference  # noqa: E402
 
 # Triton kernels need a GPU or the interpreter; the README's test command sets TRITON_INTERPRET=1.
 DEVICES = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
@@ -18,16 +22,34 @@ if torch.cuda.is_available():
 if not DEVICES:
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-# (name, codec options): every tier the kernels support, small blocks to keep the interpreter fast.
-TIERS = {
-    "jpeg_k8": ("jpeg", {"block_size": 8, "keep_freqs": 8}),
-    "jpeg_k3": ("jpeg", {"block_size": 8, "keep_freqs": 3}),
-    "jpeg_k2_int8": ("jpeg", {"block_size": 8, "keep_freqs": 2, "quant_bits": 8}),
-    "jpeg_k8_int8": ("jpeg", {"block_size": 8, "keep_freqs": 8, "quant_bits": 8}),
+
+def _jpeg(**options) -> tuple[str, dict]:
+    return "jpeg", options
+
+
+# (name -> codec options): every stored form the kernels read, small groups to keep the interpreter fast.
+FORMS = {
+    "jpeg_k8": _jpeg(block_size=8),
+    "jpeg_k3": _jpeg(block_size=8, keep_freqs=3),
     "png": ("png", {"block_size": 8}),
     "png_pruned": ("png", {"block_size": 8, "keep_ratio": 0.5}),
-    "jpeg_r4_int8": ("jpeg", {"block_size": 4, "keep_freqs": 2, "quant_bits": 8}),
-    "png_r4": ("png", {"block_size": 4}),
+    "int8": _jpeg(block_size=8, quant_bits=8),  # the int8 tier: uint8 codes, int levels, fp16 scale per (block, row)
+    "uniform4": _jpeg(block_size=8, quant_bits=4, levels="uniform"),  # token axis with zero points
+    "mixed_bits": _jpeg(block_size=4, quant_bits=(7, 6, 5, 8), levels="int"),  # every slice width
+    "lloyd_rot": _jpeg(block_size=1, quant_bits=2, levels="lloyd", rotate=True, center=True, scale_search=True,
+                       sinks=4, window=8),  # TurboQuant-style values: rotated, centered, per token
+    "lloyd_uniform": _jpeg(block_size=2, quant_bits=(6, 3), levels=("lloyd", "uniform"), rotate=3),
+    "dct_channel": _jpeg(block_size=8, quant_bits=(5, 3, 3, 2, 2, 2, 2, 2), levels=("uniform", "midrise"),
+                         scale_axis="channel", group=64, rotate=True, sinks=4),  # 3-bit keys: the fold path
+    "channel_v": _jpeg(block_size=8, quant_bits=(4, 2, 2, 2, 2, 2, 2, 2), levels=("uniform", "int"),
+                       scale_axis="channel", group=64, sinks=4, window=3),
+    "token_channel": _jpeg(block_size=1, quant_bits=4, levels="uniform", scale_axis="channel", group=16, sinks=4),
+    "channel_unfolded": _jpeg(block_size=8, quant_bits=(3, 2, 2, 1, 1, 1, 1, 1), levels=("int", "midrise"),
+                              scale_axis="channel", group=8, sinks=3),  # group = one block: dequantized in registers
+    "midrise_offset": _jpeg(block_size=4, quant_bits=3, levels="midrise", scale_axis="channel", group=8, sinks=1,
+                            window=5),  # other sinks: value blocks at an offset in the tiles, groups unaligned
+    "jpeg_r6": _jpeg(block_size=6, quant_bits=3),
+    "token_r4": _jpeg(block_size=4, quant_bits=3, sinks=1, window=2),
 }
 
 
@@ -36,9 +58,14 @@ def dtypes(device: str) -> list[torch.dtype]:
     return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
 
 
-def codec(tier: str):
-    mode, opts = TIERS[tier]
+def form(name: str) -> Codec:
+    mode, opts = FORMS[name]
     return make_codec(mode, **opts)
+
+
+def preset_codecs(name: str) -> tuple[Codec, Codec]:
+    """(key, value) codecs of preset ``name`` as layer 1 gets them (``rotate=True`` seeds 1)."""
+    return _preset_codecs(name, layer_idx=1)
 
 
 def smooth(b: int, h: int, s: int, d: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
@@ -48,17 +75,24 @@ def smooth(b: int, h: int, s: int, d: int, dtype: torch.dtype, device: str, seed
     return x.to(dtype).to(device)
 
 
-def stored_state(c, x: torch.Tensor, capacity_blocks: int):
-    """Reference state of stream ``x (B, H, L, D)`` in an archive of ``capacity_blocks``: (data, scale, index, tail, length)."""
+def groups_for(codec: Codec, length: int, spare: int = 1) -> int:
+    """Archive groups for ``length`` positions plus ``spare`` (static capacity beyond the length)."""
+    return max(0, -(-(length - codec.sinks) // codec.group)) + spare
+
+
+def stored_state(codec: Codec, x: torch.Tensor, groups: int, chunks: list[int] | None = None) -> list[torch.Tensor]:
+    """Reference state of stream ``x (B, H, L, D)`` in an archive of ``groups``: a prefill, then the ``chunks``
+    (default: three single tokens)."""
     b, h, length, d = x.shape
-    data, scale, index = c.empty_state((b, h), capacity_blocks, d, x.dtype, x.device)
-    tail = x.new_zeros(b, h, c.block_size, d)
-    n = torch.zeros((), dtype=torch.int64, device=x.device)
-    torch.ops.flashcodec.append(data, scale, index, tail, n, x, c.spec)
-    return data, scale, index, tail, n
+    state = list(empty_state(codec, b, h, groups, d, x.dtype, x.device))
+    chunks = chunks if chunks is not None else [1] * min(3, length - 1)
+    pos = 0
+    for n in [length - sum(chunks), *chunks]:
+        append_reference(state, x[:, :, pos: pos + n].contiguous(), codec.spec)
+        pos += n
+    return state
 
 
 def to(device: str, *tensors):
-    """Copies on ``device`` (references are always computed on CPU, where the plain-torch kernels are registered)."""
+    """Copies on ``device`` (references are always computed on CPU)."""
     return tuple(t.to(device) for t in tensors)
-

@@ -1,34 +1,45 @@
-"""Triton codec_attention (split-K + combine) against the plain-torch reference."""
+"""Triton codec_attention (split-K + combine) against the plain-torch reference, on every stored form."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _triton_cases import DEVICES, codec, smooth, stored_state, to
+from _triton_cases import DEVICES, form, groups_for, preset_codecs, smooth, stored_state, to
 
-from flashcodec_fx.ops.triton_attention import attention_plan, split_partials, triton_codec_attention
+from flashcodec_fx import PRESETS
+from flashcodec_fx.codecs import Encoded, make_codec
+from flashcodec_fx.ops.attention import codec_attention_reference
+from flashcodec_fx.ops.read import read_reference
+from flashcodec_fx.ops.triton_attention import attention_plan, split_partials, tile_plan, triton_codec_attention
 
 F32, F16 = torch.float32, torch.float16
-# (k tier, v tier, dtype, GQA group, kv length, query tokens T, head_dim, mask kind, capacity blocks)
-CASES = [
-    ("jpeg_k8", "jpeg_k8", F32, 1, 37, 1, 32, None, 6),
-    ("jpeg_k2_int8", "png", F16, 2, 32, 1, 16, "bool", 4),
-    ("jpeg_k8_int8", "jpeg_k8_int8", F32, 4, 29, 1, 16, "additive", 5),
-    ("png", "png_pruned", F16, 8, 21, 1, 16, None, 4),
-    ("png_pruned", "jpeg_k3", F32, 2, 27, 3, 24, "additive", 6),
-    ("jpeg_r4_int8", "png_r4", F16, 4, 18, 1, 16, "bool", 6),
-    ("jpeg_k3", "jpeg_k2_int8", F32, 1, 5, 2, 16, "bool", 2),
-    ("jpeg_k8", "jpeg_k8_int8", F16, 1, 40, 1, 16, "additive", 5),
-    # an overflowed static cache (45 tokens appended, 4 blocks = 32 of capacity): 4 blocks + the tail, as the reference
-    ("jpeg_k8_int8", "png", F32, 2, 45, 1, 16, "bool", 4),
-]
-# fp32: sums in another order (split partials, dot tiles); fp16: the kernel rounds dequantized rows and
-# probabilities to fp16 for its dots (like flash attention), the reference rounds only its output.
+# fp32: sums in another order (split partials, dot tiles, the rotations as dots); 16-bit: both round the fp32
+# result once to the output dtype (one ulp apart at most), the kernel also rounds the probabilities for its
+# 16-bit dots (as flash attention does).
 TOL = {F32: 2e-5, F16: 3e-3, torch.bfloat16: 2.5e-2}
+# (k form, v form, dtype, GQA group, length, query tokens T, new tokens, head_dim, mask kind, spare groups)
+CASES = [
+    ("jpeg_k8", "jpeg_k8", F32, 1, 37, 1, 0, 16, None, 1),
+    ("jpeg_k3", "png_pruned", F16, 2, 32, 1, 0, 16, "bool", 1),  # on a group boundary
+    ("int8", "int8", F32, 4, 29, 1, 0, 16, "additive", 2),
+    ("png", "int8", F16, 8, 21, 1, 0, 16, None, 1),
+    ("png_pruned", "jpeg_k3", F32, 2, 27, 3, 3, 24, "additive", 1),
+    ("uniform4", "lloyd_rot", F16, 4, 45, 1, 0, 16, "bool", 1),
+    ("mixed_bits", "lloyd_uniform", F32, 1, 42, 2, 2, 16, "bool", 2),
+    ("dct_channel", "lloyd_rot", F16, 4, 4 + 128, 1, 1, 16, "additive", 1),  # keys: rotation + channel-scale fold
+    ("dct_channel", "channel_v", F32, 2, 150, 2, 0, 16, None, 1),  # values: channel-scale fold on the output
+    ("token_channel", "lloyd_rot", F32, 8, 70, 1, 0, 64, "bool", 1),  # four rotation chunks of 16 channels
+    ("channel_unfolded", "midrise_offset", F16, 1, 50, 1, 0, 16, "bool", 1),  # dequantized in registers; offset
+    ("jpeg_r6", "token_r4", F32, 2, 50, 1, 0, 16, None, 1),  # tiles of lcm(6, 4) * 4 = 48 positions
+    ("int8", "jpeg_k8", F32, 8, 30, 9, 0, 16, None, 1),  # 72 query rows: two row chunks
+]
 
 
-def _mask(kind, b, hq, t, length, gen):
-    width = length + 3
+def _ids(cases):
+    return [f"{c[0]}-{c[1]}-{str(c[2])[6:]}-g{c[3]}-L{c[4]}-T{c[5]}-new{c[6]}-D{c[7]}-{c[8]}" for c in cases]
+
+
+def _mask(kind, b, hq, t, width, gen):
     if kind == "bool":
         m = torch.rand(b, 1, t, width, generator=gen) > 0.3
         m[0, 0, 0, :] = False  # a query that sees nothing: the output row is zero in both
@@ -39,85 +50,129 @@ def _mask(kind, b, hq, t, length, gen):
     return None
 
 
-def _inputs(k_tier, v_tier, dtype, group, length, t, d, mask_kind, blocks, seed=0):
-    ck, cv = codec(k_tier), codec(v_tier)
+def _inputs(ck, cv, dtype, group, length, t, new, d, mask_kind, spare, seed=0):
+    """q, the reference states of K and V (a prefill then single tokens, the call's ``new`` tokens last), the new
+    tokens, the mask (over the capacity, 3 columns more)."""
     b, hkv = 2, 2
     gen = torch.Generator().manual_seed(seed)
-    ks = stored_state(ck, smooth(b, hkv, length, d, dtype, "cpu", seed + 1), blocks)
-    vs = stored_state(cv, smooth(b, hkv, length, d, dtype, "cpu", seed + 2), blocks)
+    k = smooth(b, hkv, length, d, dtype, "cpu", seed + 1)
+    v = smooth(b, hkv, length, d, dtype, "cpu", seed + 2)
+    chunks = [1, 1] + ([new] if new else [1])
+    ks = stored_state(ck, k, groups_for(ck, length, spare), chunks)
+    vs = stored_state(cv, v, groups_for(cv, length, spare), chunks)
     q = torch.randn(b, hkv * group, t, d, generator=gen).to(dtype)
-    mask = _mask(mask_kind, b, hkv * group, t, length, gen)
-    return q, (*ks[:4], *vs[:4], ks[4], ck.spec, cv.spec, mask)
+    width = max(ck.sinks + ks[0].shape[2] * ck.group, cv.sinks + vs[0].shape[2] * cv.group) + 3
+    news = (k[:, :, length - new:], v[:, :, length - new:]) if new else (None, None)
+    return q, ks, vs, ck.spec, cv.spec, *news, _mask(mask_kind, b, hkv * group, t, width, gen)
 
 
-def _run(device, q, args, **kw):
-    tensors = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    return triton_codec_attention(q.to(device), *tensors, **kw).cpu()
+def _run(device, args, **kw):
+    moved = [a.to(device) if isinstance(a, torch.Tensor) else [x.to(device) for x in a] if isinstance(a, list) else a
+             for a in args]
+    return triton_codec_attention(*moved, **kw).cpu()
+
+
+def _check(device, args, **kw):
+    want = codec_attention_reference(*args, **{k: v for k, v in kw.items() if k == "scale"})
+    got = _run(device, args, **kw)
+    q = args[0]
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    return got, want
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}-g{c[3]}-L{c[4]}-T{c[5]}-{c[7]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_attention_matches_reference(device, case):
-    q, args = _inputs(*case)
-    want = torch.ops.flashcodec.codec_attention(q, *args)
-    got = _run(device, q, args, num_splits=2)
-    assert got.dtype == q.dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
-    if case[7] == "bool":
+    k_form, v_form, *rest = case
+    args = _inputs(form(k_form), form(v_form), *rest)
+    got, _ = _check(device, args, num_splits=2)
+    if case[8] == "bool":
         assert got[0, :, 0].abs().max() == 0  # fully masked rows are zero
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_split_counts_agree(device):
-    q, args = _inputs("jpeg_k8_int8", "png", F32, 2, 70, 1, 16, "additive", 12)
-    want = torch.ops.flashcodec.codec_attention(q, *args)
-    for splits in (1, 3, None):
-        torch.testing.assert_close(_run(device, q, args, num_splits=splits), want, atol=TOL[F32], rtol=TOL[F32])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_match_reference(device, preset):
+    """Every named preset's (key, value) codecs, as a chunked prefill reads them: 4 new tokens, a causal mask."""
+    ck, cv = preset_codecs(preset)
+    length, t = 4 + 128 + 21, 4
+    args = list(_inputs(ck, cv, F16, 3, length, t, t, 16, None, 1, seed=7))
+    width = args[-1] if args[-1] is not None else max(ck.sinks + args[1][0].shape[2] * ck.group,
+                                                       cv.sinks + args[2][0].shape[2] * cv.group)
+    causal = torch.arange(width)[None] <= (length - t + torch.arange(t))[:, None]
+    args[-1] = causal[None, None]
+    _check(device, tuple(args), num_splits=3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_scale_and_validation(device):
-    q, args = _inputs("jpeg_k8", "png", F32, 2, 19, 1, 16, None, 3)
-    want = torch.ops.flashcodec.codec_attention(q, *args, scale=0.3)
-    torch.testing.assert_close(_run(device, q, args, scale=0.3), want, atol=TOL[F32], rtol=TOL[F32])
+def test_split_counts_agree(device):
+    args = _inputs(form("dct_channel"), form("lloyd_rot"), F32, 2, 4 + 3 * 64 + 5, 1, 0, 16, "additive", 2)
+    want = codec_attention_reference(*args)
+    for splits in (1, 3, None):
+        torch.testing.assert_close(_run(device, args, num_splits=splits), want, atol=TOL[F32], rtol=TOL[F32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_strides_and_validation(device):
+    """Any strides of q, k_new, v_new and the mask (broadcast dims by stride 0); an explicit scale; bad inputs raise
+    like the reference, a non-contiguous state names the tensor."""
+    q, ks, vs, sk, sv, kn, vn, _ = _inputs(form("int8"), form("lloyd_rot"), F32, 2, 27, 2, 2, 16, None, 1)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    kn_wide, vn_wide = torch.stack([kn, -kn], -1).flatten(-2)[..., ::2], torch.cat([vn, -vn], 2)[:, :, :2]
+    mask = torch.ones(1, 1, 1, 80, dtype=torch.bool).expand(2, 4, 2, 80)
+    assert torch.equal(kn_wide, kn) and torch.equal(vn_wide, vn) and torch.equal(q_t, q)
+    assert not q_t.is_contiguous() and kn_wide.stride(3) == 2 and mask.stride(1) == 0
+    want = codec_attention_reference(q, ks, vs, sk, sv, kn, vn, None, 0.3)
+    got = _run(device, (q_t, ks, vs, sk, sv, kn_wide, vn_wide, mask), scale=0.3)
+    torch.testing.assert_close(got, want, atol=TOL[F32], rtol=TOL[F32])
     with pytest.raises(ValueError, match="query heads"):
-        _run(device, q[:, :3], args)
+        _run(device, (q[:, :3], ks, vs, sk, sv, kn, vn, None))
     with pytest.raises(ValueError, match="mask must be"):
-        _run(device, q, (*args[:-1], torch.ones(2, 1, 1, 19, dtype=torch.int32)))
+        _run(device, (q, ks, vs, sk, sv, kn, vn, torch.ones(2, 1, 2, 40, dtype=torch.int32)))
     with pytest.raises(ValueError, match="num_splits"):
-        _run(device, q, args, num_splits=0)
+        _run(device, (q, ks, vs, sk, sv, kn, vn, None), num_splits=0)
+    strided = list(ks)
+    strided[6] = torch.cat([ks[6], ks[6]], 3)[..., :16]
+    with pytest.raises(ValueError, match="k_state.tail must be contiguous"):
+        _run(device, (q, strided, vs, sk, sv, kn, vn, None))
 
 
 def test_plan_heuristic():
     cpu = torch.device("cpu")
-    short = attention_plan(1, 8, 4, 512, 8, 8, 8, 128, cpu)
-    long = attention_plan(1, 8, 4, 16384, 8, 8, 8, 128, cpu)
-    for plan, blocks in ((short, 512), (long, 16384)):
-        assert plan["BLOCK_M"] == 16 and plan["BLOCK_N"] * 8 == 64  # 4 query rows padded to 16; 64 positions per tile
-        assert 1 <= plan["num_splits"] <= -(-blocks // plan["BLOCK_N"])  # never more splits than tiles
-        assert plan["num_warps"] == 8  # 8 blocks x 8 rows x D=128 per stored tile
-    assert long["num_splits"] >= short["num_splits"]
-    tiny = attention_plan(1, 1, 1, 3, 8, 2, 2, 16, cpu, num_splits=64)
-    assert tiny["num_splits"] == 1 and tiny["BLOCK_N"] * 2 >= 16  # never more splits than tiles; dot needs 16 rows
-    assert tiny["num_warps"] == 4
-    wide = attention_plan(2, 2, 8 * 17, 10, 8, 8, 8, 64, cpu)
+    k3, v3 = preset_codecs("3bit")
+    plan = attention_plan(1, 8, 4, k3, v3, 512, 128, cpu)
+    tiles = plan["tiles"]
+    assert plan["BLOCK_M"] == 16 and tiles.positions == 64  # 4 query rows padded to 16; 64 positions per tile
+    assert plan["tile_plan"].fold_k and not plan["tile_plan"].fold_v  # keys' scale group of 128 holds 2 tiles
+    assert tiles.key_blocks == 8 and tiles.value_blocks == 64 and plan["num_warps"] == 8
+    assert 1 <= plan["num_splits"] <= 512 * 128 // 64  # never more splits than tiles
+    long = attention_plan(1, 8, 4, k3, v3, 4096, 128, cpu)
+    assert long["num_splits"] >= plan["num_splits"]
+    unfolded = tile_plan(form("channel_unfolded"), form("midrise_offset"))
+    assert not unfolded.fold_k and not unfolded.fold_v and unfolded.value_offset == (3 - 1) % 4
+    assert tile_plan(form("jpeg_r6"), form("token_r4")).positions == 48
+    wide = attention_plan(2, 2, 8 * 17, form("int8"), form("int8"), 10, 64, cpu)
     assert wide["BLOCK_M"] == 64 and wide["n_mchunk"] == 3  # 136 query rows: three 64-row programs
+    tiny = attention_plan(1, 1, 1, form("jpeg_k3"), form("jpeg_k3"), 3, 16, cpu, num_splits=64)
+    assert tiny["num_splits"] == 1 and tiny["num_warps"] == 4  # never more splits than tiles
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_split_ranges_follow_the_device_length(device):
     """A short fill of a large static cache (40 blocks + 3 tokens stored of 256): the stored tiles are dealt over
-    the splits from the device length (5 tiles of 8 blocks over 4 splits: 2, 2, 1, 0), not from the capacity
+    the splits from the device length (5 tiles of 64 positions over 4 splits: 2, 2, 1, 0), not from the capacity
     (which would put all 40 blocks in split 0), and the result still matches the reference."""
-    q, args = _inputs("jpeg_k8_int8", "jpeg_k8", F32, 2, 40 * 8 + 3, 1, 16, None, 256)
-    tensors = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    _, lse, plan = split_partials(q.to(device), tuple(tensors[:4]), tuple(tensors[4:8]), tensors[8], *tensors[9:11],
-                                  None, None, 4)
-    assert plan["num_splits"] == 4 and plan["BLOCK_N"] == 8
+    ck, cv = form("int8"), form("jpeg_k8")
+    args = _inputs(ck, cv, F32, 2, 40 * 8 + 3, 1, 0, 16, None, 256 - 40)
+    moved = [a.to(device) if isinstance(a, torch.Tensor) else [x.to(device) for x in a] if isinstance(a, list) else a
+             for a in args]
+    _, lse, plan = split_partials(*moved[:7], None, None, 4)
+    assert plan["num_splits"] == 4 and plan["tiles"].positions == 64
     saw = torch.isfinite(lse.cpu()).all(-1)  # (programs, splits + 1): every query row of the part saw something
-    assert saw[:, :4].tolist() == [[True, True, True, False]] * saw.shape[0] and saw[:, 4].all()  # + the raw tail
-    want = torch.ops.flashcodec.codec_attention(q, *args)
-    torch.testing.assert_close(_run(device, q, args, num_splits=4), want, atol=TOL[F32], rtol=TOL[F32])
+    assert saw[:, :4].tolist() == [[True, True, True, False]] * saw.shape[0] and saw[:, 4].all()  # + the edge
+    want = codec_attention_reference(*args)
+    torch.testing.assert_close(_run(device, args, num_splits=4), want, atol=TOL[F32], rtol=TOL[F32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -126,51 +181,91 @@ def test_long_mask_offsets_are_int64(device):
     row 2, ``2 * (2**30 + 64)``, passes 2**31; int32 offsets would wrap and read outside the mask."""
     if device == "cuda":
         pytest.skip("the interpreter case is enough; 3 GiB on the GPU is not worth it")
-    q, args = _inputs("jpeg_k8_int8", "png", F32, 1, 21, 3, 16, None, 4)
+    q, ks, vs, sk, sv, kn, vn, _ = _inputs(form("int8"), form("png"), F32, 1, 21, 3, 0, 16, None, 1)
     width = 2**30 + 64
     mask = torch.empty(1, 1, 3, width, dtype=torch.bool)  # lazily backed: the untouched pages cost nothing
     gen = torch.Generator().manual_seed(3)
     for row in range(3):
         mask[0, 0, row, :32] = torch.rand(32, generator=gen) > 0.4
-    args = (*args[:-1], mask)
-    want = torch.ops.flashcodec.codec_attention(q, *args)
-    torch.testing.assert_close(_run(device, q, args, num_splits=1), want, atol=TOL[F32], rtol=TOL[F32])
+    args = (q, ks, vs, sk, sv, kn, vn, mask)
+    want = codec_attention_reference(*args)
+    torch.testing.assert_close(_run(device, args, num_splits=1), want, atol=TOL[F32], rtol=TOL[F32])
 
 
-def test_attention_names_the_triton_limits():
-    from flashcodec_fx.codecs import make_codec
-
-    pruned = make_codec("png", block_size=32, keep_ratio=0.5)
-    plain = make_codec("jpeg", block_size=32, keep_freqs=4)
-    ks = stored_state(pruned, torch.zeros(1, 1, 40, 16), 2)
-    vs = stored_state(plain, torch.zeros(1, 1, 40, 16), 2)
-    with pytest.raises(ValueError, match="spec_k: .* block_size <= 16"):
-        triton_codec_attention(torch.zeros(1, 1, 1, 16), *ks[:4], *vs[:4], ks[4], pruned.spec, plain.spec)
+def _stored_positions(codec, state):
+    """(B, H, n, D) fp32 of what a stream holds at its valid positions: below the archive's end (capped by the
+    capacity) from the decoded view, from ``start`` on the raw tail: an overflowed stream lost the positions between."""
+    length, start = int(state[7]), int(state[8])
+    capacity = codec.sinks + state[0].shape[2] * codec.group
+    view = read_reference(state, codec.spec).float()
+    return torch.cat([view[:, :, : min(start, capacity, length)], state[6][:, :, : length - start].float()], dim=2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_int8_values_enter_the_dot_exactly(device):
-    """fp16 I/O, int8 V (jpeg r=4, DC only: A[:, 0] = 0.5). With q = 0 every probability is exactly 1 and each
-    block's folded probability times its scale (2 * s, s = 2**-3 * (1 + 2**-10) * 2**e) is exact in fp16, while
-    most ``code * s`` are not: the kernel must fold V's scales into the probabilities and feed the codes to the
-    dot as they are. Its fp32 partial output then matches the fp32 reference to fp32 rounding; rounding the
-    dequantized rows to fp16 first (the old way) is off by ~1e-4 relative."""
-    from flashcodec_fx.codecs import make_codec
+def test_overflowed_stream_attends_what_it_holds(device):
+    """An overflowed static stream (45 tokens appended to 4 blocks of 8: the 8 tokens past the capacity were dropped,
+    the tail holds 40..44): the kernel attends the 32 archived positions and the 5 tail rows, exactly SDPA over them.
+    (The reference op clamps slot positions to its slot count, so there it folds the tail rows past the capacity onto
+    one position; this test uses SDPA over the stored tokens instead.)"""
+    c = form("int8")
+    ks = stored_state(c, smooth(2, 2, 45, 16, F32, "cpu", 1), 4, [3])
+    vs = stored_state(c, smooth(2, 2, 45, 16, F32, "cpu", 2), 4, [3])
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(0))
+    assert int(ks[7]) == 45 and int(ks[8]) == 40 and ks[0].shape[2] == 4
+    k, v = _stored_positions(c, ks), _stored_positions(c, vs)
+    assert k.shape[2] == 32 + 5
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got = _run(device, (q, ks, vs, c.spec, c.spec, None, None, None), num_splits=2)
+    torch.testing.assert_close(got, want, atol=TOL[F32], rtol=TOL[F32])
 
+
+def test_attention_names_the_triton_limits():
+    from flashcodec_fx.ops.triton_common import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_PRUNED_BLOCK_SIZE
+
+    def call(ck, cv, d=16):
+        ks = stored_state(ck, torch.zeros(1, 1, 70, d), 2)
+        vs = stored_state(cv, torch.zeros(1, 1, 70, d), 2)
+        triton_codec_attention(torch.zeros(1, 1, 1, d), ks, vs, ck.spec, cv.spec)
+
+    pruned = make_codec("png", block_size=2 * MAX_PRUNED_BLOCK_SIZE, keep_ratio=0.5)
+    plain = make_codec("jpeg", block_size=8)
+    with pytest.raises(ValueError, match=f"spec_k: .* block_size <= {MAX_PRUNED_BLOCK_SIZE}"):
+        call(pruned, plain)
+    with pytest.raises(ValueError, match=f"spec_v: .* block_size <= {MAX_BLOCK_SIZE}"):
+        call(plain, make_codec("jpeg", block_size=2 * MAX_BLOCK_SIZE, keep_freqs=2))
+    with pytest.raises(ValueError, match=f"head_dim <= {MAX_HEAD_DIM}"):
+        call(plain, plain, d=2 * MAX_HEAD_DIM)
+    with pytest.raises(ValueError, match=r"lcm\(block_size of k, block_size of v\) <= 256, got lcm\(63, 64\)"):
+        call(make_codec("jpeg", block_size=63, keep_freqs=2), make_codec("jpeg", block_size=64, keep_freqs=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_codes_enter_the_dot_exactly(device):
+    """fp16 I/O, int8 V (jpeg r=4, DC only: A[:, 0] = 0.5), q = 0: every probability is exactly 1 and each block's
+    folded probability times its scale (2 * s, s = 2**-3 * (1 + 2**-10) * 2**e) is exact in fp16, while most
+    ``level * s`` are not: the kernel must fold V's scales into the probabilities and feed the codes to the dot as
+    they are. Its fp32 partial output then matches the fp32 reference to fp32 rounding; rounding the dequantized
+    rows to fp16 first (what a dequantize-then-dot kernel does) is off by ~1e-4 relative."""
     ck, cv = make_codec("jpeg", block_size=4), make_codec("jpeg", block_size=4, keep_freqs=1, quant_bits=8)
     b, hkv, nb, d = 2, 2, 12, 64
     gen = torch.Generator().manual_seed(5)
-    k = list(ck.empty_state((b, hkv), nb, d, F16, "cpu")) + [torch.zeros(b, hkv, 4, d, dtype=F16)]
-    v_codes = torch.randint(-127, 128, (b, hkv, nb, 1, d), generator=gen, dtype=torch.int8)
-    v_scale = 2.0 ** -3 * (1 + 2.0 ** -10) * 2.0 ** torch.randint(-4, 4, (b, hkv, nb, 1), generator=gen).float()
-    v = [v_codes, v_scale, torch.zeros(b, hkv, nb, 0, d, dtype=torch.uint8), torch.zeros(b, hkv, 4, d, dtype=F16)]
-    length = torch.tensor(nb * 4)  # every token archived: the tail split sees nothing
+    ks = stored_state(ck, torch.zeros(b, hkv, nb * 4, d, dtype=F16), nb)
+    vs = stored_state(cv, torch.zeros(b, hkv, nb * 4, d, dtype=F16), nb)
+    vs[0].copy_(torch.randint(1, 256, vs[0].shape, generator=gen, dtype=torch.uint8))
+    scale = 2.0 ** -3 * (1 + 2.0 ** -10) * 2.0 ** torch.randint(-4, 4, vs[1].shape, generator=gen).float()
+    vs[1].copy_(scale.half())
+    assert torch.equal(vs[1].float(), scale)  # the scales are fp16 values
     q = torch.zeros(b, 4 * hkv, 1, d, dtype=F16)
-    args = [*k, *v, length, ck.spec, cv.spec]
-    o_part, lse, plan = split_partials(*to(device, q), tuple(to(device, *k)), tuple(to(device, *v)),
-                                       *to(device, length), ck.spec, cv.spec, None, None, 1)
-    assert torch.isinf(lse[:, 1]).all()  # (the tail part)
-    got = o_part[:, 0, : 4, :].cpu().reshape(b, hkv, 4, d).reshape(b, 4 * hkv, 1, d)
-    want = torch.ops.flashcodec.codec_attention(q.float(), *[a.float() if a.dtype == F16 else a for a in args[:9]],
-                                                *args[9:])
-    torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
+    o_part, lse, plan = split_partials(*to(device, q), [t.to(device) for t in ks], [t.to(device) for t in vs],
+                                       ck.spec, cv.spec, None, None, None, None, 1)
+    assert torch.isinf(lse[:, 1].cpu()).all()  # every token archived: the edge part saw nothing
+    got = o_part[:, 0, :4, :d].cpu().reshape(b, 4 * hkv, 1, d)
+    to32 = [[t.float() if i in (0, 5, 6) and t.dtype == F16 else t for i, t in enumerate(st)] for st in (ks, vs)]
+    want = codec_attention_reference(q.float(), *to32, ck.spec, cv.spec)
+    tol = dict(atol=1e-6 * float(want.abs().max()), rtol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    # what a kernel that rounds the dequantized rows to fp16 before its dot would give (same fp32 sums otherwise)
+    rows16 = cv.stored_rows(Encoded(*vs[:4]), d).half().float()  # (B, H, NB, 1, D)
+    rounded = (rows16[:, :, :, 0] * 0.5).sum(2, keepdim=True) * 4 / (nb * 4)
+    rounded = rounded.repeat_interleave(4, dim=1)
+    assert not torch.allclose(rounded, want, **tol)

@@ -1,6 +1,6 @@
 """GPU-only checks of the Triton kernels: dispatch through torch.ops on CUDA, bf16, opcheck, CUDA-graph replay.
 
-Skipped without CUDA (the CPU interpreter tests in test_triton_{blocks,append,attention}.py cover the math).
+Skipped without CUDA (the CPU interpreter tests in test_triton_{append,attention,register,long}.py cover the math).
 """
 
 from __future__ import annotations
@@ -12,70 +12,79 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from _triton_cases import codec, smooth, stored_state  # noqa: E402
-from test_triton_attention import CASES, TOL, _inputs  # noqa: E402
+from _triton_cases import form, groups_for, preset_codecs, smooth, stored_state  # noqa: E402
+from test_triton_attention import CASES, TOL, _ids, _inputs  # noqa: E402
 
 import flashcodec_fx  # noqa: E402,F401  (registers the ops and their CUDA kernels)
+from flashcodec_fx import PRESETS  # noqa: E402
+from flashcodec_fx.ops import empty_state  # noqa: E402
+from flashcodec_fx.ops.triton_register import KERNELS  # noqa: E402
 
 ops = torch.ops.flashcodec
 BF16 = torch.bfloat16
 
 
 def _cuda(args):
-    return [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    return [a.cuda() if isinstance(a, torch.Tensor) else [x.cuda() for x in a] if isinstance(a, list) else a
+            for a in args]
 
 
 @pytest.mark.parametrize("op", ["encode", "decode", "read", "append", "codec_attention"])
 def test_cuda_kernels_are_registered(op):
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"flashcodec::{op}", "CUDA")
+    """Triton serves append and codec_attention on CUDA; encode / decode / read run the reference there."""
+    name = f"flashcodec::{op}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") == (name in KERNELS)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-g{c[3]}-L{c[4]}-{c[7]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_attention_bf16_through_the_op(case):
-    q, args = _inputs(case[0], case[1], BF16, *case[3:])
-    want = ops.codec_attention(q, *args)  # CPU: the reference
-    got = ops.codec_attention(q.cuda(), *_cuda(args)).cpu()  # CUDA: the Triton kernel
+    k_form, v_form, _, *rest = case
+    args = _inputs(form(k_form), form(v_form), BF16, *rest)
+    want = ops.codec_attention(*args)  # CPU: the reference
+    got = ops.codec_attention(*_cuda(args)).cpu()  # CUDA: the Triton kernel
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[BF16], rtol=TOL[BF16])
 
 
-@pytest.mark.parametrize("tier", ["jpeg_k8", "jpeg_k2_int8", "png", "png_pruned"])
-def test_opcheck_cuda(tier):
-    c = codec(tier)
-    r = c.block_size
-    x = smooth(2, 2, 3 * r, 64, BF16, "cuda", seed=0)
-    torch.library.opcheck(ops.encode.default, (x, c.spec))
-    data, scale, index = ops.encode(x, c.spec)
-    torch.library.opcheck(ops.decode.default, (data, scale, index, c.spec, BF16))
-    state = [t.cuda() for t in stored_state(c, x[:, :, : 2 * r + 3].cpu(), 4)]
-    torch.library.opcheck(ops.read.default, (*state, c.spec))
-    memo = torch.zeros(2, 2, 4 * r, 64, dtype=BF16, device="cuda")
-    torch.library.opcheck(ops.append.default, (*state, x[:, :, :5].contiguous(), c.spec, memo))
-    q, args = _inputs(tier, "jpeg_k8_int8", BF16, 4, 21, 1, 64, "bool", 4)
-    torch.library.opcheck(ops.codec_attention.default, (q.cuda(), *_cuda(args)))
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_opcheck_cuda(preset):
+    ck, cv = preset_codecs(preset)
+    length = ck.sinks + 2 * max(ck.group, cv.group) + 5
+    x = smooth(2, 2, length + 3, 64, BF16, "cuda", seed=0)
+    for codec in (ck, cv):
+        groups = -(-(length + 3 - codec.sinks) // codec.group) + 1
+        state = [t.cuda() for t in stored_state(codec, x[:, :, :length].cpu(), groups)]
+        memo = torch.zeros(2, 2, codec.sinks + groups * codec.group, 64, dtype=BF16, device="cuda")
+        torch.library.opcheck(ops.append.default, (state, x[:, :, length:].contiguous(), codec.spec, memo))
+        torch.library.opcheck(ops.read.default, (state, codec.spec))
+    args = _cuda(_inputs(ck, cv, BF16, 4, length, 1, 1, 64, "bool", 1))
+    torch.library.opcheck(ops.codec_attention.default, tuple(args))
 
 
-def test_cuda_graph_replay_matches_eager():
-    """One decode step (append K, append V, codec_attention) captured once and replayed across block boundaries."""
-    ck, cv = codec("jpeg_k8_int8"), codec("png")
-    b, hkv, g, d, blocks, steps = 2, 2, 4, 64, 8, 40
-    prompt = 13
+@pytest.mark.parametrize("preset", ["int8", "3bit"])
+def test_cuda_graph_replay_matches_eager(preset):
+    """One decode step (append K, append V, codec_attention on the call's own token) captured once and replayed
+    across group boundaries: bit-equal to eager steps, and the last one matches the CPU reference."""
+    ck, cv = preset_codecs(preset)
+    b, hkv, g, d, steps = 2, 2, 4, 64, 40
+    prompt = ck.sinks + max(ck.group, cv.group, 30) - 17  # the steps cross a group boundary of both streams
     k = smooth(b, hkv, prompt + steps, d, BF16, "cpu", 1).cuda()
     v = smooth(b, hkv, prompt + steps, d, BF16, "cpu", 2).cuda()
     qs = torch.randn(steps, b, hkv * g, 1, d, device="cuda").to(BF16)
 
     def fresh():
-        ks = list(ck.empty_state((b, hkv), blocks, d, BF16, "cuda")) + [torch.zeros(b, hkv, 8, d, dtype=BF16, device="cuda")]
-        vs = list(cv.empty_state((b, hkv), blocks, d, BF16, "cuda")) + [torch.zeros(b, hkv, 8, d, dtype=BF16, device="cuda")]
-        lk, lv = (torch.zeros((), dtype=torch.int64, device="cuda") for _ in range(2))
-        ops.append(*ks, lk, k[:, :, :prompt], ck.spec)
-        ops.append(*vs, lv, v[:, :, :prompt], cv.spec)
-        return ks, vs, lk, lv
+        ks = list(empty_state(ck, b, hkv, groups_for(ck, prompt + steps), d, BF16, "cuda"))
+        vs = list(empty_state(cv, b, hkv, groups_for(cv, prompt + steps), d, BF16, "cuda"))
+        flashcodec_fx.ops.warm(ck, d, "cuda")
+        flashcodec_fx.ops.warm(cv, d, "cuda")
+        ops.append(ks, k[:, :, :prompt], ck.spec)
+        ops.append(vs, v[:, :, :prompt], cv.spec)
+        return ks, vs
 
     def step(state, new_k, new_v, q):
-        ks, vs, lk, lv = state
-        ops.append(*ks, lk, new_k, ck.spec)
-        ops.append(*vs, lv, new_v, cv.spec)
-        return ops.codec_attention(q, *ks, *vs, lk, ck.spec, cv.spec)
+        ks, vs = state
+        ops.append(ks, new_k, ck.spec)
+        ops.append(vs, new_v, cv.spec)
+        return ops.codec_attention(q, ks, vs, ck.spec, cv.spec, new_k, new_v)
 
     static_k, static_v, static_q = (torch.zeros_like(t) for t in (k[:, :, :1], v[:, :, :1], qs[0]))
     graphed, eager, warm = fresh(), fresh(), fresh()
@@ -95,31 +104,31 @@ def test_cuda_graph_replay_matches_eager():
         graph.replay()
         want = step(eager, k[:, :, pos: pos + 1], v[:, :, pos: pos + 1], qs[i])
         assert torch.equal(static_out, want), f"step {i}: graph replay differs from eager"
-    assert int(graphed[2]) == int(eager[2]) == prompt + steps
+    assert int(graphed[0][7]) == int(eager[0][7]) == prompt + steps
     for a, e in zip([*graphed[0], *graphed[1]], [*eager[0], *eager[1]], strict=True):
         assert torch.equal(a, e)
-    # and the final step agrees with the CPU reference on the same stored state
-    cpu = [t.cpu() for t in (*graphed[0], *graphed[1], graphed[2])]
-    want = ops.codec_attention(qs[-1].cpu(), *cpu, ck.spec, cv.spec)
+    cpu = [[t.cpu() for t in st] for st in graphed]
+    last = (k[:, :, -1:].cpu(), v[:, :, -1:].cpu())
+    want = ops.codec_attention(qs[-1].cpu(), *cpu, ck.spec, cv.spec, *last)
     torch.testing.assert_close(static_out.cpu().float(), want.float(), atol=TOL[BF16], rtol=TOL[BF16])
 
 
-def test_capture_finds_the_codec_matrices_made_by_the_stream():
-    """Item 6: the first kernel call of a fresh codec inside a capture must not copy the codec matrices from the host.
-    Kernels are compiled by a warm-up stream, the matrix cache is then emptied, and a new stream (which makes its
-    matrices when it allocates) is captured from its first decode step."""
+def test_capture_finds_the_tables_made_by_the_stream():
+    """The first kernel call of a fresh codec inside a capture must not copy the kernels' tables (or the codec's
+    matrices) from the host. Kernels are compiled by a warm-up stream, the table cache is then emptied, and a new
+    stream (which makes its tables when it allocates) is captured from its first decode step."""
     from flashcodec_fx import CodecStream
-    from flashcodec_fx.ops.triton_common import _matrices
+    from flashcodec_fx.ops.triton_common import _tables
 
-    c = codec("jpeg_k2_int8")
+    codec = preset_codecs("3bit")[1]
     x = smooth(1, 2, 24, 64, BF16, "cpu", 3).cuda()
-    warm = CodecStream(c, "static", max_length=64, memoize=False)
+    warm = CodecStream(codec, "static", max_length=64, memoize=False)
     warm.append(x[:, :, :17])
     warm.append(x[:, :, 17:18])
     torch.cuda.synchronize()
-    _matrices.cache_clear()
-    stream = CodecStream(c, "static", max_length=64, memoize=False)
-    stream.append(x[:, :, :17])  # allocates: makes the matrices on the device now
+    _tables.cache_clear()
+    stream = CodecStream(codec, "static", max_length=64, memoize=False)
+    stream.append(x[:, :, :17])  # allocates: makes the tables on the device now
     static_x = x[:, :, 17:18].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -127,14 +136,17 @@ def test_capture_finds_the_codec_matrices_made_by_the_stream():
     assert int(stream.length) == 17  # capture records, it does not run
     graph.replay()
     assert int(stream.length) == 18
-    for got, want in zip((*stream.state, stream.tail), (*warm.state, warm.tail), strict=True):
+    for got, want in zip(stream.state, warm.state, strict=True):
         assert torch.equal(got, want)  # the replayed step stored what the eager one did
 
 
-def test_tiny_llama_decode_under_cuda_graphs_with_the_pass():
+@pytest.mark.parametrize("preset", ["lossless", "3bit"])
+def test_tiny_llama_decode_under_cuda_graphs_with_the_pass(preset):
     """A whole decode step of a tiny Llama compiled with mode="reduce-overhead" (CUDA graphs) and the flashcodec
     pass (strict: attention on the stored state through the Triton kernels): captured once, replayed for every
-    token, no cudagraph skip, and the same greedy tokens as eager decoding (png: lossless)."""
+    token, no cudagraph skip. Lossless: the same greedy tokens as eager decoding. 3bit: the first token (the prompt
+    attends its exact states in both) and the shape; later tokens may part at a near-tie of two logits (eager and
+    compiled round in other places)."""
     pytest.importorskip("transformers")
     from conftest import cache_kwargs, fresh_tiny_model, tiny_prompt
     from transformers import CompileConfig
@@ -144,7 +156,7 @@ def test_tiny_llama_decode_under_cuda_graphs_with_the_pass():
     torch._dynamo.reset()
     model = fresh_tiny_model("llama").cuda()
     prompt = tiny_prompt(1, 12).cuda()
-    options = dict(mode="png", layout="static", max_cache_len=80, memoize=False)
+    options = dict(preset=preset, layout="static", max_cache_len=80, memoize=False)
 
     def generate(config):
         cache = FlashCodecCache.from_config(model.config, **options)
@@ -161,4 +173,8 @@ def test_tiny_llama_decode_under_cuda_graphs_with_the_pass():
                                       options={"strict": True}))
     assert counters["inductor"]["cudagraph_skips"] == skips, "a decode step fell back from CUDA graphs"
     assert counters["stats"]["unique_graphs"] - graphs >= 1
-    assert torch.equal(compiled, eager)
+    assert compiled.shape == eager.shape
+    if preset == "lossless":
+        assert torch.equal(compiled, eager)
+    else:
+        assert torch.equal(compiled[:, : prompt.shape[1] + 1], eager[:, : prompt.shape[1] + 1])

@@ -1,4 +1,4 @@
-"""The CUDA registration's capability gate and the codec matrices made when a stream is allocated (CPU: faked)."""
+"""The CUDA registration's capability gate and the kernel tables made when a stream allocates (CPU: faked)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import warnings
 
 import pytest
 import torch
-from _triton_cases import DEVICES, codec, smooth, stored_state, to
+from _triton_cases import DEVICES, form, smooth, stored_state
 
 from flashcodec_fx import CodecStream
 from flashcodec_fx.ops import triton_register
-from flashcodec_fx.ops.triton_common import _matrices, codec_matrices
+from flashcodec_fx.ops.triton_common import _tables, stream_tables
 
 
 @pytest.fixture
@@ -36,34 +36,64 @@ def test_devices_below_sm80_get_the_reference_with_one_warning(fake_capability):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch, device):
-    """The registered CUDA kernel dispatches per call on the tensor's device; called here directly with the choice
-    forced: "reference" runs the plain-torch op, "triton" the launcher (bit for bit each)."""
-    from flashcodec_fx.ops.attention import codec_attention
+    """The registered CUDA kernel dispatches per call on the device of its first tensor (here a state list); called
+    directly with the choice forced: "reference" runs the plain-torch op, "triton" the launcher (bit for bit each)."""
+    from flashcodec_fx.ops.attention import codec_attention_reference
     from flashcodec_fx.ops.triton_attention import triton_codec_attention
 
-    ck, cv = codec("jpeg_k8_int8"), codec("png")
-    ks, vs = stored_state(ck, smooth(1, 2, 21, 16, torch.float32, "cpu", 1), 4), \
-        stored_state(cv, smooth(1, 2, 21, 16, torch.float32, "cpu", 2), 4)
-    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(0))
-    args = (*to(device, q, *ks[:4], *vs[:4], ks[4]), ck.spec, cv.spec)
-    reference = codec_attention._init_fn
-    kernel = triton_register.gated(triton_codec_attention, reference)
+    ck, cv = form("int8"), form("lloyd_rot")
+    ks = [t.to(device) for t in stored_state(ck, smooth(1, 2, 21, 16, torch.float32, "cpu", 1), 4)]
+    vs = [t.to(device) for t in stored_state(cv, smooth(1, 2, 21, 16, torch.float32, "cpu", 2), 4)]
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    args = (q, ks, vs, ck.spec, cv.spec)
+    kernel = triton_register.gated(triton_codec_attention, codec_attention_reference)
     assert kernel.__qualname__ == "triton_codec_attention"  # the kernel report names the launcher
     monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "reference")
-    assert torch.equal(kernel(*args), reference(*args))
+    assert torch.equal(kernel(*args), codec_attention_reference(*args))
     monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "triton")
     assert torch.equal(kernel(*args), triton_codec_attention(*args))
+    # an op whose first argument is a state list (append) is dispatched on that list's device
+    seen = []
+    monkeypatch.setattr(triton_register, "kernel_choice", lambda device: seen.append(device) or "reference")
+
+    def appended(state, new, spec):
+        return "triton"
+
+    def appended_reference(state, new, spec):
+        return "reference"
+
+    assert triton_register.gated(appended, appended_reference)(ks, q, ck.spec) == "reference"
+    assert seen == [torch.device(device)]
 
 
-def test_a_stream_creates_its_codec_matrices_when_it_allocates():
-    """The first kernel call inside a CUDA-graph capture must find the codec matrices on the device already: the
-    stream creates them with its storage, and the kernels' lookup returns those very tensors."""
-    c = codec("jpeg_k3")
-    _matrices.cache_clear()
+def test_a_stream_creates_its_kernel_tables_when_it_allocates():
+    """The first kernel call inside a CUDA-graph capture must find the kernels' tables (synthesis, rotation, row
+    table, level tables) on the device already: the stream creates them with its storage (``ops.warm``), and the
+    kernels' lookup returns those very tensors."""
+    c = form("lloyd_uniform")
+    _tables.cache_clear()
     stream = CodecStream(c, "static", max_length=32)
-    assert _matrices.cache_info().currsize == 0
+    assert _tables.cache_info().currsize == 0
     stream.append(smooth(1, 2, 5, 16, torch.float32, "cpu", 0))
-    assert _matrices.cache_info().currsize == 1
-    made = _matrices(tuple(c.spec), torch.device("cpu"))
-    assert all(a is b for a, b in zip(codec_matrices(c, "cpu"), made, strict=True))
-    assert _matrices.cache_info().misses == 1  # no second creation
+    assert _tables.cache_info().currsize == 1
+    made = _tables(c.spec, 16, torch.device("cpu"))
+    tables = stream_tables(c, 16, "cpu")
+    assert all(a is b for a, b in zip(vars(tables).values(), vars(made).values(), strict=True))
+    assert _tables.cache_info().misses == 1  # no second creation
+    assert tables.rows.tolist() == [[6, 3], [0, 6], [0, 1], [-1, 0], [3, 1]]  # bits, offsets, classes, zeros, kinds
+    assert tables.rotation.shape == (16, 16) and tables.levels.shape == (2, 64)
+
+
+@pytest.mark.parametrize("layer", [0, 3])
+def test_preset_codecs_are_what_the_transformers_integration_builds(layer):
+    """``benchmarks/preset_codecs.py`` (used where transformers is absent: the triton-3.6 CI venv, the sm_90 compile
+    check) gives the codecs ``hf.options.resolve_layer_codecs`` gives, rotation seed included."""
+    pytest.importorskip("transformers")
+    from preset_codecs import preset_codecs
+
+    from flashcodec_fx import PRESETS
+    from flashcodec_fx.hf.options import resolve_layer_codecs
+
+    for name, options in PRESETS.items():
+        built = resolve_layer_codecs(options, layer_idx=layer)
+        assert preset_codecs(name, layer) == (built.key, built.value), name

@@ -1,0 +1,530 @@
+"""The transformers Cache contract, explored by a stateful fuzzer (issue 11).
+
+A hypothesis ``RuleBasedStateMachine`` drives a two-layer ``FlashCodecCache`` next to transformers' ``DynamicCache``
+(dynamic layout) or ``StaticCache`` (static layout) through random sequences of the calls transformers makes: ``update``
+(T = 1..40, batch 1..3; every update is followed by the layer's attention, as in a model: the ``"kvcodec"`` function on
+the stored form, or nothing on the decoded view), ``crop`` (negative and positive), ``reorder_cache``,
+``batch_select_indices`` (indices and bool masks), ``batch_repeat_interleave``, ``reset`` (then another batch size),
+``early_initialization``, deepcopy, and calls that must be refused. Each example draws the layers' tiers (png, lossy
+tiers with the quantization stage: per-frequency bit tables, channel / token scales, Lloyd-Max levels, sinks, windows),
+the dtype, the crop mode, the attention path and (dynamic) offloading.
+
+Invariants after every step:
+
+- every codec layer's decoded ``keys`` / ``values`` equal, bitwise, a reference model of its codec: the history's raw
+  sinks and tail and, for the archive, the stateless codec's ``decode(encode(group))`` of the same tokens
+  (``StreamModel``); png layers equal the native cache's ``keys`` / ``values`` bitwise (grid data, bf16 and fp32);
+- ``update`` returns the exact prompt on a first fill, the reference view on the decoded-view path; attention on the
+  stored form equals attention over the reference view (the call's own tokens exact) to fp tolerance;
+- ``get_seq_length`` / ``get_mask_sizes`` match the native cache (static: the views' capacity), ``is_croppable`` the
+  contract (lossless 16-bit png or ``crop="decode"``), ``batch_size`` the rows held;
+- ``storage_bytes()`` is an int equal to the ``storage_breakdown()`` parts and to the bytes of every tensor the layers
+  hold; ``stored`` / ``archive_used`` / ``raw_equivalent`` equal what the reference model holds; an offloaded layer
+  holds only its filled archive groups;
+- a refused call (a crop reopening a lossy group, bad shapes or dtypes, a wrong bool mask, static overflow) raises the
+  documented error and changes no state.
+
+Budget: a bounded number of examples in CI; ``HYPOTHESIS_PROFILE=long`` runs the long profile (many more and longer
+examples, minutes): ``HYPOTHESIS_PROFILE=long python -m pytest tests/hf/test_cache_contract_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("hypothesis")
+
+from cache_state import same, snapshot  # noqa: E402
+from codec_tiers import grid_data as grid  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+from transformers.cache_utils import DynamicCache, StaticCache  # noqa: E402
+
+import flashcodec_fx as fx  # noqa: E402
+from flashcodec_fx import CodecOverflowError  # noqa: E402
+from flashcodec_fx.codecs import Codec  # noqa: E402
+from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
+from flashcodec_fx.hf.attention import MaterializationFreeFallback, flashcodec_attention_forward  # noqa: E402
+
+H, D, GQA = 2, 16, 2  # kv heads, head dim (a power of two: the rotation is a Walsh-Hadamard transform), q heads per kv
+PROFILES = {
+    "ci": settings(max_examples=25, stateful_step_count=16, deadline=None, derandomize=True,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
+    "long": settings(max_examples=400, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
+}
+FUZZ = PROFILES["long" if os.environ.get("HYPOTHESIS_PROFILE") == "long" else "ci"]
+
+# Layer tiers (FlashCodecCache per-layer options): small versions of the presets' recipes (tests/codec_tiers.py).
+_TABLE_KEYS = dict(mode="jpeg", block_size=8, quant_bits=(5, 3, 3, 2, 2, 2, 2, 2), levels=("uniform", "midrise"),
+                   scale_axis="channel", group=16, scale_search=True, rotate=True, sinks=2)
+TIERS = {
+    "png": dict(mode="png"),
+    "png-window": dict(mode="png", sinks=1, window=4),
+    "int8": dict(mode="jpeg", block_size=8, quant_bits=8),
+    "jpeg-k4": dict(mode="jpeg", block_size=8, keep_freqs=4, quant_bits=None),
+    "png-half": dict(mode="png", keep_ratio=0.5),
+    "3bit-small": dict(key_options=_TABLE_KEYS, value_options=dict(
+        mode="jpeg", block_size=1, quant_bits=2, levels="lloyd", rotate=True, center=True, scale_search=True, sinks=2,
+        window=3)),
+    "4bit-small": dict(key_options=dict(mode="jpeg", block_size=1, quant_bits=4, levels="uniform",
+                                        scale_axis="channel", group=8, scale_search=True, sinks=2),
+                       value_options=dict(mode="jpeg", block_size=4, quant_bits=4, levels="midrise", center=True,
+                                          rotate=5, sinks=2, window=2)),
+}
+EXACT_TIERS = ("png", "png-window")  # lossless: equal to the native cache
+
+
+def lossless(codec: Codec, dtype: torch.dtype) -> bool:
+    """The contract's exact tier: png keeping every delta, on a 16-bit stream."""
+    return getattr(codec, "kept_deltas", -1) == codec.block_size - 1 and dtype in (torch.float16, torch.bfloat16)
+
+
+class StreamModel:
+    """Reference model of one codec stream: the history (B, H, n, D) and the archive's end, kept by the contract's
+    rules; the view is the raw sinks and tail and the stateless codec's decode(encode(...)) of the archived groups."""
+
+    def __init__(self, codec: Codec, dtype: torch.dtype):
+        self.codec, self.dtype = codec, dtype
+        self.hist: torch.Tensor | None = None
+        self.start, self.mean = codec.sinks, None
+
+    @property
+    def n(self) -> int:
+        return 0 if self.hist is None else self.hist.shape[2]
+
+    def append(self, x: torch.Tensor) -> None:
+        codec, n, t = self.codec, self.n, x.shape[2]
+        if self.hist is None:
+            self.hist = x[:, :, :0]
+            self.mean = torch.zeros(x.shape[0], H, D) if codec.center else None
+        if codec.center and n <= codec.sinks < n + t:  # the mean of the first append's tokens past the sinks
+            counted = ((n + torch.arange(t)) >= codec.sinks).float()
+            self.mean = (x.float() * counted.view(1, 1, -1, 1)).sum(2) / counted.sum().clamp_min(1)
+        self.hist = torch.cat([self.hist, x], dim=2)
+        behind = n + t - self.start - codec.window  # archive whole groups while the tail would hold window + G
+        self.start += max(0, behind) // codec.group * codec.group
+
+    def view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What the stream reads, in ``dtype`` (default: the stream's; the archive decoded straight into it)."""
+        codec, view = self.codec, self.hist.to(dtype or self.dtype, copy=True)
+        end = min(self.start, self.n)
+        if end > codec.sinks:
+            enc = codec.encode(self.hist[:, :, codec.sinks:end], self.mean)
+            view[:, :, codec.sinks:end] = codec.decode(enc, view.dtype, self.mean)
+        return view
+
+    def reopened(self, keep: int) -> int:
+        return self.codec.sinks + max(0, keep - self.codec.sinks) // self.codec.group * self.codec.group
+
+    def crop_allowed(self, keep: int, mode: str) -> bool:
+        return keep >= min(self.start, self.n) or keep <= self.reopened(keep) or mode == "decode" \
+            or lossless(self.codec, self.dtype)
+
+    def crop(self, keep: int) -> None:
+        if self.hist is None or keep >= self.n:
+            return
+        if keep < self.start:
+            reopened = self.reopened(keep)
+            if keep > reopened:  # reopened tokens come back as the values attention read
+                self.hist[:, :, reopened:keep] = self.view()[:, :, reopened:keep]
+            self.start = reopened
+        self.hist = self.hist[:, :, :keep]
+        if self.codec.center and keep <= self.codec.sinks:
+            self.mean = torch.zeros_like(self.mean)
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.hist is not None:
+            self.hist = self.hist[rows]
+            self.mean = None if self.mean is None else self.mean[rows]
+
+    def repeat(self, repeats: int) -> None:
+        if self.hist is not None:
+            self.hist = self.hist.repeat_interleave(repeats, dim=0)
+            self.mean = None if self.mean is None else self.mean.repeat_interleave(repeats, dim=0)
+
+    def stored_bits(self, batch: int) -> int:
+        """Bits the stored tokens take as stored: filled groups, raw sinks and tail rows holding tokens, the mean."""
+        codec, n = self.codec, self.n
+        groups = max(0, min(n, self.start) - codec.sinks) // codec.group
+        raw = min(n, codec.sinks) + max(0, n - max(self.start, codec.sinks))
+        mean = batch * H * D * 4 if codec.center else 0
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return 8 * (batch * H * (groups * codec.group_bytes(D, self.dtype) + raw * D * item) + mean)
+
+    def archive_bytes(self, batch: int) -> int:
+        """Bytes of the filled archive groups."""
+        codec = self.codec
+        groups = max(0, min(self.n, self.start) - codec.sinks) // codec.group
+        return batch * H * groups * codec.group_bytes(D, self.dtype)
+
+    def covering_bytes(self, batch: int) -> int:
+        """Bytes of the fewest archive groups spanning the stored tokens' positions."""
+        codec = self.codec
+        groups = -(-max(0, self.n - codec.sinks) // codec.group)
+        return batch * H * groups * codec.group_bytes(D, self.dtype)
+
+
+class _Attention(torch.nn.Module):
+    """What transformers' sdpa function reads from an attention module."""
+
+    num_key_value_groups, is_causal = GQA, True
+
+
+class CacheContract(RuleBasedStateMachine):
+    """Shared rules; subclasses choose the layout and the native cache."""
+
+    layout = "dynamic"
+
+    def build(self, tiers: tuple[str, str], dtype: torch.dtype, crop: str, stored_form: bool, batch: int,
+              offloading: bool = False) -> None:
+        self.tiers, self.dtype, self.crop_mode, self.stored_form, self.batch = tiers, dtype, crop, stored_form, batch
+        static = dict(layout="static", max_cache_len=self.max_len) if self.layout == "static" else {}
+        self.cache = fx.FlashCodecCache(num_layers=2, per_layer={i: TIERS[t] for i, t in enumerate(tiers)}, crop=crop,
+                                        materialization_free=stored_form, offloading=offloading, **static)
+        self.models = [(StreamModel(layer.keys_stream.codec, dtype), StreamModel(layer.values_stream.codec, dtype))
+                       for layer in self.cache.layers]
+        self.native = self.new_native()
+        self.module = _Attention()
+
+    def new_native(self):
+        return DynamicCache()
+
+    # --- helpers -------------------------------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return self.models[0][0].n
+
+    def states(self, t: int, seed: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batch if batch is None else batch
+        return grid((b, H, t, D), self.dtype, seed), grid((b, H, t, D), self.dtype, seed + 1)
+
+    def mask(self, past: int, t: int, kv_length: int) -> torch.Tensor:
+        """Causal bool mask (B, 1, T, kv_length) of a call of ``t`` tokens after ``past``."""
+        rows = past + torch.arange(t)[:, None]
+        return (torch.arange(kv_length)[None] <= rows).expand(self.batch, 1, t, kv_length)
+
+    def step(self, cache, k: torch.Tensor, v: torch.Tensor, seed: int, past: int, check: bool) -> None:
+        """One model step of ``t`` tokens after ``past`` through both layers of ``cache``: update, then attention as the
+        model would run it. ``check``: compare with the reference models (already holding these tokens)."""
+        t = k.shape[2]
+        for idx, layer in enumerate(cache.layers):
+            kv_length = cache.get_mask_sizes(t, idx)[0]
+            first = int(layer.get_seq_length()) == 0
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", MaterializationFreeFallback)
+                out_k, out_v = cache.update(k, v, idx)
+                if not self.stored_form:
+                    if check:
+                        self.check_returned(idx, out_k, out_v, k, v, first)
+                    continue
+                q = grid((self.batch, H * GQA, t, D), self.dtype, seed + 7 + idx) / 16
+                mask = self.mask(past, t, kv_length)
+                attn, _ = flashcodec_attention_forward(self.module, q, out_k, out_v, mask, scaling=0.25)
+            if check:
+                self.check_attention(idx, q, attn, k, v, past)
+
+    def check_returned(self, idx: int, out_k, out_v, k, v, first: bool) -> None:
+        """The decoded-view path returns the exact prompt on a first fill, else the reference view."""
+        for out, new, model in zip((out_k, out_v), (k, v), self.models[idx], strict=True):
+            want = new if first else model.view()
+            n = want.shape[2]
+            assert torch.equal(out[:, :, :n], want), f"layer {idx}: update returned something else than the view"
+            assert not out[:, :, n:].any()  # static: zeros past the length
+
+    def check_attention(self, idx: int, q, attn, k, v, past: int) -> None:
+        """Attention on the stored form equals attention over the reference view, the call's own tokens exact (in fp32:
+        the stored form is read without rounding the decoded archive to the stream dtype)."""
+        t = k.shape[2]
+        views = []
+        for model, new in zip(self.models[idx], (k, v), strict=True):
+            view = model.view(torch.float32)
+            view[:, :, past:past + t] = new.float()
+            views.append(view.repeat_interleave(GQA, dim=1))
+        mask = self.mask(past, t, past + t)
+        want = torch.nn.functional.scaled_dot_product_attention(q.float(), *views, attn_mask=mask, scale=0.25)
+        tol = 1e-4 if self.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(attn.float(), want.transpose(1, 2), rtol=tol, atol=tol)
+
+    # --- rules ---------------------------------------------------------------------------------------------------
+
+    @rule(t=st.integers(1, 40), seed=st.integers(0, 2**20))
+    def update(self, t, seed):
+        if self.layout == "static":
+            t = min(t, self.max_len - self.length)
+            if t == 0:
+                return
+        k, v = self.states(t, seed)
+        past = self.length
+        for models in self.models:
+            for model, new in zip(models, (k, v), strict=True):
+                model.append(new)
+        self.step(self.cache, k, v, seed, past, check=True)
+        self.native_update(k, v)
+
+    def native_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for idx in range(2):
+            self.native.update(k, v, idx)
+
+    @rule(depth=st.integers(-45, 45))
+    def crop(self, depth):
+        """``depth < 0`` drops -depth tokens (past the start: empty); ``depth > 0`` keeps ``depth`` tokens; 0: no-op."""
+        n = self.length
+        keep = max(0, n + depth) if depth < 0 else min(depth or n, n)
+        allowed = all(m.crop_allowed(keep, self.crop_mode) for models in self.models for m in models)
+        before = snapshot(self.cache)
+        if not allowed:
+            with pytest.raises(ValueError, match="would reopen archived tokens"):
+                self.cache.crop(depth)
+            assert same(snapshot(self.cache), before), "a refused crop changed the cache"
+            return
+        self.cache.crop(depth)
+        for models in self.models:
+            for model in models:
+                model.crop(keep)
+        if keep < n:
+            self.native_crop(keep - n)
+
+    def native_crop(self, tokens_to_remove: int) -> None:
+        if all(hasattr(layer, "crop") for layer in self.native.layers):
+            self.native.crop(tokens_to_remove)
+            return
+        self.native = self.new_native()  # transformers 5.17's StaticLayer has no crop: refilled with what is kept
+        if self.length:
+            for idx, (keys, values) in enumerate(self.models):
+                self.native.update(keys.hist, values.hist, idx)
+
+    @precondition(lambda self: self.length > 0)
+    @rule(data=st.data())
+    def reorder_cache(self, data):
+        beams = torch.tensor(data.draw(st.lists(st.integers(0, self.batch - 1), min_size=self.batch,
+                                                max_size=self.batch)))
+        self.cache.reorder_cache(beams)
+        self.native.reorder_cache(beams)
+        for models in self.models:
+            for model in models:
+                model.select(beams)
+
+    @rule(t=st.integers(1, 3), kind=st.sampled_from(["batch", "head_dim", "dtype", "kv", "empty", "int"]),
+          seed=st.integers(0, 2**20))
+    def refused_update(self, t, kind, seed):
+        """Bad states raise the documented error before anything changes (the batch, head dim and dtype are fixed
+        once the layer holds storage)."""
+        k, v = self.states(t, seed)
+        error = TypeError if kind == "int" else ValueError
+        if kind in ("batch", "head_dim", "dtype") and not self.cache.layers[0].keys_stream.is_initialized:
+            return
+        if kind == "batch":
+            k, v = self.states(t, seed, batch=self.batch + 1)
+        elif kind == "head_dim":
+            k, v = k[..., :8], v[..., :8]
+        elif kind == "dtype":
+            other = torch.float32 if self.dtype == torch.bfloat16 else torch.bfloat16
+            k, v = k.to(other), v.to(other)
+        elif kind == "kv":
+            v = torch.cat([v, v], dim=2)
+        elif kind == "empty":
+            k, v = k[:, :, :0], v[:, :, :0]
+        else:
+            k, v = k.to(torch.int64), v.to(torch.int64)
+        before = snapshot(self.cache)
+        with pytest.raises(error):
+            self.cache.update(k, v, 0)
+        assert same(snapshot(self.cache), before), f"a refused update ({kind}) changed the cache"
+
+    @rule(seed=st.integers(0, 2**20))
+    def deepcopy(self, seed):
+        """A deep copy reads the same and is independent: stepping it leaves the original as it was."""
+        before = snapshot(self.cache)
+        clone = copy.deepcopy(self.cache)
+        for ours, theirs in zip(self.cache.layers, clone.layers, strict=True):
+            assert self.same_views(ours, theirs)
+        if self.layout == "dynamic" or self.length < self.max_len:
+            self.step(clone, *self.states(1, seed), seed, self.length, check=False)
+        assert same(snapshot(self.cache), before), "stepping a deep copy changed the original"
+        self.cache = copy.deepcopy(self.cache)  # go on with a copy
+
+    @staticmethod
+    def same_views(a: FlashCodecLayer, b: FlashCodecLayer) -> bool:
+        if a.keys is None or b.keys is None:
+            return a.keys is None and b.keys is None
+        return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+    # --- invariants ----------------------------------------------------------------------------------------------
+
+    @invariant()
+    def matches_the_reference(self):
+        if not hasattr(self, "cache"):
+            return
+        n = self.length
+        assert int(self.cache.get_seq_length()) == n == int(self.native.get_seq_length())
+        for idx, (layer, models) in enumerate(zip(self.cache.layers, self.models, strict=True)):
+            assert int(layer.get_seq_length()) == n
+            if models[0].hist is None:
+                assert layer.keys is None or layer.keys.shape[2] == 0
+                continue
+            for got, model, name in ((layer.keys, models[0], "keys"), (layer.values, models[1], "values")):
+                assert torch.equal(got, model.view()), f"layer {idx} ({self.tiers[idx]}) {name} differ from the reference"
+            if self.tiers[idx] in EXACT_TIERS and n:
+                native = self.native.layers[idx]
+                assert torch.equal(layer.keys, native.keys[:, :, :n]) and torch.equal(layer.values,
+                                                                                     native.values[:, :, :n])
+            assert layer.batch_size == self.batch
+        if all(layer.keys_stream.is_initialized for layer in self.cache.layers):  # the dtype is known from then on
+            croppable = all(self.crop_mode == "decode" or lossless(m.codec, self.dtype) for ms in self.models for m in ms)
+            assert self.cache.is_croppable == croppable
+        self.check_mask_sizes()
+        self.check_storage()
+
+    def check_mask_sizes(self):
+        for idx in range(2):
+            assert self.cache.get_mask_sizes(3, idx) == self.native.get_mask_sizes(3, idx)
+
+    def check_storage(self):
+        total = 0
+        for layer, models in zip(self.cache.layers, self.models, strict=True):
+            parts = layer.storage_breakdown()
+            held = sum(t.nbytes for s in (layer.keys_stream, layer.values_stream) if s.state is not None
+                       for t in (*s.state, *([] if s.memo is None else [s.memo])))
+            summed = sum(parts[p] for p in ("archive", "scales", "sinks", "tail", "mean", "memo"))
+            assert type(layer.storage_bytes()) is int and layer.storage_bytes() == parts["total"] == summed == held
+            total += parts["total"]
+            if models[0].hist is None:
+                continue
+            b = self.batch
+            assert layer.stored_bits() == sum(m.stored_bits(b) for m in models)
+            assert parts["archive_used"] == sum(m.archive_bytes(b) for m in models)
+            assert parts["memo"] == 0 if self.stored_form else parts["memo"] > 0
+            if layer._offloaded is not None:  # on the host: the groups spanning the length at offload time
+                assert parts["archive"] + parts["scales"] >= sum(m.covering_bytes(b) for m in models)
+        breakdown = self.cache.storage_breakdown()
+        assert self.cache.storage_bytes() == breakdown["total"] == total
+        item = torch.empty((), dtype=self.dtype).element_size()
+        assert breakdown["raw_equivalent"] == (2 * 2 * self.batch * H * self.length * D * item if self.length else 0)
+
+
+_TIER_PAIRS = st.tuples(st.sampled_from(sorted(TIERS)), st.sampled_from(sorted(TIERS)))
+_DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
+
+
+class DynamicContract(CacheContract):
+    """The dynamic layout next to a DynamicCache, with offloading on or off."""
+
+    @initialize(tiers=_TIER_PAIRS, dtype=_DTYPES, crop=st.sampled_from(["exact", "decode"]), stored_form=st.booleans(),
+                batch=st.integers(1, 3), offloading=st.booleans())
+    def start(self, tiers, dtype, crop, stored_form, batch, offloading):
+        self.build(tiers, dtype, crop, stored_form, batch, offloading)
+
+    @precondition(lambda self: self.length > 0)
+    @rule(data=st.data(), as_mask=st.booleans())
+    def batch_select_indices(self, data, as_mask):
+        if as_mask:
+            keep = data.draw(st.lists(st.booleans(), min_size=self.batch, max_size=self.batch).filter(any))
+            indices, rows = torch.tensor(keep), torch.tensor(keep).nonzero().flatten()
+        else:
+            picked = data.draw(st.lists(st.integers(0, self.batch - 1), min_size=1, max_size=3))
+            indices = rows = torch.tensor(picked)
+        self.cache.batch_select_indices(indices)
+        self.native.batch_select_indices(indices)
+        self.batch = rows.numel()
+        for models in self.models:
+            for model in models:
+                model.select(rows)
+
+    @precondition(lambda self: self.length > 0 and self.batch <= 2)
+    @rule(repeats=st.integers(1, 2))
+    def batch_repeat_interleave(self, repeats):
+        self.cache.batch_repeat_interleave(repeats)
+        self.native.batch_repeat_interleave(repeats)
+        self.batch *= repeats
+        for models in self.models:
+            for model in models:
+                model.repeat(repeats)
+
+    @precondition(lambda self: self.length > 0)
+    @rule(length=st.integers(1, 3))
+    def refused_mask(self, length):
+        """A bool mask of another length than the batch raises and changes nothing."""
+        length += self.batch if length == self.batch else 0
+        before = snapshot(self.cache)
+        with pytest.raises(ValueError, match="boolean batch mask"):
+            self.cache.batch_select_indices(torch.ones(length, dtype=torch.bool))
+        assert same(snapshot(self.cache), before)
+
+    @rule(batch=st.integers(1, 3))
+    def reset(self, batch):
+        """reset() forgets everything and releases the storage: the next update may bring another batch size."""
+        self.cache.reset()
+        self.native = self.new_native()  # DynamicCache.reset: 5.2x drops the layers' tensors, 5.17 zeroes them in place
+        assert not self.cache.is_initialized and self.cache.storage_bytes() == 0
+        self.batch = batch
+        self.models = [(StreamModel(ms[0].codec, self.dtype), StreamModel(ms[1].codec, self.dtype))
+                       for ms in self.models]
+
+
+class StaticContract(CacheContract):
+    """The static layout next to a StaticCache (the calls transformers makes on a static cache)."""
+
+    layout = "static"
+
+    @initialize(tiers=_TIER_PAIRS, dtype=_DTYPES, crop=st.sampled_from(["exact", "decode"]), stored_form=st.booleans(),
+                batch=st.integers(1, 3), max_len=st.integers(24, 120), early=st.booleans())
+    def start(self, tiers, dtype, crop, stored_form, batch, max_len, early):
+        self.max_len = max_len
+        self.build(tiers, dtype, crop, stored_form, batch)
+        if early:  # transformers' chunked-prefill / export path
+            for cache in (self.cache, self.native):
+                cache.early_initialization(batch_size=batch, num_heads=H, head_dim=D, dtype=dtype, device="cpu")
+            assert self.cache.is_initialized and self.cache.batch_size == batch
+
+    def new_native(self):
+        return _static_native(self.max_len)
+
+    def check_mask_sizes(self):
+        """Static views span the capacity: the smallest count >= max_cache_len both archives tile."""
+        for idx, layer in enumerate(self.cache.layers):
+            capacity, codecs = layer.capacity, (layer.keys_stream.codec, layer.values_stream.codec)
+            assert self.cache.get_mask_sizes(3, idx) == (capacity, 0)
+            step = math.lcm(*(c.group for c in codecs))
+            assert self.max_len <= capacity < self.max_len + step and (capacity - codecs[0].sinks) % step == 0
+
+    @rule(extra=st.integers(1, 5), seed=st.integers(0, 2**20))
+    def overflow(self, extra, seed):
+        """More tokens than max_cache_len: CodecOverflowError (an IndexError, as StaticCache's callers expect)."""
+        k, v = self.states(self.max_len - self.length + extra, seed)
+        before = snapshot(self.cache)
+        with pytest.raises(IndexError, match="max_length"):
+            self.cache.update(k, v, 0)
+        assert same(snapshot(self.cache), before)
+        assert issubclass(CodecOverflowError, ValueError)
+
+    @rule()
+    def reset(self):
+        """Static reset zeroes in place (stable addresses); the batch stays."""
+        self.cache.reset()
+        self.native.reset()
+        self.models = [(StreamModel(ms[0].codec, self.dtype), StreamModel(ms[1].codec, self.dtype))
+                       for ms in self.models]
+
+
+def _static_native(max_len: int) -> StaticCache:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=H * GQA, num_key_value_heads=H, head_dim=D,
+                         hidden_size=H * GQA * D)
+    return StaticCache(config=config, max_cache_len=max_len)
+
+
+TestDynamicContract = DynamicContract.TestCase
+TestDynamicContract.settings = FUZZ
+TestStaticContract = StaticContract.TestCase
+TestStaticContract.settings = FUZZ
