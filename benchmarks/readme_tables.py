@@ -91,6 +91,25 @@ def ppl_table() -> str:
     return "\n\n".join(parts) + "\n\n" + provenance("ppl")
 
 
+def presets_table() -> str:
+    """The presets of ppl.json side by side on every model: bits as stored at the measured length (and the worst
+    case over the last 128 lengths), KL vs raw."""
+    import bench_ppl
+
+    models = load("ppl")["models"]
+    prefix = f"{bench_ppl.FLASHCODEC} "
+    names = [r["tier"] for r in next(iter(models.values()))["rows"] if r["tier"].startswith(prefix)]
+    head = "| preset | " + " | ".join(f"{m}: bits (worst) | {m}: KL vs raw" for m in models) + " |"
+    lines = [head, "|---|" + "---|---|" * len(models)]
+    for name in names:
+        cells = []
+        for data in models.values():
+            row = next(r for r in data["rows"] if r["tier"] == name)
+            cells += [f"{row['bits_end']:.2f} ({row['bits_worst']:.2f})", kl_cell(row)]
+        lines.append(f"| `{name[len(prefix):]}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance("ppl")
+
+
 def reconstruct_table() -> str:
     import bench_reconstruct
 
@@ -133,7 +152,7 @@ def e2e_table() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {
-    "main_job": main_job_table, "ppl": ppl_table, "reconstruct": reconstruct_table, "attention": attention_table,
+    "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table, "attention": attention_table,
     "e2e": e2e_table,
 }
 
