@@ -5,6 +5,8 @@
     python benchmarks/bench_ppl.py --model smollm2 --tiers KIVI-2 --tier-json '{"name": "try", "options": {...}}'
     python benchmarks/bench_ppl.py --plot-only           # redraw results/frontier.png from results/ppl.json
     python benchmarks/bench_ppl.py --merge A.json B.json # one ppl.json from single-model runs (e.g. run in parallel)
+    python benchmarks/bench_ppl.py --model smollm2 --windows 2 --tiers --tier-file benchmarks/data/preset_search.json \
+        --out benchmarks/results/preset_search.json      # the ablations that chose the presets
 
 Protocol (issue 9): non-overlapping windows of real text (``corpus.py``: Alice in Wonderland and the Library of
 Congress' Workshop on Electronic Texts, alternately), all windows of a model in one batch. Per window the first
@@ -321,10 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-tokens", type=int, default=None, help="tokens per window (default 1024; quick 256)")
     parser.add_argument("--prefill", type=int, default=128, help="exact prefill tokens per window (default 128)")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per streamed chunk (default 16)")
-    parser.add_argument("--tiers", nargs="+", default=None, metavar="NAME",
-                        help="only these tiers or families (e.g. KIVI-2 'TurboQuant-style' flashcodec)")
+    parser.add_argument("--tiers", nargs="*", default=None, metavar="NAME",
+                        help="only these tiers or families (e.g. KIVI-2 'TurboQuant-style' flashcodec); none: only "
+                             "the --tier-json / --tier-file ones")
     parser.add_argument("--tier-json", action="append", default=[], metavar="JSON",
                         help='extra tier: \'{"name": ..., "options": {FlashCodecCache options}}\' (repeatable)')
+    parser.add_argument("--tier-file", type=Path, default=None, metavar="JSON",
+                        help="extra tiers: a JSON list of tier-json objects (e.g. data/preset_search.json)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model dtype for the quality run (default float32: in bf16 even a lossless round "
                              "trip of the K/V states moves the outputs about as much as the 8-bit tier); bits are "
@@ -340,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     count, length = args.windows or shape["windows"], args.window_tokens or shape["window_tokens"]
-    default_run = not (args.quick or args.tiers or args.tier_json or args.model or args.windows or args.window_tokens
-                       or args.prefill != 128 or args.chunk != 16 or args.dtype != "float32")
+    default_run = not (args.quick or args.tiers is not None or args.tier_json or args.tier_file or args.model
+                       or args.windows or args.window_tokens or args.prefill != 128 or args.chunk != 16
+                       or args.dtype != "float32")
     whole = default_run or args.plot_only or args.merge
     out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if whole else "ppl_experiment.json")
     plot_path = Path(args.plot) if args.plot else out.with_name("frontier.png" if out.name == "ppl.json" else f"{out.stem}.png")
@@ -360,7 +366,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need windows >= 1, 1 <= prefill < window tokens, chunk >= 1; got windows={count}, "
                      f"window tokens={length}, prefill={args.prefill}, chunk={args.chunk}")
     try:
-        tiers = candidates(args.tiers, [json_tier(text) for text in args.tier_json])
+        extra = [json_tier(text) for text in args.tier_json]
+        if args.tier_file is not None:
+            extra += [json_tier(json.dumps(spec)) for spec in json.loads(args.tier_file.read_text())]
+        tiers = candidates(args.tiers, extra)
     except ValueError as err:
         parser.error(str(err))
     models = args.model or (["smollm2"] if args.quick else sorted(MODELS, key=list(MODELS).index))

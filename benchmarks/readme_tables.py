@@ -152,7 +152,8 @@ def e2e_table() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {
-    "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table, "attention": attention_table,
+    "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table,
+    "attention": attention_table,
     "e2e": e2e_table,
 }
 
