@@ -185,6 +185,19 @@ def _guarded(key: str, title: str, draw: Callable[[], Chart]) -> Chart:
         return Chart(key, title, None, f"the JSON did not have the expected shape ({type(err).__name__}: {err})")
 
 
+def _first_model(data: dict[str, Any]) -> dict[str, Any]:
+    """bench_ppl's streaming schema (``models``: name -> rows, bits as stored at the end) as the flat one the chart
+    reads (``rows`` with ``bits_per_value``): its first model; any other schema unchanged."""
+    models = data.get("models")
+    if not isinstance(models, dict) or not models:
+        return data
+    model, entry = next(iter(models.items()))
+    protocol = data.get("protocol", {})
+    rows = [dict(row, bits_per_value=row.get("bits_end")) for row in entry.get("rows", [])]
+    return {**data, "model": model, "rows": rows, "windows": protocol.get("windows"),
+            "target_tokens": protocol.get("scored_tokens_per_window")}
+
+
 def frontier_kl(results: Path = RESULTS_DIR) -> Chart:
     """Bits per stored value vs KL (log scale) for every tier and peer of ppl.json."""
     title = "Quality vs size: bits per stored value vs KL to the uncompressed model"
@@ -193,6 +206,7 @@ def frontier_kl(results: Path = RESULTS_DIR) -> Chart:
         data, why = read_json(results / "ppl.json")
         if data is None:
             return Chart("kl", title, None, why, "ppl.json")
+        data = _first_model(data)
         rows, why = _rows(data, "ppl.json", ("tier", "bits_per_value", "kl"))
         if not rows:
             return Chart("kl", title, None, why, "ppl.json")
@@ -219,7 +233,7 @@ def frontier_kl(results: Path = RESULTS_DIR) -> Chart:
         ax.scatter([], [], color="white", edgecolors=NATIVE, label=f"KL ≤ {KL_FLOOR:g} (drawn on the floor)")
         ax.legend(fontsize=7, loc="upper right")
         ax.set_title(f"{data.get('model', 'model?')}, {data.get('windows', '?')} windows x "
-                     f"{data.get('target_tokens', '?')} teacher-forced tokens ({_machine(data)})", fontsize=8, loc="left")
+                     f"{data.get('target_tokens', '?')} scored tokens ({_machine(data)})", fontsize=8, loc="left")
         return Chart("kl", title, fig, "lower-left is better", "ppl.json")
 
     return _guarded("kl", title, draw)

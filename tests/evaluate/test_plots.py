@@ -38,7 +38,8 @@ def test_frontier_charts_of_the_committed_results_all_have_figures(tmp_path):
         assert chart.figure is not None, chart.note
     kl = charts[0].figure.axes[0]
     assert kl.get_yscale() == "log"
-    rows = json.loads((RESULTS / "ppl.json").read_text())["rows"]
+    data = json.loads((RESULTS / "ppl.json").read_text())
+    rows = next(iter(data["models"].values()))["rows"] if "models" in data else data["rows"]
     assert sum(len(c.get_offsets()) for c in kl.collections) >= len(rows)  # every tier and peer is a point
     written = plots.write_frontier_pngs(RESULTS, tmp_path)
     assert [p.name for p in written] == ["frontier_kl.png", "frontier_speed.png", "frontier_memory.png"]
