@@ -119,7 +119,7 @@ def _kv_bytes(cache, config: str, raw_equivalent: int) -> dict:
     if config == "raw":
         total = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         return {"total": total, "raw_equivalent": raw_equivalent}
-    if config in ("eager_raw", "eager_quanto"):
+    if config in ("eager_raw", "eager_quanto"):  # DynamicCache: exactly its tokens; quanto: packed + residual
         return {"total": cache_bytes(cache)["held"], "raw_equivalent": raw_equivalent}
     parts: dict[str, int] = {}
     for layer in cache.layers:
@@ -131,7 +131,7 @@ def _kv_bytes(cache, config: str, raw_equivalent: int) -> dict:
 def run_one(model_name: str, config: str, context: int, new_tokens: int, device: str = "cpu",
             mode: str | None = None, threads: int | None = None) -> dict:
     import flashcodec_fx as fx
-    from flashcodec_fx.hf import MaterializationFreeFallback, apply_codec_attention
+    from flashcodec_fx.hf import FlashCodecCache  # noqa: F401  (registers the layer types)
 
     if threads:
         torch.set_num_threads(threads)
@@ -146,17 +146,8 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
         for idx in range(cfg.num_hidden_layers):
             kv = [torch.randn(1, heads, context, dim, device=device, dtype=dtype) for _ in range(2)]
             cache.update(*kv, idx)
-            if config == "eager_codec":  # the fill stands for a prefill the kvcodec attention served (as it marks it)
-                cache.layers[idx].attention_bound = True
-    if config == "eager_codec":  # a layer falling back to the decoded view would time the memo path: refuse it
-        warnings.simplefilter("error", MaterializationFreeFallback)
-    if config in EAGER:
-        if config == "eager_codec":
-            apply_codec_attention(model)  # what apply_flash_codec installs: attention on the stored form
-        step = model
-    elif config == "codec_pass":
-        step = torch.compile(model, fullgraph=True, backend=fx.backend(
-            strict=True, lower=os.environ.get("FLASHCODEC_LOWER", "auto"), mode=mode))
+    if config == "codec_pass":
+        step = torch.compile(model, fullgraph=True, backend=fx.backend(strict=True, mode=mode))
     else:
         step = torch.compile(model, backend="inductor", fullgraph=True, mode=mode)
     name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
@@ -199,8 +190,8 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
     return {"model": model_name, "config": config, "context": context, "new_tokens": new_tokens, "device": device,
             "dtype": str(dtype), "mode": mode, "threads": torch.get_num_threads(), **cuda,
             "capacity": capacity, "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": dim,
-            "compile_s": None if config in EAGER else round(compile_s, 2), "first_step_s": round(compile_s, 2),
-            "step_ms_median": round(median * 1e3, 3),
+            "compile_s": round(compile_s, 2),
+            "step_ms_median": round(median * 1e3, 3), "step_ms_min": round(min(times) * 1e3, 3),
             "step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3),
             "tok_per_s": round(1.0 / median, 2), "recompiles": counters["unique_graphs"] - graphs,
             "rss_before_decode_mb": round(rss_before / 2**20, 1), "rss_peak_decode_mb": round(peak / 2**20, 1),
@@ -208,6 +199,77 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
             "process_max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, 1),
             "kv_bytes": _kv_bytes(cache, config, raw_equivalent), "view_bytes_per_step": view, "tokens": tokens}
 
+
+def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: int) -> list[dict]:
+    """The eager configurations on one model in one process, their steps interleaved (a round times one step of
+    each), so that their ratios share the machine's conditions; one row per configuration."""
+    from flashcodec_fx.hf import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = _model(model_name).float()
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    caches = {config: _cache(model, config, context + new_tokens + 8) for config in configs}
+    with torch.no_grad():
+        for idx in range(cfg.num_hidden_layers):
+            kv = [torch.randn(1, heads, context, dim) for _ in range(2)]
+            for config, cache in caches.items():
+                cache.update(*kv, idx)
+                if config == "eager_codec":  # the fill stands for a prefill the kvcodec attention served (it marks it)
+                    cache.layers[idx].attention_bound = True
+    warnings.simplefilter("error", MaterializationFreeFallback)  # a layer on the decoded view would time the memo
+    name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
+    tokens = {config: [42] for config in configs}
+    times: dict[str, list[float]] = {config: [] for config in configs}
+    load_before = os.getloadavg()
+    with torch.no_grad():
+        for i in range(new_tokens + 1):  # step 0 warms up (plans, validation), untimed
+            for config, cache in caches.items():
+                if config == "eager_codec":
+                    apply_codec_attention(model)  # what apply_flash_codec installs: attention on the stored form
+                ids = torch.tensor([[tokens[config][-1]]])
+                start = time.perf_counter()
+                out = model(input_ids=ids, position_ids=torch.tensor([[context + i]]), use_cache=True,
+                            **{name: cache})
+                token = int(out.logits[0, -1].argmax())
+                elapsed = time.perf_counter() - start
+                if config == "eager_codec":
+                    remove_codec_attention(model)
+                tokens[config].append(token)
+                if i:
+                    times[config].append(elapsed)
+    raw_equivalent = 2 * cfg.num_hidden_layers * heads * (context + 1 + new_tokens) * dim * 4
+    rows = []
+    for config, cache in caches.items():
+        median = statistics.median(times[config])
+        rows.append({"model": model_name, "config": config, "context": context, "new_tokens": new_tokens,
+                     "device": "cpu", "dtype": "torch.float32", "threads": torch.get_num_threads(),
+                     "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": dim,
+                     "step_ms_median": round(median * 1e3, 3), "step_ms_min": round(min(times[config]) * 1e3, 3),
+                     "step_ms_p90": round(sorted(times[config])[int(0.9 * (len(times[config]) - 1))] * 1e3, 3),
+                     "tok_per_s": round(1.0 / median, 2), "kv_bytes": _kv_bytes(cache, config, raw_equivalent),
+                     "tokens": tokens[config][1:], "timer": "interleaved rounds, one step of each config per round",
+                     "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())})
+    raw = next((r for r in rows if r["config"] == "eager_raw"), None)
+    for row in rows:
+        if raw is not None:
+            row["tok_per_s_vs_raw"] = round(raw["step_ms_median"] / row["step_ms_median"], 3)
+            row["tok_per_s_vs_raw_min"] = round(raw["step_ms_min"] / row["step_ms_min"], 3)
+        row["kv_total_vs_raw"] = round(row["kv_bytes"]["total"] / raw_equivalent, 4)
+    return rows
+
+def _subprocess_rows(cmd: list[str], what: dict) -> list[dict]:
+    """The ``ROW`` lines a run prints, or one row with its error (``what`` names the run)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if not rows:
+        rows = [{**what, "error": (proc.stderr or proc.stdout)[-2000:]}]
+    for row in rows:
+        row.setdefault("load_avg_after", list(os.getloadavg()))
+        print({k: row.get(k) for k in ("model", "config", "context", "step_ms_median", "tok_per_s", "tok_per_s_vs_raw",
+                                        "recompiles", "decode_peak_delta_mb", "compile_s", "error")}, flush=True)
+    return rows
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,7 +283,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
     parser.add_argument("--out", default=None)
     parser.add_argument("--run", nargs=3, metavar=("MODEL", "CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
+    parser.add_argument("--run-eager", nargs=2, metavar=("MODEL", "CONTEXT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run_eager:
+        for row in run_eager(args.run_eager[0], args.configs.split(","), int(args.run_eager[1]), args.new_tokens,
+                             args.threads):
+            print("ROW " + json.dumps(row), flush=True)
+        return
     if args.run:
         print("ROW " + json.dumps(run_one(args.run[0], args.run[1], int(args.run[2]), args.new_tokens, args.device,
                                           args.mode, args.threads)), flush=True)
@@ -238,23 +306,21 @@ def main() -> None:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
+    eager = [c for c in configs if c in EAGER]
+    if eager and args.device != "cpu":
+        raise ValueError("--configs: the eager configurations run on the CPU only")
     rows = []
     for model_name, contexts in plan.items():
         for context in contexts:
-            for config in configs:
+            if eager:
+                cmd = [sys.executable, __file__, "--run-eager", model_name, str(context), "--configs", ",".join(eager),
+                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+                rows += _subprocess_rows(cmd, {"model": model_name, "config": ",".join(eager), "context": context})
+            for config in [c for c in configs if c not in EAGER]:
                 cmd = [sys.executable, __file__, "--run", model_name, config, str(context),
                        "--new-tokens", str(args.new_tokens), "--device", args.device, "--threads", str(args.threads)]
                 cmd += ["--mode", args.mode] if args.mode else []
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")), None)
-                if row is None:
-                    row = {"model": model_name, "config": config, "context": context,
-                           "error": (proc.stderr or proc.stdout)[-2000:]}
-                row["load_avg_after"] = list(os.getloadavg())
-                rows.append(row)
-                print({k: row.get(k) for k in ("model", "config", "context", "step_ms_median", "tok_per_s",
-                                                "recompiles", "decode_peak_delta_mb", "compile_s", "error")},
-                      flush=True)
+                rows += _subprocess_rows(cmd, {"model": model_name, "config": config, "context": context})
     from common import write_result
 
     payload = {"tier": TIER, "dtype": "bfloat16" if args.device == "cuda" else "float32", "batch": 1, "mode": args.mode,
