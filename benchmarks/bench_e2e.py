@@ -16,14 +16,14 @@ For each model, context length and configuration, one subprocess (clean memory f
 
 Configurations:
 - eager (the model as a user runs it, ``attn_implementation="sdpa"``): ``eager_raw`` (transformers
-  ``DynamicCache``), ``eager_codec`` (``FlashCodecCache.from_config(config)`` at its defaults: the 8-bit preset,
+  ``DynamicCache``), ``eager_codec`` (``FlashCodecCache.from_config(config)`` without options: jpeg r=8 int8,
   attention on the stored form through the ``"kvcodec"`` attention function, no memo), ``eager_quanto``
   (transformers ``QuantizedCache("quanto")`` int4, its defaults: per-token groups of 64, 128 raw tokens; it
   dequantizes its whole history every step);
 - compiled: ``raw`` (transformers StaticCache, backend inductor), ``codec_materialized`` (FlashCodecCache static,
   memoize=False, backend inductor: SDPA over ``flashcodec::read`` views), ``codec_pass`` (same cache, backend
   flashcodec, strict: attention on the stored state). Codec tier of the compiled rows: jpeg r=8, all coefficients,
-  int8 (the default preset).
+  int8 (the cache's default, not the "int8" preset).
 
     python benchmarks/bench_e2e.py --models smollm2 --configs eager_raw,eager_codec,eager_quanto \
         --contexts 512,4096,16384 --new-tokens 6 --out benchmarks/results/e2e_cpu_eager.json
