@@ -3,10 +3,10 @@
 Shapes: on CPU SmolLM2-135M's layer (B=1, H_kv=3, H_q=9: GQA 3, D=64), fp32, ``--threads`` (2); on CUDA B=1,
 H_kv=8, H_q=32, D=128, bf16. The stored length is ``S - 3`` tokens (so a partial raw tail is attended too).
 
-Codecs: the presets of ``flashcodec_fx.PRESETS`` by name (``--presets``; default every preset but ``lossless``):
-``int8`` (jpeg r=8 K=8 int8, the per-layer target's 8-bit tier) and the quality presets (``4bit``, ``3bit``,
-``2.5bit``: their key and value options as the cache applies them, read from ``presets.py`` at run time, so a
-retuned preset is measured as it is).
+Codecs (``--presets``): ``default``, what ``FlashCodecCache()`` stores without options (jpeg r=8, all 8
+coefficients, int8 per token: the per-layer target's 8-bit tier), and the presets of ``flashcodec_fx.PRESETS`` by
+name (default every one but ``lossless``), their key and value options as the cache resolves them for layer 0, read
+from ``presets.py`` at run time, so a retuned preset is measured as it is.
 
 Paths, timed in interleaved rounds (each round runs every path once), medians of wall and process CPU time:
 
@@ -49,12 +49,14 @@ from flashcodec_fx.ops.attention import codec_attention_reference
 from flashcodec_fx.presets import preset_options
 
 SHAPES = {"cpu": (1, 3, 9, 64), "cuda": (1, 8, 32, 128)}  # B, H_kv, H_q, D
-DEFAULT_PRESETS = tuple(name for name in PRESETS if name != "lossless")
+DEFAULT = "default"  # no preset: the cache's default options
+DEFAULT_PRESETS = (DEFAULT, *(name for name in PRESETS if name != "lossless"))
 
 
 def preset_codecs(name: str) -> tuple[Codec, Codec]:
-    """The key and value codecs preset ``name`` gives a cache's layer 0 (the cache's own option resolution)."""
-    codecs = resolve_layer_codecs(preset_options(name), where=f"preset {name!r}")
+    """The key and value codecs preset ``name`` (or ``DEFAULT``: none) gives a cache's layer 0 (the cache's own
+    option resolution)."""
+    codecs = resolve_layer_codecs({} if name == DEFAULT else preset_options(name), where=f"preset {name!r}")
     return codecs.key, codecs.value
 
 
@@ -198,8 +200,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--reference-max", type=int, default=4096, help="CPU: longest S timed for reference paths")
     parser.add_argument("--peak-gbps", type=float, help="device memory bandwidth, GB/s (default: 4800 on CUDA)")
-    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), choices=sorted(PRESETS),
-                        help="presets timed (default: all but lossless)")
+    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), choices=[DEFAULT, *sorted(PRESETS)],
+                        help="codecs timed: default (no preset) and preset names (default: all but lossless)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/attention_<device>.json)")
     args = parser.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

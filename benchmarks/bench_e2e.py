@@ -1,22 +1,35 @@
-"""End-to-end compiled decode: raw static cache vs codec cache (materialized view) vs codec cache with the pass.
+"""End-to-end decode, eager and compiled: raw transformers caches vs the codec cache (and a peer), tok/s and bytes.
 
-For each model, context length and configuration, one subprocess (clean memory figures):
+For each model, context length and configuration, one subprocess (clean memory figures), ``--threads`` torch threads
+(2):
 - the cache is filled with ``context`` random K/V states per layer (prefill cost is not measured; decode cost depends
-  on how many tokens are stored, not on their values), capacity ``context + new_tokens``;
-- decode steps run through ``torch.compile(model, fullgraph=True)``: the first step compiles (``compile_s``), then
-  ``new_tokens`` greedy steps are timed one by one (per-step latency median / p90, tok/s = 1 / median), crossing
-  ``new_tokens / 8`` block boundaries; recompiles after the first step are counted (Dynamo's ``unique_graphs``).
-- memory: process RSS sampled every 0.5 ms by a thread: ``rss_before_decode`` (after compile + one step),
+  on how many tokens are stored, not on their values); greedy single-token steps follow, timed one by one after one
+  untimed step (per-step latency median / p90, tok/s = 1 / median);
+- compiled configurations run the steps through ``torch.compile(model, fullgraph=True)`` (the first step compiles:
+  ``compile_s``; recompiles after it are counted, Dynamo's ``unique_graphs``), on a static cache of capacity
+  ``context + new_tokens + 8``;
+- memory: process RSS sampled every 0.5 ms by a thread: ``rss_before_decode`` (after the first step),
   ``peak_decode`` (max during the timed steps) and ``steady`` (after them); their deltas show what a step allocates
   on top of the cache. ``kv_bytes``: every byte the cache holds (raw: K and V buffers; codec: archive + scales +
-  tail, no memo). ``view_bytes_per_step``: the K+V view a materialized step builds per layer (computed from shapes).
+  tail + workspace-free, no memo; quanto: its packed tensors and raw residual) and ``raw_equivalent`` (the stored
+  tokens uncompressed). ``view_bytes_per_step``: the K+V view a materialized step builds per layer (from shapes).
 
-Configurations: ``raw`` (transformers StaticCache, backend inductor), ``codec_materialized`` (FlashCodecCache
-static, memoize=False, backend inductor: SDPA over ``flashcodec::read`` views), ``codec_pass`` (same cache, backend
-flashcodec, strict: attention on the stored state). Codec tier: jpeg r=8, all coefficients, int8 (the default).
+Configurations:
+- eager (the model as a user runs it, ``attn_implementation="sdpa"``): ``eager_raw`` (transformers
+  ``DynamicCache``), ``eager_codec`` (``FlashCodecCache.from_config(config)`` without options: jpeg r=8 int8,
+  attention on the stored form through the ``"kvcodec"`` attention function, no memo), ``eager_quanto``
+  (transformers ``QuantizedCache("quanto")`` int4, its defaults: per-token groups of 64, 128 raw tokens; it
+  dequantizes its whole history every step);
+- compiled: ``raw`` (transformers StaticCache, backend inductor), ``codec_materialized`` (FlashCodecCache static,
+  memoize=False, backend inductor: SDPA over ``flashcodec::read`` views), ``codec_pass`` (same cache, backend
+  flashcodec, strict: attention on the stored state). Codec tier of the compiled rows: jpeg r=8, all coefficients,
+  int8 (the cache's default, not the "int8" preset).
 
+    python benchmarks/bench_e2e.py --models smollm2 --configs eager_raw,eager_codec,eager_quanto \
+        --contexts 512,4096,16384 --new-tokens 6 --out benchmarks/results/e2e_cpu_eager.json
+    python benchmarks/bench_e2e.py --models smollm2 --configs raw,codec_pass --contexts 1024,4096 --new-tokens 12 \
+        --out benchmarks/results/e2e_cpu_compiled.json
     python benchmarks/bench_e2e.py --quick            # llama-rand (SmolLM2 attention geometry, 2 layers, vocab 8192), 1k/4k/16k
-    python benchmarks/bench_e2e.py                    # + SmolLM2-135M at 1k/4k, llama-rand up to 32k
     python benchmarks/bench_e2e.py --device cuda --mode reduce-overhead   # bf16 on the GPU, CUDA graphs
 """
 
@@ -31,10 +44,15 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
-CONFIGS = ("raw", "codec_materialized", "codec_pass")
+from flashcodec_fx.evaluate.storage import cache_bytes
+
+COMPILED = ("raw", "codec_materialized", "codec_pass")
+EAGER = ("eager_raw", "eager_codec", "eager_quanto")
+CONFIGS = COMPILED + EAGER
 TIER = dict(mode="jpeg", block_size=8, quant_bits=8)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -80,19 +98,29 @@ def _model(name: str):
 
 
 def _cache(model, config: str, capacity: int):
+    from transformers import DynamicCache, QuantizedCache
     from transformers.cache_utils import StaticCache
 
     from flashcodec_fx.hf import FlashCodecCache
 
     if config == "raw":
         return StaticCache(config=model.config, max_cache_len=capacity)
+    if config == "eager_raw":
+        return DynamicCache(config=model.config)
+    if config == "eager_codec":
+        return FlashCodecCache.from_config(model.config)  # the defaults: what a user gets
+    if config == "eager_quanto":
+        return QuantizedCache("quanto", model.config, nbits=4)
     return FlashCodecCache.from_config(model.config, layout="static", max_cache_len=capacity, memoize=False, **TIER)
 
 
-def _kv_bytes(cache, config: str) -> dict:
+def _kv_bytes(cache, config: str, raw_equivalent: int) -> dict:
+    """Bytes the cache holds (``total``) next to the stored tokens' fp32 K and V (``raw_equivalent``)."""
     if config == "raw":
         total = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-        return {"total": total}
+        return {"total": total, "raw_equivalent": raw_equivalent}
+    if config in ("eager_raw", "eager_quanto"):  # DynamicCache: exactly its tokens; quanto: packed + residual
+        return {"total": cache_bytes(cache)["held"], "raw_equivalent": raw_equivalent}
     parts: dict[str, int] = {}
     for layer in cache.layers:
         for key, value in layer.storage_breakdown().items():
@@ -101,10 +129,12 @@ def _kv_bytes(cache, config: str) -> dict:
 
 
 def run_one(model_name: str, config: str, context: int, new_tokens: int, device: str = "cpu",
-            mode: str | None = None) -> dict:
+            mode: str | None = None, threads: int | None = None) -> dict:
     import flashcodec_fx as fx
     from flashcodec_fx.hf import FlashCodecCache  # noqa: F401  (registers the layer types)
 
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = _model(model_name).to(device=device, dtype=dtype)
@@ -152,21 +182,94 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
         steady = _rss()
     median = statistics.median(times)
     item = torch.empty((), dtype=dtype).element_size()
+    raw_equivalent = 2 * cfg.num_hidden_layers * heads * (context + 1 + new_tokens) * dim * item
     view = 0 if config != "codec_materialized" else 2 * heads * capacity * dim * item * cfg.num_hidden_layers
     cuda = {} if device != "cuda" else {
         "cuda_allocated_before_decode_mb": round(cuda_before / 2**20, 1),
         "cuda_peak_delta_decode_mb": round((torch.cuda.max_memory_allocated() - cuda_before) / 2**20, 2)}
     return {"model": model_name, "config": config, "context": context, "new_tokens": new_tokens, "device": device,
-            "dtype": str(dtype), "mode": mode, **cuda,
+            "dtype": str(dtype), "mode": mode, "threads": torch.get_num_threads(), **cuda,
             "capacity": capacity, "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": dim,
-            "compile_s": round(compile_s, 2), "step_ms_median": round(median * 1e3, 3),
+            "compile_s": round(compile_s, 2),
+            "step_ms_median": round(median * 1e3, 3), "step_ms_min": round(min(times) * 1e3, 3),
             "step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3),
             "tok_per_s": round(1.0 / median, 2), "recompiles": counters["unique_graphs"] - graphs,
             "rss_before_decode_mb": round(rss_before / 2**20, 1), "rss_peak_decode_mb": round(peak / 2**20, 1),
             "rss_steady_mb": round(steady / 2**20, 1), "decode_peak_delta_mb": round((peak - rss_before) / 2**20, 2),
             "process_max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, 1),
-            "kv_bytes": _kv_bytes(cache, config), "view_bytes_per_step": view, "tokens": tokens}
+            "kv_bytes": _kv_bytes(cache, config, raw_equivalent), "view_bytes_per_step": view, "tokens": tokens}
 
+
+def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: int) -> list[dict]:
+    """The eager configurations on one model in one process, their steps interleaved (a round times one step of
+    each), so that their ratios share the machine's conditions; one row per configuration."""
+    from flashcodec_fx.hf import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = _model(model_name).float()
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    caches = {config: _cache(model, config, context + new_tokens + 8) for config in configs}
+    with torch.no_grad():
+        for idx in range(cfg.num_hidden_layers):
+            kv = [torch.randn(1, heads, context, dim) for _ in range(2)]
+            for config, cache in caches.items():
+                cache.update(*kv, idx)
+                if config == "eager_codec":  # the fill stands for a prefill the kvcodec attention served (it marks it)
+                    cache.layers[idx].attention_bound = True
+    warnings.simplefilter("error", MaterializationFreeFallback)  # a layer on the decoded view would time the memo
+    name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
+    tokens = {config: [42] for config in configs}
+    times: dict[str, list[float]] = {config: [] for config in configs}
+    load_before = os.getloadavg()
+    with torch.no_grad():
+        for i in range(new_tokens + 1):  # step 0 warms up (plans, validation), untimed
+            for config, cache in caches.items():
+                if config == "eager_codec":
+                    apply_codec_attention(model)  # what apply_flash_codec installs: attention on the stored form
+                ids = torch.tensor([[tokens[config][-1]]])
+                start = time.perf_counter()
+                out = model(input_ids=ids, position_ids=torch.tensor([[context + i]]), use_cache=True,
+                            **{name: cache})
+                token = int(out.logits[0, -1].argmax())
+                elapsed = time.perf_counter() - start
+                if config == "eager_codec":
+                    remove_codec_attention(model)
+                tokens[config].append(token)
+                if i:
+                    times[config].append(elapsed)
+    raw_equivalent = 2 * cfg.num_hidden_layers * heads * (context + 1 + new_tokens) * dim * 4
+    rows = []
+    for config, cache in caches.items():
+        median = statistics.median(times[config])
+        rows.append({"model": model_name, "config": config, "context": context, "new_tokens": new_tokens,
+                     "device": "cpu", "dtype": "torch.float32", "threads": torch.get_num_threads(),
+                     "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": dim,
+                     "step_ms_median": round(median * 1e3, 3), "step_ms_min": round(min(times[config]) * 1e3, 3),
+                     "step_ms_p90": round(sorted(times[config])[int(0.9 * (len(times[config]) - 1))] * 1e3, 3),
+                     "tok_per_s": round(1.0 / median, 2), "kv_bytes": _kv_bytes(cache, config, raw_equivalent),
+                     "tokens": tokens[config][1:], "timer": "interleaved rounds, one step of each config per round",
+                     "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())})
+    raw = next((r for r in rows if r["config"] == "eager_raw"), None)
+    for row in rows:
+        if raw is not None:
+            row["tok_per_s_vs_raw"] = round(raw["step_ms_median"] / row["step_ms_median"], 3)
+            row["tok_per_s_vs_raw_min"] = round(raw["step_ms_min"] / row["step_ms_min"], 3)
+        row["kv_total_vs_raw"] = round(row["kv_bytes"]["total"] / raw_equivalent, 4)
+    return rows
+
+def _subprocess_rows(cmd: list[str], what: dict) -> list[dict]:
+    """The ``ROW`` lines a run prints, or one row with its error (``what`` names the run)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if not rows:
+        rows = [{**what, "error": (proc.stderr or proc.stdout)[-2000:]}]
+    for row in rows:
+        row.setdefault("load_avg_after", list(os.getloadavg()))
+        print({k: row.get(k) for k in ("model", "config", "context", "step_ms_median", "tok_per_s", "tok_per_s_vs_raw",
+                                        "recompiles", "decode_peak_delta_mb", "compile_s", "error")}, flush=True)
+    return rows
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,15 +277,22 @@ def main() -> None:
     parser.add_argument("--models", default=None, help="comma list of smollm2, llama-rand")
     parser.add_argument("--contexts", default=None, help="comma list of context lengths")
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(COMPILED), help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 model and cache")
     parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead" (CUDA graphs)')
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
     parser.add_argument("--out", default=None)
     parser.add_argument("--run", nargs=3, metavar=("MODEL", "CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
+    parser.add_argument("--run-eager", nargs=2, metavar=("MODEL", "CONTEXT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run_eager:
+        for row in run_eager(args.run_eager[0], args.configs.split(","), int(args.run_eager[1]), args.new_tokens,
+                             args.threads):
+            print("ROW " + json.dumps(row), flush=True)
+        return
     if args.run:
         print("ROW " + json.dumps(run_one(args.run[0], args.run[1], int(args.run[2]), args.new_tokens, args.device,
-                                          args.mode)), flush=True)
+                                          args.mode, args.threads)), flush=True)
         return
     if args.quick:
         plan = {"llama-rand": [1024, 4096, 16384]}
@@ -196,22 +306,21 @@ def main() -> None:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
+    eager = [c for c in configs if c in EAGER]
+    if eager and args.device != "cpu":
+        raise ValueError("--configs: the eager configurations run on the CPU only")
     rows = []
     for model_name, contexts in plan.items():
         for context in contexts:
-            for config in configs:
+            if eager:
+                cmd = [sys.executable, __file__, "--run-eager", model_name, str(context), "--configs", ",".join(eager),
+                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+                rows += _subprocess_rows(cmd, {"model": model_name, "config": ",".join(eager), "context": context})
+            for config in [c for c in configs if c not in EAGER]:
                 cmd = [sys.executable, __file__, "--run", model_name, config, str(context),
-                       "--new-tokens", str(args.new_tokens), "--device", args.device]
+                       "--new-tokens", str(args.new_tokens), "--device", args.device, "--threads", str(args.threads)]
                 cmd += ["--mode", args.mode] if args.mode else []
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")), None)
-                if row is None:
-                    row = {"model": model_name, "config": config, "context": context,
-                           "error": (proc.stderr or proc.stdout)[-2000:]}
-                rows.append(row)
-                print({k: row.get(k) for k in ("model", "config", "context", "step_ms_median", "tok_per_s",
-                                                "recompiles", "decode_peak_delta_mb", "compile_s", "error")},
-                      flush=True)
+                rows += _subprocess_rows(cmd, {"model": model_name, "config": config, "context": context})
     from common import write_result
 
     payload = {"tier": TIER, "dtype": "bfloat16" if args.device == "cuda" else "float32", "batch": 1, "mode": args.mode,

@@ -126,6 +126,16 @@ inline const float* block_rows(const Stream& s, int64_t b, int64_t h, int64_t nb
   const int64_t g = nb / c.blocks, blk = nb % c.blocks;
   if (c.quant != kNone) {
     const uint8_t* block = reinterpret_cast<const uint8_t*>(s.data.at(b, h, g)) + blk * c.row_bytes;
+    if (c.bytes8) {
+      for (int j = 0; j < c.rows; ++j) {
+        const float off = c.level_off[j];
+        const uint8_t* src = block + j * D;
+        float* dst = out + j * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) + off;
+      }
+      return out;
+    }
     for (int j = 0; j < c.rows; ++j) row_levels(c, block, j, codes, out + j * D);
     return out;
   }

@@ -29,7 +29,8 @@ from ...pretrained import cache_dir
 SOURCES = ("common.h", "attention.cpp", "append.cpp", "bindings.cpp")
 # -ffp-contract=off: every a * b + c rounds as written (the encoder is bitwise the reference); the attention kernel
 # asks for its FMAs with std::fma.
-CFLAGS = ("-O3", "-fopenmp", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off")
+# -fvisibility=hidden: the helpers bind locally (no PLT calls between them); the module's entry point stays exported.
+CFLAGS = ("-O3", "-fopenmp", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)
 _HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger("flashcodec_fx")

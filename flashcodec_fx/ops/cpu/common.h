@@ -37,6 +37,7 @@ struct Codec {
   int level_kind[kMaxRows], zero_slot[kMaxRows], class_first[kMaxRows], class_last[kMaxRows];
   float level_off[kMaxRows];  // affine level sets: level[c] == c + level_off (int, uniform, midrise)
   bool affine[kMaxRows];
+  bool bytes8;            // every row 8-bit affine, rows back to back: a block converts as one run of bytes
   const float* synth;     // (r, dense)
   const float* levels;    // (rows, kLevelWidth)
   const float* rot;       // (D, D) or nullptr
@@ -65,6 +66,9 @@ struct Codec {
         c.level_off[j] = kind == kInt ? -half : kind == kMidrise ? 0.5f - half : 0.0f;
       }
     }
+    c.bytes8 = c.quant != kNone;
+    for (int j = 0; c.bytes8 && j < c.rows; ++j)
+      c.bytes8 = c.bits[j] == 8 && c.affine[j] && c.byte_off[j] == j * c.head_dim;
     c.synth = plan[1].data_ptr<float>();
     c.levels = plan[3].numel() ? plan[3].data_ptr<float>() : nullptr;
     c.rot = plan[4].numel() ? plan[4].data_ptr<float>() : nullptr;

@@ -1,0 +1,67 @@
+"""What a default FlashCodecCache holds on an fp32 model, in bytes (issue 10's memory target).
+
+A tiny Llama with SmolLM2's head geometry (head_dim 64, GQA 2) runs a real prefill and decode steps through the
+``"kvcodec"`` attention, as ``apply_flash_codec`` sets it up. The presets' stored bits are tests/test_presets.py's,
+the per-step allocations at two lengths tests/hf/test_hf_long_run.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import cache_kwargs  # noqa: E402
+
+from flashcodec_fx.hf import FlashCodecCache, apply_codec_attention, remove_codec_attention  # noqa: E402
+
+HEAD_DIM = 64
+PROMPT = 1000  # + 4 decode steps: 1004 tokens, just under the dynamic archive's 1024-position capacity step
+STEPS = 4
+INT8_HELD_MAX = 0.30  # issue 10: a default cache on an fp32 model holds at most 0.30x the raw K/V bytes
+INT8_HELD_AFTER_STEP = 0.55  # what it holds just past a capacity step (measured 0.52x): issue 10's 0.30x is missed
+
+
+def _model():
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                                      max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()  # fp32
+
+
+def _decode(model, cache, prompt: int, steps: int) -> None:
+    """Prefill ``prompt`` random tokens, then ``steps`` greedy single-token steps, through the kvcodec attention."""
+    ids = torch.randint(3, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
+        for i in range(steps):
+            tok = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=tok, position_ids=torch.tensor([[prompt + i]]), use_cache=True, **cache_kwargs(cache))
+
+
+@pytest.fixture(scope="module")
+def codec_model():
+    model = _model()
+    apply_codec_attention(model)
+    yield model
+    remove_codec_attention(model)
+
+
+@pytest.mark.parametrize("preset", [None, "int8"])
+@pytest.mark.parametrize(("prompt", "held_max"), [(PROMPT, INT8_HELD_MAX), (1030, INT8_HELD_AFTER_STEP)])
+def test_default_cache_bytes_on_an_fp32_model(codec_model, preset, prompt, held_max):
+    """Stored bytes (archive groups in use + scales + tail) stay under 0.30x raw at any length; every byte held
+    (allocated capacity included) does just under a capacity step (1004 tokens in 1024 positions) but not just past
+    one (1034 tokens in 2048 positions): the dynamic archive doubles, so held bytes reach ~2x the stored ones there."""
+    # no options: jpeg r=8 int8 per token; "int8": 8-bit mid-rise per token after a rotation; both on the stored form
+    cache = FlashCodecCache.from_config(codec_model.config, preset=preset)
+    _decode(codec_model, cache, prompt, STEPS)
+    parts = cache.storage_breakdown()
+    raw = 2 * 2 * 2 * (prompt + STEPS) * HEAD_DIM * 4  # K and V, 2 layers, 2 kv heads, fp32
+    assert parts["raw_equivalent"] == raw
+    assert parts["memo"] == 0  # no decoded copy next to the archive
+    assert parts["stored"] <= INT8_HELD_MAX * raw
+    assert cache.storage_bytes() == parts["total"] <= held_max * raw
