@@ -188,9 +188,12 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
 
 def _store(cache: Any, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
     """Store ``k, v`` in ``cache``'s layer: a codec layer appends without reading back (only bytes are counted
-    here; no attention runs), any other cache through ``update``."""
+    here; no attention runs; a sliding ring first drops what leaves its window), any other cache through
+    ``update``."""
     codec_layer = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
     if hasattr(codec_layer, "codec_cache"):
+        if getattr(codec_layer, "is_sliding", False):
+            codec_layer.slide()
         codec_layer.codec_cache.append(k, v)
     else:
         cache.update(k, v, layer)
@@ -309,9 +312,30 @@ def merge(paths: list[Path]) -> dict:
         for model, data in result["models"].items():
             if model in models:
                 raise ValueError(f"--merge: model {model!r} appears twice (in {path})")
-            run = {k: result[k] for k in ("date", "machine", "versions", "total_seconds")}
+            run = {k: result[k] for k in ("date", "machine", "versions", "total_seconds", "quality_measured")
+                   if k in result}
             models[model] = {**data, "run": {"file": Path(path).name, **run}}
     return {**{k: results[0][k] for k in keys}, "merged_from": [Path(p).name for p in paths], "models": models}
+
+
+def recount_bits(path: Path) -> Path:
+    """Recount ``bits_end`` / ``bits_worst`` of every row of a result file with the current accounting; the quality
+    figures stay as measured. The file's metadata becomes the recount's; the measurement's moves to
+    ``quality_measured`` (date, machine, versions)."""
+    from flashcodec_fx.pretrained import load_pretrained
+
+    result = json.loads(path.read_text())
+    known = {c.tier.name: c.tier for c in candidates(None, [])} | {RAW.name: RAW}
+    protocol = result["protocol"]
+    for name, data in result["models"].items():
+        model, _ = load_pretrained(name, dtype=torch.float32)
+        for row in data["rows"]:
+            tier = known.get(row["tier"]) or Tier(row["tier"], row["options"])
+            row.update(stored_bits(model, tier, protocol["windows"], protocol["window_tokens"], protocol["prefill"],
+                                   protocol["chunk"], protocol["worst_span"]))
+    measured = {key: result.pop(key) for key in ("date", "machine", "versions")}
+    result.pop("benchmark", None)
+    return write_result("ppl", {**result, "quality_measured": result.get("quality_measured", measured)}, out=path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -340,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
                         "results/ppl_experiment.json otherwise)")
     parser.add_argument("--plot", default=None, help="plot path (default next to the JSON: frontier.png for ppl.json)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the plot from the JSON (--out)")
+    parser.add_argument("--recount-bits", action="store_true", help="recount the bits of every row of the JSON "
+                        "(--out) with the current accounting, keeping its quality figures")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="write one result (--out, default results/ppl.json) from single-model result files")
     args = parser.parse_args(argv)
@@ -348,11 +374,15 @@ def main(argv: list[str] | None = None) -> None:
     default_run = not (args.quick or args.tiers is not None or args.tier_json or args.tier_file or args.model
                        or args.windows or args.window_tokens or args.prefill != 128 or args.chunk != 16
                        or args.dtype != "float32")
-    whole = default_run or args.plot_only or args.merge
+    whole = default_run or args.plot_only or args.merge or args.recount_bits
     out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if whole else "ppl_experiment.json")
     plot_path = Path(args.plot) if args.plot else out.with_name("frontier.png" if out.name == "ppl.json" else f"{out.stem}.png")
     if args.plot_only:
         print(f"wrote {plot(json.loads(out.read_text()), plot_path)}")
+        return
+    if args.recount_bits:
+        path = recount_bits(out)
+        print(f"wrote {path} and {plot(json.loads(path.read_text()), plot_path)}")
         return
     if args.merge:
         try:

@@ -4,7 +4,8 @@ A stream keeps the state of ``ops/state.py`` (archive groups, fp16 scales, raw s
 a 0-dim device length) and, optionally, a memo: the decoded view attention reads, updated once per archived group.
 
 Layouts:
-- ``dynamic``: the archive starts at 256 positions and doubles on overflow; a host-side length mirror drives growth.
+- ``dynamic``: the archive starts at 256 positions and grows by 1/16 (at least 64 positions) on overflow; a host-side
+  length mirror drives growth.
 - ``static``: preallocated for ``max_length`` tokens; ``append`` never branches on tensor values on the host,
   so a decode step compiles to one graph and can be captured in a CUDA graph.
 """
@@ -22,6 +23,8 @@ from .ops.state import StreamState, advance, capacity
 LAYOUTS = ("dynamic", "static")
 CROP_MODES = ("exact", "decode")
 INITIAL_POSITIONS = 256
+GROWTH_DIVISOR = 16  # a full dynamic archive grows by 1/16 of its capacity (held <= 1.07x stored, amortized O(1) copies)
+GROWTH_MIN_POSITIONS = 64
 STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "memo")
 
 
@@ -158,10 +161,9 @@ class CodecStream:
         if self.layout == "dynamic":
             need = self._groups_for(self._host_length + t)
             if need > self.state.data.shape[2]:
-                grown = max(1, self.state.data.shape[2])
-                while grown < need:
-                    grown *= 2
-                self._grow(grown)
+                have = self.state.data.shape[2]
+                step = max(_ceil_div(GROWTH_MIN_POSITIONS, self.codec.group), have // GROWTH_DIVISOR)
+                self._grow(max(need, have + step))
         torch.ops.flashcodec.append(list(self.state), x.contiguous(), self.spec, self.memo)
         if compiling:
             self._stale = True  # a side effect Dynamo replays after the graph; never read in compiled code

@@ -33,7 +33,7 @@ from transformers.cache_utils import (
 from .. import _compat
 from ..cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
 from ..codecs import Codec
-from ..presets import with_preset
+from ..presets import DEFAULT_PRESET, with_preset
 from .attention import MaterializationFreeFallback, tag_states
 from .offload import HOST, allocated_groups, move_stream
 from .options import (
@@ -421,13 +421,18 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         target = self._drop_target()
         return self.get_seq_length() - target + query_length, target
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def slide(self) -> None:
+        """Drop the archive groups no later query can see (what ``update`` does before it appends)."""
         target = self._drop_target()
-        if target > self.dropped and not torch.compiler.is_compiling():
-            self.codec_cache.check_new(key_states, value_states)  # a rejected call changes nothing
+        if target > self.dropped:
             for stream in (self.keys_stream, self.values_stream):
                 stream.drop_front(target - self.dropped)
             self.dropped = target
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            self.codec_cache.check_new(key_states, value_states)  # a rejected call changes nothing
+            self.slide()
         return super().update(key_states, value_states, *args, **kwargs)
 
     def _stream_crop(self, tokens_to_remove: int) -> int:
@@ -467,13 +472,14 @@ class FlashCodecCache(Cache):
     """A transformers ``Cache`` whose full-attention layers store K and V through the flashcodec codecs.
 
     ``preset``: a name from ``flashcodec_fx.PRESETS`` (``"int8"``, ``"4bit"``, ``"3bit"``, ...); codec options given
-    with it override it. Codec options (see docs/hf.md): ``mode`` ``"jpeg"`` (default) or ``"png"``; ``block_size``
-    (8); jpeg ``keep_freqs`` (all), ``quant_bits`` (8; an int, a per-frequency table, or ``None``: unquantized),
-    ``levels``, ``scale_axis``, ``group``, ``scale_search``, ``rotate``, ``center``; png ``keep_ratio`` (1.0 = exact);
-    ``sinks`` / ``window`` (raw first / newest tokens); ``key_options`` / ``value_options``: dicts of the same options
-    for one stream only. ``per_layer``: ``{layer_idx: options dict | None}`` overrides (``None`` keeps the layer
-    native, uncompressed). Cache options: ``layout`` ``"dynamic"`` / ``"static"`` (needs ``max_cache_len``),
-    ``materialization_free``, ``memoize``, ``strict``, ``crop``.
+    with it override it. Without a preset and without codec options: ``DEFAULT_PRESET`` (``"int8"``). Codec options (see
+    docs/hf.md): ``mode`` ``"jpeg"`` (default) or ``"png"``; ``block_size`` (8); jpeg ``keep_freqs`` (all),
+    ``quant_bits`` (8; an int, a per-frequency table, or ``None``: unquantized), ``levels``, ``scale_axis``, ``group``,
+    ``scale_search``, ``rotate``, ``center``; png ``keep_ratio`` (1.0 = exact); ``sinks`` / ``window`` (raw first /
+    newest tokens); ``key_options`` / ``value_options``: dicts of the same options for one stream only. ``per_layer``:
+    ``{layer_idx: options dict | None}`` overrides (``None`` keeps the layer native, uncompressed). Cache options:
+    ``layout`` ``"dynamic"`` / ``"static"`` (needs ``max_cache_len``), ``materialization_free``, ``memoize``,
+    ``strict``, ``crop``.
 
     Layers: with ``config`` (or :meth:`from_config`), one per model layer: codec layers on full-attention layers,
     every other layer type (sliding, chunked, linear attention, ...) keeps its native transformers layer. With
@@ -499,7 +505,7 @@ class FlashCodecCache(Cache):
         for name, value in (("key_options", key_options), ("value_options", value_options)):
             if value is not None:
                 given[name] = value
-        codec_options = with_preset(preset, given)
+        codec_options = with_preset(DEFAULT_PRESET if preset is None and not given else preset, given)
         overrides = check_per_layer(per_layer)
         layer_kwargs = dict(layout=layout, max_cache_len=max_cache_len, memoize=memoize,
                             materialization_free=materialization_free, strict=strict, crop=crop)
