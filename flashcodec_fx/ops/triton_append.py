@@ -434,17 +434,10 @@ def _block_matrix(ptr, F: tl.constexpr, E: tl.constexpr, SYNTHESIS: tl.constexpr
 
 
 @triton.jit
-def _blockwise_analysis(F: tl.constexpr, E: tl.constexpr):
-    """Whether a group's DCT runs block by block (:func:`_analysis_blocks`): several blocks whose positions and
-    stored rows fill the tiles exactly (``GB r = GP``, ``GB KP = RP``); else one block-diagonal product."""
-    GB: tl.constexpr = F[F_GROUP_BLOCKS]
-    return (GB > 1) & (GB * F[F_R] == E[E_GP]) & (GB * F[F_DENSE_P] == E[E_RP])
-
-
-@triton.jit
 def _analysis_blocks(x, analysis, F: tl.constexpr, E: tl.constexpr):
     """``M[:K] @ X`` of every block of the group rows ``x (GB r, DC)``, position by position: ``(GB KP, DC)`` rows
-    ``n KP + j`` (a block-diagonal product would hold ``GB`` times the matrix it needs)."""
+    ``n KP + j`` (a block-diagonal product would hold ``GB`` times the matrix it needs). For groups of several
+    blocks whose positions and stored rows fill the tiles exactly (``GB r = GP``, ``GB KP = RP``)."""
     R: tl.constexpr = F[F_R]
     K: tl.constexpr = F[F_ROWS]
     KP: tl.constexpr = F[F_DENSE_P]
@@ -535,6 +528,9 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
     DC: tl.constexpr = E[E_DC]
     IS_JPEG: tl.constexpr = E[E_IS_JPEG]
     QUANT: tl.constexpr = E[E_QUANT]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    # the DCT block by block (:func:`_analysis_blocks`) when the group's blocks fill the tiles exactly
+    BLOCKWISE: tl.constexpr = (GB > 1) & (GB * R == GP) & (GB * F[F_DENSE_P] == E[E_RP])
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
     c0 = tl.program_id(2) * DC
@@ -567,7 +563,7 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
         if IS_JPEG:
             if R == 1:
                 coef = x
-            elif _blockwise_analysis(F, E):
+            elif BLOCKWISE:
                 coef = _analysis_blocks(x, analysis, F, E)
             else:
                 coef = tl.dot(_block_matrix(analysis, F, E, False), x, input_precision="ieee")
