@@ -40,7 +40,7 @@ CALIBRATION_TEXT = "pride"  # calibration text; evaluation reads bench_ppl's STR
 FAMILY = "adaptive"
 SIZES = {"cal_windows": "calibration windows", "cal_tokens": "tokens per calibration window",
          "eval_windows": "evaluation windows", "eval_tokens": "tokens per evaluation window"}
-FULL = {"cal_windows": 1, "cal_tokens": 384, "eval_windows": 2, "eval_tokens": 1024}  # ~23 min on 2 busy cores
+FULL = {"cal_windows": 1, "cal_tokens": 384, "eval_windows": 2, "eval_tokens": 1024}  # 26 min measured, load 6-7
 QUICK = {"cal_windows": 1, "cal_tokens": 256, "eval_windows": 1, "eval_tokens": 256}
 COLUMNS = [("tier", "tier", "s"), ("per-layer rungs", "allocation", "s"), ("bits end", "bits_end", ".3f"),
            ("bits worst", "bits_worst", ".3f"), ("run bits", "reported_bits_per_value", ".3f"),

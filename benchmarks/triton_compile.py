@@ -44,7 +44,8 @@ from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E
 
 # Stored forms beyond the presets (every code path of the kernels): float jpeg with dropped coefficients, pruned png
 # (r=8 and its limit r=16), channel-axis codes whose scale group is one block (no fold: dequantized in registers),
-# channel-axis values (the fold on the output), value blocks at an offset inside the tiles (other sinks), lloyd and
+# DCT keys with channel-axis scales over 128-token groups (the fold; 16 blocks encoded block by block), channel-axis
+# values (the fold on the output), value blocks at an offset inside the tiles (other sinks), lloyd and
 # uniform rows in one table with a rotation and a center.
 FORMS = {
     "jpeg_k3": ("jpeg", {"block_size": 8, "keep_freqs": 3}),
@@ -52,6 +53,8 @@ FORMS = {
     "png_r16_pruned": ("png", {"block_size": 16, "keep_ratio": 0.5}),
     "channel_unfolded": ("jpeg", {"block_size": 8, "quant_bits": (3, 2, 2, 1, 1, 1, 1, 1), "levels": ("int", "midrise"),
                                   "scale_axis": "channel", "group": 8, "sinks": 3}),
+    "dct_keys": ("jpeg", {"block_size": 8, "quant_bits": (5, 3, 3, 2, 2, 2, 2, 2), "levels": ("uniform", "midrise"),
+                          "scale_axis": "channel", "group": 128, "scale_search": True, "rotate": 1, "sinks": 4}),
     "channel_v": ("jpeg", {"block_size": 8, "quant_bits": (4, 2, 2, 2, 2, 2, 2, 2), "levels": ("uniform", "int"),
                            "scale_axis": "channel", "group": 64, "sinks": 4, "window": 3}),
     "token_offset": ("jpeg", {"block_size": 4, "quant_bits": 3, "levels": "midrise", "sinks": 1, "window": 5}),
@@ -66,7 +69,7 @@ QUICK = {
     "preset lossless": (torch.bfloat16, "bool", False),
     "jpeg_k3/png_pruned": (torch.bfloat16, None, False),
     "channel_unfolded/token_offset": (torch.bfloat16, "bool", False),
-    "preset 3bit keys/channel_v": (torch.float16, None, False),
+    "dct_keys/channel_v": (torch.float16, None, False),
     "mixed_rotated/mixed_rotated": (torch.bfloat16, None, True),
 }
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
@@ -128,7 +131,7 @@ def _attention(ck, cv, dtype, d, g, t, mask_kind, new: bool = False) -> None:
 
 def pairs() -> dict[str, tuple]:
     """(key codec, value codec) of every preset, and of every extra form (as keys and values, or paired so that
-    value blocks sit at an offset, or behind the 3-bit preset's keys)."""
+    value blocks sit at an offset, or channel-axis values behind channel-axis DCT keys)."""
     out = {}
     for name in PRESETS:
         out[f"preset {name}"] = preset_codecs(name, layer_idx=1)
@@ -136,7 +139,7 @@ def pairs() -> dict[str, tuple]:
     out |= {f"{name}/{name}": (c, c) for name, c in forms.items()}
     out["jpeg_k3/png_pruned"] = (forms["jpeg_k3"], forms["png_pruned"])
     out["channel_unfolded/token_offset"] = (forms["channel_unfolded"], forms["token_offset"])
-    out["preset 3bit keys/channel_v"] = (out["preset 3bit"][0], forms["channel_v"])
+    out["dct_keys/channel_v"] = (forms["dct_keys"], forms["channel_v"])
     return out
 
 

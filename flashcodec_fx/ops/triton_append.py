@@ -87,6 +87,8 @@ E_SEARCH: tl.constexpr = tl.constexpr(8)
 E_HAS_MEMO: tl.constexpr = tl.constexpr(9)
 E_CHUNK: tl.constexpr = tl.constexpr(10)
 E_DC: tl.constexpr = tl.constexpr(11)
+E_GBP: tl.constexpr = tl.constexpr(12)
+E_RPP: tl.constexpr = tl.constexpr(13)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,9 @@ class EncodeTiles:
     of a group's token tile and ``rp`` of its stored-row tile (powers of two >= 16, tl.dot's minimum), ``rc`` the
     rotation's column chunk, ``window``, ``is_jpeg``, ``quant``, ``search`` (the clipping search), ``has_memo``,
     ``chunk`` token rows per loop step of the intake and tail kernels, ``dc`` channels per encode program (the whole
-    head_dim for token-axis codes, whose scales span it; else ``rc``: every other stored form is per channel)."""
+    head_dim for token-axis codes, whose scales span it; else ``rc``: every other stored form is per channel),
+    ``gbp`` x ``rpp`` the (blocks, positions) tile the memo decodes a group of several blocks in (``gbp * rpp >=
+    16``)."""
 
     head_dim: int
     dp: int
@@ -109,6 +113,8 @@ class EncodeTiles:
     has_memo: bool
     chunk: int
     dc: int
+    gbp: int
+    rpp: int
 
     @classmethod
     def of(cls, codec, head_dim: int, has_memo: bool) -> EncodeTiles:
@@ -116,9 +122,10 @@ class EncodeTiles:
         dp = pow2(head_dim, 16)
         stored = codec.blocks * pow2(codec.rows if codec.mode == JPEG else codec.block_size)
         rc = min(32, dp)
+        rpp = pow2(codec.block_size)
         return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), rc, codec.window, codec.mode == JPEG,
                    q is not None, q is not None and q.search, has_memo, _CHUNK,
-                   dp if q is not None and q.axis == "token" else rc)
+                   dp if q is not None and q.axis == "token" else rc, max(pow2(codec.blocks), -(-16 // rpp)), rpp)
 
     def constexpr(self) -> tuple:
         return tuple(self.__dict__.values())
@@ -427,6 +434,27 @@ def _block_matrix(ptr, F: tl.constexpr, E: tl.constexpr, SYNTHESIS: tl.constexpr
 
 
 @triton.jit
+def _analysis_blocks(x, analysis, F: tl.constexpr, E: tl.constexpr):
+    """``M[:K] @ X`` of every block of the group rows ``x (GB r, DC)``, position by position: ``(GB KP, DC)`` rows
+    ``n KP + j`` (a block-diagonal product would hold ``GB`` times the matrix it needs). For groups of several
+    blocks whose positions and stored rows fill the tiles exactly (``GB r = GP``, ``GB KP = RP``)."""
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    KP: tl.constexpr = F[F_DENSE_P]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    DC: tl.constexpr = E[E_DC]
+    x3 = tl.reshape(x, (GB, R, DC))
+    i = tl.arange(0, R)[None, :, None]
+    j = tl.arange(0, KP)
+    coef = tl.zeros((GB, KP, DC), tl.float32)
+    for r in tl.static_range(R):
+        x_r = tl.sum(tl.where(i == r, x3, 0.0), axis=1)  # position r of every block, (GB, DC)
+        m = tl.load(analysis + j * R + r, mask=j < K, other=0.0)  # column r of the analysis matrix
+        coef += m[None, :, None] * x_r[:, None, :]
+    return tl.reshape(coef, (GB * KP, DC))
+
+
+@triton.jit
 def _archives(start, length, T, k, NG, F: tl.constexpr, E: tl.constexpr):
     """``(whether this append archives group k of the work buffer, its archive slot)``: when ``advance`` moves the
     archive past it and the slot exists (never past the capacity ``NG``: a longer length records the overflow)."""
@@ -500,6 +528,9 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
     DC: tl.constexpr = E[E_DC]
     IS_JPEG: tl.constexpr = E[E_IS_JPEG]
     QUANT: tl.constexpr = E[E_QUANT]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    # the DCT block by block (:func:`_analysis_blocks`) when the group's blocks fill the tiles exactly
+    BLOCKWISE: tl.constexpr = (GB > 1) & (GB * R == GP) & (GB * F[F_DENSE_P] == E[E_RP])
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
     c0 = tl.program_id(2) * DC
@@ -532,6 +563,8 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
         if IS_JPEG:
             if R == 1:
                 coef = x
+            elif BLOCKWISE:
+                coef = _analysis_blocks(x, analysis, F, E)
             else:
                 coef = tl.dot(_block_matrix(analysis, F, E, False), x, input_precision="ieee")
             if QUANT:
@@ -591,16 +624,50 @@ def _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c0, F: tl.const
 
 
 @triton.jit
+def _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, c0, F: tl.constexpr, E: tl.constexpr):
+    """Channels ``c0 .. c0 + RC - 1`` of a group of several blocks of channel-axis codes decoded (``A @ S`` per
+    block, in the rotated space, before the mean), stored row by stored row: ``(GBP * RPP, RC)`` fp32, row ``n * RPP
+    + i`` position ``i`` of block ``n`` (a block-diagonal product would hold ``GB`` times the matrix it needs)."""
+    R: tl.constexpr = F[F_R]
+    K: tl.constexpr = F[F_ROWS]
+    GB: tl.constexpr = F[F_GROUP_BLOCKS]
+    C: tl.constexpr = F[F_CLASSES]
+    Z: tl.constexpr = F[F_ZEROS]
+    D: tl.constexpr = E[E_D]
+    RC: tl.constexpr = E[E_RC]
+    GBP: tl.constexpr = E[E_GBP]
+    RPP: tl.constexpr = E[E_RPP]
+    n = tl.arange(0, GBP)[:, None]
+    dd = c0 + tl.arange(0, RC)[None, :]
+    ok = (n < GB) & (dd < D)
+    i = tl.arange(0, RPP)
+    xs = tl.zeros((GBP, RPP, RC), tl.float32)
+    for j in tl.static_range(K):
+        jj = tl.full((1,), j, tl.int32)
+        bits, bit_off, cls, zslot, lloyd, off = row_info(rows_t, levels, jj, jj < K, F)
+        code = unpack_codes(data, grp * GB + n, dd, ok, bits[:, None], bit_off[:, None], F, D)
+        value = level_values(code, jj[:, None], lloyd[:, None], levels, ok, F) + off[:, None]
+        s = tl.load(scale + (grp * C + cls[:, None]) * D + dd, mask=dd < D, other=0.0).to(tl.float32)
+        z = tl.load(zero + (grp * Z + zslot[:, None]) * D + dd, mask=(dd < D) & (zslot[:, None] >= 0),
+                    other=0.0).to(tl.float32)
+        a = tl.load(syn + i * K + j, mask=i < R, other=0.0)  # column j of the synthesis matrix
+        xs += a[None, :, None] * tl.where(ok, value * s + z, 0.0)[:, None, :]
+    return tl.reshape(xs, (GBP * RPP, RC))
+
+
+@triton.jit
 def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
                  MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
     """Program ``(bh, k, chunk)``: when group ``k`` was archived by this append, output channels ``chunk * RC ..`` of
     its decoded rows (what ``codec.decode`` rebuilds from the stored form: ``A @ S`` per block, rotated back from
     every input chunk, mean added) into the memo."""
-    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    R: tl.constexpr = F[F_R]
+    G: tl.constexpr = R * F[F_GROUP_BLOCKS]
     D: tl.constexpr = E[E_D]
     DP: tl.constexpr = E[E_DP]
-    GP: tl.constexpr = E[E_GP]
     RC: tl.constexpr = E[E_RC]
+    # a group of several blocks of R > 1 positions (channel-axis codes only): decoded block by block
+    BLOCKWISE: tl.constexpr = (F[F_GROUP_BLOCKS] > 1) & (R > 1)
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
     dc = tl.program_id(2) * RC + tl.arange(0, RC)
@@ -609,19 +676,28 @@ def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, 
     write, slot = _archives(start, length, T, k, NG, F, E)
     if write:
         grp = bh * NG + slot
+        if BLOCKWISE:
+            c = tl.arange(0, E[E_GBP] * E[E_RPP])
+            w = tl.where(c % E[E_RPP] < R, c // E[E_RPP] * R + c % E[E_RPP], G)[:, None]
+        else:
+            w = tl.arange(0, E[E_GP])[:, None]
         if F[F_ROTATE]:
             # back in the stream's space: xs @ R, this chunk's output channels, summed over the input chunks
-            out = tl.zeros((GP, RC), tl.float32)
+            out = tl.zeros((w.shape[0], RC), tl.float32)
             for c in tl.static_range(DP // RC):
                 di = c * RC + tl.arange(0, RC)
                 r = tl.load(rot + di[:, None] * D + dc[None, :], mask=(di[:, None] < D) & (dc[None, :] < D), other=0.0)
-                xs = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c * RC, F, E)
+                if BLOCKWISE:
+                    xs = _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, c * RC, F, E)
+                else:
+                    xs = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c * RC, F, E)
                 out += tl.dot(xs, r, input_precision="ieee")
+        elif BLOCKWISE:
+            out = _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, tl.program_id(2) * RC, F, E)
         else:
             out = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, tl.program_id(2) * RC, F, E)
         if F[F_CENTER]:
             out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
-        w = tl.arange(0, GP)[:, None]
         pos = F[F_SINKS] + slot * G + w
         dst = memo + (bh * MEMO_CAP + pos) * D + dc[None, :]
         tl.store(dst, out.to(memo.dtype.element_ty), mask=(w < G) & (pos < MEMO_CAP) & (dc[None, :] < D))

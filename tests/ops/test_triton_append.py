@@ -82,10 +82,12 @@ def test_append_matches_reference(device, name, dtype):
     got, got_memo, want, want_memo = _run(codec, x, device, chunks)
     assert int(got[7]) == sum(chunks) and int(got[8]) > codec.sinks  # groups were archived
     _same_store(codec, got, want, 16, dtype)
-    # memo: raw new tokens and decoded archived groups, i.e. what reading the stored state gives (the same roundings)
+    # memo: raw new tokens and decoded archived groups, i.e. what reading the stored state gives (fp32 sums in
+    # another order: one rounding of the stream dtype apart at most)
     length = int(got[7])
     view = read_reference(got, codec.spec)
-    torch.testing.assert_close(got_memo[:, :, :length].float(), view[:, :, :length].float(), atol=1e-6, rtol=1e-5)
+    ulp = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got_memo[:, :, :length].float(), view[:, :, :length].float(), atol=1e-6, rtol=ulp)
     if codec.index_rows and dtype != torch.float32:
         return  # 16-bit deltas tie in magnitude: which of two equal deltas is kept (and decoded) may differ
     out_tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]

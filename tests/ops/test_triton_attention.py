@@ -140,7 +140,11 @@ def test_scale_strides_and_validation(device):
 
 def test_plan_heuristic():
     cpu = torch.device("cpu")
-    k3, v3 = preset_codecs("3bit")
+    # DCT keys with one scale per channel over 128-token groups, 2-bit rotated per-token values
+    k3 = make_codec("jpeg", block_size=8, quant_bits=(5, 3, 3, 2, 2, 2, 2, 2), levels=("uniform", "midrise"),
+                    scale_axis="channel", group=128, scale_search=True, rotate=1, sinks=4)
+    v3 = make_codec("jpeg", block_size=1, quant_bits=2, levels="lloyd", rotate=1, center=True, scale_search=True,
+                    sinks=4, window=32)
     plan = attention_plan(1, 8, 4, k3, v3, 512, 128, cpu)
     tiles = plan["tiles"]
     assert plan["BLOCK_M"] == 16 and tiles.positions == 64  # 4 query rows padded to 16; 64 positions per tile
