@@ -287,7 +287,7 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
         ax.set_yscale("log")
         ax.set_xlabel("bits per cached value (as stored, bf16 = 16; at the end of the windows)")
         ax.set_ylabel("KL(raw || tier), nats/token")
-        p = result["protocol"]
+        p = data.get("protocol") or result["protocol"]
         ax.set_title(f"{model}: {p['windows']} x {p['window_tokens']} tokens, prefill {p['prefill']}, chunks {p['chunk']}",
                      fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
@@ -300,12 +300,14 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
 
 
 def merge(paths: list[Path]) -> dict:
-    """One payload from bench_ppl results of different models run with the same protocol and dtype; each model's
-    entry keeps the date, machine and versions of the run that measured it (``run``)."""
+    """One payload from bench_ppl results of different models run with the same protocol (window counts may differ)
+    and dtype; each model's entry keeps its protocol and the date, machine and versions of its run (``run``)."""
     results = [json.loads(Path(path).read_text()) for path in paths]
-    keys = ("protocol", "dtype", "stored_dtype", "raw_bits_per_value", "quick", "method")
+    keys = ("dtype", "stored_dtype", "raw_bits_per_value", "quick", "method")
+    same = {k: v for k, v in results[0]["protocol"].items() if k != "windows"}  # window counts may differ by model
     for path, result in zip(paths, results, strict=True):
-        if result.get("benchmark") != "ppl" or any(result.get(k) != results[0].get(k) for k in keys):
+        if result.get("benchmark") != "ppl" or any(result.get(k) != results[0].get(k) for k in keys) \
+                or {k: v for k, v in result["protocol"].items() if k != "windows"} != same:
             raise ValueError(f"--merge: {path} is not a bench_ppl result with the protocol and dtype of {paths[0]}")
     models = {}
     for path, result in zip(paths, results, strict=True):
@@ -314,8 +316,9 @@ def merge(paths: list[Path]) -> dict:
                 raise ValueError(f"--merge: model {model!r} appears twice (in {path})")
             run = {k: result[k] for k in ("date", "machine", "versions", "total_seconds", "quality_measured")
                    if k in result}
-            models[model] = {**data, "run": {"file": Path(path).name, **run}}
-    return {**{k: results[0][k] for k in keys}, "merged_from": [Path(p).name for p in paths], "models": models}
+            models[model] = {**data, "protocol": result["protocol"], "run": {"file": Path(path).name, **run}}
+    return {**{k: results[0][k] for k in keys}, "protocol": {**same, "windows": {m: d["protocol"]["windows"] for m, d in
+            models.items()}}, "merged_from": [Path(p).name for p in paths], "models": models}
 
 
 def recount_bits(path: Path) -> Path:

@@ -192,7 +192,7 @@ def _first_model(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(models, dict) or not models:
         return data
     model, entry = next(iter(models.items()))
-    protocol = data.get("protocol", {})
+    protocol = entry.get("protocol") or data.get("protocol", {})
     rows = [dict(row, bits_per_value=row.get("bits_end")) for row in entry.get("rows", [])]
     return {**data, "model": model, "rows": rows, "windows": protocol.get("windows"),
             "target_tokens": protocol.get("scored_tokens_per_window")}
