@@ -109,9 +109,10 @@ def test_runnable_reports_why_a_peer_cannot_run():
     assert not ok
 
 
-def _result(tmp_path, name, model, windows=6):
+def _result(tmp_path, name, model, windows=6, chunk=16):
     result = {"benchmark": "ppl", "date": "2026-12-01", "machine": {"cpu_count": 2}, "versions": {"git_commit": "a" * 40},
-              "total_seconds": 1.0, "protocol": {"windows": windows}, "dtype": "float32", "stored_dtype": "bfloat16",
+              "total_seconds": 1.0, "protocol": {"windows": windows, "chunk": chunk}, "dtype": "float32",
+              "stored_dtype": "bfloat16",
               "raw_bits_per_value": 16, "quick": False, "method": "m", "models": {model: {"rows": [{"tier": "t"}]}}}
     path = tmp_path / name
     path.write_text(json.dumps(result))
@@ -123,8 +124,11 @@ def test_merge_joins_single_model_runs_of_one_protocol(tmp_path):
     merged = bench_ppl.merge([a, b])
     assert list(merged["models"]) == ["m1", "m2"] and merged["merged_from"] == ["a.json", "b.json"]
     assert merged["models"]["m2"]["run"]["file"] == "b.json" and merged["models"]["m2"]["rows"] == [{"tier": "t"}]
+    fewer = bench_ppl.merge([a, _result(tmp_path, "c.json", "m3", windows=2)])  # window counts may differ by model
+    assert fewer["protocol"] == {"chunk": 16, "windows": {"m1": 6, "m3": 2}}
+    assert fewer["models"]["m3"]["protocol"]["windows"] == 2
     with pytest.raises(ValueError, match="protocol"):
-        bench_ppl.merge([a, _result(tmp_path, "c.json", "m3", windows=2)])
+        bench_ppl.merge([a, _result(tmp_path, "e.json", "m3", chunk=8)])
     with pytest.raises(ValueError, match="appears twice"):
         bench_ppl.merge([a, _result(tmp_path, "d.json", "m1")])
 
