@@ -98,9 +98,10 @@ def test_assisted_decoding_needs_a_croppable_cache():
     model, assistant = tiny_model("llama"), fresh_tiny_model("llama", seed=1)
     ids = tiny_prompt(1, 12)
     kw = dict(max_new_tokens=6, do_sample=False, assistant_model=assistant)
+    blocks = dict(mode="jpeg", block_size=8, quant_bits=8, materialization_free=False)  # 8-token groups: lossy crops
     with pytest.raises(ValueError, match="can be cropped|would reopen archived tokens"):  # 5.2x checks first
-        model.generate(ids, **kw, **cache_kwargs(fx.FlashCodecCache.from_config(model.config, materialization_free=False)))
-    decode = fx.FlashCodecCache.from_config(model.config, materialization_free=False, crop="decode")
+        model.generate(ids, **kw, **cache_kwargs(fx.FlashCodecCache.from_config(model.config, **blocks)))
+    decode = fx.FlashCodecCache.from_config(model.config, **blocks, crop="decode")
     assert decode.is_croppable
     assert model.generate(ids, **kw, **cache_kwargs(decode)).shape == (1, 18)
 
