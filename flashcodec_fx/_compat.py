@@ -70,6 +70,7 @@ def require_transformers() -> None:
 # Private torch APIs (present and unchanged in torch 2.11 .. 2.13): name -> (module, attribute).
 PRIVATE = {
     "mark_static_address": ("torch._dynamo", "mark_static_address"),
+    "mark_static": ("torch._dynamo", "mark_static"),
     "COMPILER_FNS": ("torch._dynamo.backends.registry", "_COMPILER_FNS"),
     "register_backend": ("torch._dynamo.backends.registry", "register_backend"),
     "aot_autograd": ("torch._dynamo.backends.common", "aot_autograd"),

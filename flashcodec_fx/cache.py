@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import ops
+from . import _compat, ops
 from .codecs import PNG, Codec, Encoded, make_codec
 from .ops.state import StreamState, advance, capacity
 
@@ -60,6 +60,7 @@ class CodecStream:
         if crop not in CROP_MODES:
             raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
         self.codec, self.layout, self.max_length, self.memoize, self.crop_mode = codec, layout, max_length, memoize, crop
+        self.spec = codec.spec  # a str built once: compiled steps pass it to the ops as a constant, never format it
         # static: positions to allocate (>= max_length; K and V of a layer get the same, see CodecKVCache)
         self.positions = max_length if positions is None else positions
         self.state: StreamState | None = None
@@ -67,10 +68,6 @@ class CodecStream:
         self._host_length = 0  # host mirrors of the device length and archive end: growth, bounds, crop, accounting
         self._host_start = codec.sinks
         self._stale = False  # a compiled append ran: the mirror is refreshed (one sync) the next time it is read
-
-    @property
-    def spec(self) -> str:
-        return self.codec.spec
 
     @property
     def is_initialized(self) -> bool:
@@ -109,6 +106,15 @@ class CodecStream:
         self.state = ops.empty_state(self.codec, b, h, groups, d, like.dtype, like.device)
         ops.warm(self.codec, d, like.device)  # device constants now, never inside a CUDA-graph capture
         self.memo = like.new_zeros(b, h, capacity(self.codec, self.state), d) if self.memoize else None
+        self._mark_static_shapes()
+
+    def _mark_static_shapes(self) -> None:
+        """Static layout: every state size is a constant to Dynamo. A recompile for another codec (other state shapes)
+        then compiles another static graph instead of turning the sizes symbolic (automatic dynamic shapes)."""
+        if self.layout == "static":
+            for t in (*self.state, self.memo):
+                if t is not None:
+                    _compat.mark_static(t)
 
     def _grow(self, groups: int) -> None:
         old, n = self.state, self.state.data.shape[2]
@@ -290,6 +296,7 @@ class CodecStream:
         self.state = StreamState(*(t.index_select(0, indices) for t in self.state[:7]), *self.state[7:])
         if self.memo is not None:
             self.memo = self.memo.index_select(0, indices)
+        self._mark_static_shapes()
 
     def repeat_interleave(self, repeats: int) -> None:
         if self.state is None:
@@ -297,6 +304,7 @@ class CodecStream:
         self.state = StreamState(*(t.repeat_interleave(repeats, dim=0) for t in self.state[:7]), *self.state[7:])
         if self.memo is not None:
             self.memo = self.memo.repeat_interleave(repeats, dim=0)
+        self._mark_static_shapes()
 
     def reset(self) -> None:
         """Forget every token. Dynamic: the storage is released (the next append may bring another batch size);

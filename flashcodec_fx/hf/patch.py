@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache
 from .attention import apply_codec_attention, remove_codec_attention
 from .cache import FlashCodecCache
-from .compile import check_compile, install_compile_config
+from .compile import check_compile, forget_compiled_call, install_compile_config
 from .options import CACHE_OPTIONS, check_option_names, check_per_layer
 
 METHOD = PREPARE_CACHE_METHOD
@@ -192,5 +192,6 @@ def remove_flash_codec(target: Any) -> Any:
     else:
         setattr(target, METHOD, state["own"])
     remove_codec_attention(target)
+    forget_compiled_call(target)
     del target._flashcodec_patch
     return target

@@ -17,10 +17,11 @@ class ToyDecoder(torch.nn.Module):
     ``gqa``: "repeat" (transformers' repeat_kv), "enable" (``enable_gqa=True``). ``mask``: "bool", "float"
     (additive, -inf) or "none". ``cache``: "codec" (static, memoize=False), "memo" (static, memoized view) or
     "raw" (plain preallocated tensors, no codec). ``is_causal``: SDPA's flag instead of a mask (prefill-style).
+    ``value_codec``: the values' codec when it differs from the keys' (``codec``).
     """
 
     def __init__(self, codec=None, gqa: str = "repeat", mask: str = "bool", cache: str = "codec", layers: int = 2,
-                 is_causal: bool = False, seed: int = 0):
+                 is_causal: bool = False, seed: int = 0, value_codec=None):
         super().__init__()
         torch.manual_seed(seed)
         self.gqa, self.mask, self.cache_kind, self.is_causal = gqa, mask, cache, is_causal
@@ -34,8 +35,8 @@ class ToyDecoder(torch.nn.Module):
                 self.register_buffer(f"k{i}", torch.zeros(1, HKV, CAPACITY, HEAD_DIM))
                 self.register_buffer(f"v{i}", torch.zeros(1, HKV, CAPACITY, HEAD_DIM))
         else:
-            self.caches = [fc.CodecKVCache(codec, layout="static", max_length=CAPACITY, memoize=cache == "memo")
-                           for _ in range(layers)]
+            self.caches = [fc.CodecKVCache(codec, value_codec, layout="static", max_length=CAPACITY,
+                                           memoize=cache == "memo") for _ in range(layers)]
 
     def _kv(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         if self.cache_kind == "raw":
