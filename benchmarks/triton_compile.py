@@ -32,7 +32,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from preset_codecs import preset_codecs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
@@ -41,6 +40,7 @@ from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.triton_append import triton_append  # noqa: E402
 from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E402
+from flashcodec_fx.presets import preset_codecs  # noqa: E402
 
 # Stored forms beyond the presets (every code path of the kernels): float jpeg with dropped coefficients, pruned png
 # (r=8 and its limit r=16), channel-axis codes whose scale group is one block (no fold: dequantized in registers),

@@ -18,6 +18,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .codecs import Codec
+from .options import resolve_layer_codecs
+
 SINKS = 4
 
 
@@ -64,3 +67,10 @@ def with_preset(preset: str | None, options: dict[str, Any]) -> dict[str, Any]:
         else:
             merged[name] = value
     return merged
+
+
+def preset_codecs(name: str, layer_idx: int = 0) -> tuple[Codec, Codec]:
+    """``(key codec, value codec)`` of preset ``name`` as layer ``layer_idx`` gets them (``rotate=True`` seeds
+    ``layer_idx``); no transformers import (serving hosts, the Triton tests and benchmarks use it)."""
+    codecs = resolve_layer_codecs(preset_options(name), where=f"preset {name!r}", layer_idx=layer_idx)
+    return codecs.key, codecs.value

@@ -33,10 +33,7 @@ from transformers.cache_utils import (
 from .. import _compat
 from ..cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
 from ..codecs import Codec
-from ..presets import DEFAULT_PRESET, with_preset
-from .attention import MaterializationFreeFallback, tag_states
-from .offload import HOST, allocated_groups, move_stream
-from .options import (
+from ..options import (
     CACHE_OPTIONS,
     UNSET,
     check_cache_switches,
@@ -45,6 +42,9 @@ from .options import (
     layer_options,
     resolve_layer_codecs,
 )
+from ..presets import DEFAULT_PRESET, with_preset
+from .attention import MaterializationFreeFallback, tag_states
+from .offload import HOST, allocated_groups, move_stream
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 

@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache
+from ..options import CACHE_OPTIONS, check_option_names, check_per_layer
 from .attention import apply_codec_attention, remove_codec_attention
 from .cache import FlashCodecCache
 from .compile import check_compile, forget_compiled_call, install_compile_config
-from .options import CACHE_OPTIONS, check_option_names, check_per_layer
 
 METHOD = PREPARE_CACHE_METHOD
 REPLACED = (None, "dynamic", "static", "offloaded", "offloaded_static")  # cache_implementation values the codec serves

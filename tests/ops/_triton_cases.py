@@ -9,11 +9,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from preset_codecs import preset_codecs as _preset_codecs  # noqa: E402  (benchmarks/: no transformers needed)
-
 from flashcodec_fx.codecs import Codec, make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.append import append_reference  # noqa: E402
+from flashcodec_fx.presets import preset_codecs as _preset_codecs  # noqa: E402
 
 # Triton kernels need a GPU or the interpreter; the README's test command sets TRITON_INTERPRET=1.
 DEVICES = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []

@@ -82,18 +82,3 @@ def test_a_stream_creates_its_kernel_tables_when_it_allocates():
     assert _tables.cache_info().misses == 1  # no second creation
     assert tables.rows.tolist() == [[6, 3], [0, 6], [0, 1], [-1, 0], [3, 1]]  # bits, offsets, classes, zeros, kinds
     assert tables.rotation.shape == (16, 16) and tables.levels.shape == (2, 64)
-
-
-@pytest.mark.parametrize("layer", [0, 3])
-def test_preset_codecs_are_what_the_transformers_integration_builds(layer):
-    """``benchmarks/preset_codecs.py`` (used where transformers is absent: the triton-3.6 CI venv, the sm_90 compile
-    check) gives the codecs ``hf.options.resolve_layer_codecs`` gives, rotation seed included."""
-    pytest.importorskip("transformers")
-    from preset_codecs import preset_codecs
-
-    from flashcodec_fx import PRESETS
-    from flashcodec_fx.hf.options import resolve_layer_codecs
-
-    for name, options in PRESETS.items():
-        built = resolve_layer_codecs(options, layer_idx=layer)
-        assert preset_codecs(name, layer) == (built.key, built.value), name

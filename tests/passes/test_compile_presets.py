@@ -14,8 +14,7 @@ from conftest import fresh_tiny_model, tiny_prompt  # noqa: E402
 from passes_toy import PROMPT, ToyDecoder, greedy, prefill, twin  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf.options import resolve_layer_codecs  # noqa: E402
-from flashcodec_fx.presets import PRESETS, preset_options  # noqa: E402
+from flashcodec_fx.presets import PRESETS, preset_codecs  # noqa: E402
 
 ORDER = (*PRESETS, *reversed(PRESETS))  # every preset, then the same presets in reverse order
 NEW_TOKENS = 12
@@ -84,8 +83,8 @@ def test_every_preset_through_the_backend_on_static_streams():
     seen: list[bool] = []
     compile_step = _recording_backend(seen)
     for name in ORDER:
-        codecs = resolve_layer_codecs(preset_options(name), layer_idx=0)
-        kwargs = dict(codec=codecs.key, value_codec=codecs.value)
+        key_codec, value_codec = preset_codecs(name)
+        kwargs = dict(codec=key_codec, value_codec=value_codec)
         eager = ToyDecoder(**kwargs)
         model = twin(eager, **kwargs)
         step = torch.compile(model, backend=compile_step, fullgraph=True)

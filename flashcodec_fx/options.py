@@ -1,4 +1,5 @@
-"""Validation of the integration's options: codec choice per stream, per-layer overrides, cache-wide switches.
+"""Validation of the cache options: codec choice per stream, per-layer overrides, cache-wide switches (no
+transformers import: the transformers integration and other hosts share it).
 
 Everything is checked up front and reported as ``ValueError``/``TypeError`` naming the option and what is allowed,
 before any cache, model or class is touched.
@@ -10,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache import CROP_MODES, LAYOUTS
-from ..codecs import Codec, make_codec
+from .cache import CROP_MODES, LAYOUTS
+from .codecs import Codec, make_codec
 
 MODES = ("jpeg", "png")
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<default>"})()
