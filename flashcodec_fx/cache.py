@@ -18,6 +18,7 @@ import torch
 
 from . import _compat, ops
 from .codecs import PNG, Codec, Encoded, make_codec
+from .ops.read import overlay_new
 from .ops.state import StreamState, advance, capacity
 
 LAYOUTS = ("dynamic", "static")
@@ -68,6 +69,7 @@ class CodecStream:
         self._host_length = 0  # host mirrors of the device length and archive end: growth, bounds, crop, accounting
         self._host_start = codec.sinks
         self._stale = False  # a compiled append ran: the mirror is refreshed (one sync) the next time it is read
+        self._memo_owed: tuple[int, torch.Tensor] | None = None  # (position, rows): stored rows a read(new) overlaid
 
     @property
     def is_initialized(self) -> bool:
@@ -162,6 +164,7 @@ class CodecStream:
         compiling = torch.compiler.is_compiling()
         if not compiling and not checked:
             self.check_new(x)
+        self._repay_memo()
         t = x.shape[2]
         self.prepare(x)
         if self.layout == "dynamic":
@@ -180,17 +183,39 @@ class CodecStream:
     def read(self, new: torch.Tensor | None = None) -> torch.Tensor:
         """The view attention reads ``(B, H, L, D)`` (one decode of the archive unless memoized).
 
-        ``new``: the current call's tokens, read exactly at the last positions (not applied to the memo, which holds
-        what is stored). Dynamic: ``L`` is the stored length. Static: ``L`` is the capacity; positions past the
-        length are zeros, to be masked.
+        ``new``: the current call's tokens (already appended), read exactly at the last positions whatever the
+        archive stored for them. Dynamic: ``L`` is the stored length. Static: ``L`` is the capacity; positions past
+        the length are zeros, to be masked. With a memo the view is the memo itself: this call's archived tokens are
+        overlaid in place (their stored rows kept aside, ``O(T)``, and written back by the next call on the stream).
         """
         if self.state is None:
             raise RuntimeError("read() before any token was appended")
-        if self.memo is not None:
-            view = self.memo
-        else:
+        if self.memo is None:
             view = torch.ops.flashcodec.read(list(self.state), self.spec, new)
+        elif torch.compiler.is_compiling():
+            view = self.memo if new is None else overlay_new(self.memo, new, self.state.length)
+        else:
+            self._repay_memo()
+            if new is not None:
+                self._overlay_memo(new)
+            view = self.memo
         return view if self.layout == "static" else view[:, :, : self.get_seq_length()]
+
+    def _overlay_memo(self, new: torch.Tensor) -> None:
+        """Write this call's tokens ``new (B, H, T, D)`` over the memo rows of those already archived (eager)."""
+        n, t = self.get_seq_length(), new.shape[2]
+        lo, hi = max(n - t, self.codec.sinks), min(n, self._host_start)
+        if hi > lo:
+            self._memo_owed = (lo, self.memo[:, :, lo:hi].clone())
+            self.memo[:, :, lo:hi].copy_(new[:, :, lo - (n - t): hi - (n - t)])
+
+    def _repay_memo(self) -> None:
+        """Put back the stored rows a ``read(new)`` overlaid (before anything else reads or changes the memo)."""
+        if self._memo_owed is not None:
+            lo, rows = self._memo_owed
+            self._memo_owed = None
+            if self.memo is not None:
+                self.memo[:, :, lo: lo + rows.shape[2]].copy_(rows)
 
     def get_seq_length(self) -> int:
         """Stored tokens, a host int: the mirror kept by eager appends, refreshed from the device length (one sync,
@@ -211,6 +236,7 @@ class CodecStream:
         tail as the values attention read, when the codec is exact or ``crop="decode"``; otherwise it raises and
         nothing changes."""
         keep = self.check_crop(n)
+        self._repay_memo()
         length = self.get_seq_length()
         if self.state is None or keep == length:
             return
@@ -247,6 +273,7 @@ class CodecStream:
                              f"{self._host_start} (the archived tokens), got {tokens}")
         if tokens == 0 or self.state is None:
             return
+        self._repay_memo()
         groups, st = tokens // codec.group, self.state
         rolled = [t.roll(-groups, dims=2) if t.numel() else t for t in st[:4]]
         for t in rolled:
@@ -287,6 +314,7 @@ class CodecStream:
         layout keeps its buffers (in-place permutation) when the batch size does not change."""
         if self.state is None:
             return
+        self._repay_memo()
         indices = indices.to(self.state.tail.device)
         tensors = [t for t in (*self.state[:7], self.memo) if t is not None]  # every batched tensor
         if self.layout == "static" and indices.shape[0] == self.state.tail.shape[0]:
@@ -301,6 +329,7 @@ class CodecStream:
     def repeat_interleave(self, repeats: int) -> None:
         if self.state is None:
             return
+        self._repay_memo()
         self.state = StreamState(*(t.repeat_interleave(repeats, dim=0) for t in self.state[:7]), *self.state[7:])
         if self.memo is not None:
             self.memo = self.memo.repeat_interleave(repeats, dim=0)
@@ -309,6 +338,7 @@ class CodecStream:
     def reset(self) -> None:
         """Forget every token. Dynamic: the storage is released (the next append may bring another batch size);
         static: zeroed in place (stable buffer addresses)."""
+        self._memo_owed = None
         if self.layout == "dynamic":
             self.state, self.memo = None, None
         elif self.state is not None:
@@ -320,7 +350,7 @@ class CodecStream:
 
     def release_memo(self) -> None:
         """Drop the memoized view (attention on the stored form never reads it)."""
-        self.memo, self.memoize = None, False
+        self.memo, self.memoize, self._memo_owed = None, False, None
 
     def start_memo(self) -> None:
         """Keep the decoded view from now on (one decode of what is stored; later appends update it)."""

@@ -36,11 +36,17 @@ def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | Non
     tail_rows = st.tail.index_select(2, (pos - start).clamp(0, codec.tail_capacity - 1))
     view = torch.where(in_tail[:, None], tail_rows, view)
     if new is not None:
-        t = new.shape[2]
-        token = pos - (length - t)
-        fresh = new.index_select(2, token.clamp(0, t - 1))
-        view = torch.where(((token >= 0) & (token < t))[:, None], fresh, view)
+        view = overlay_new(view, new, length)
     return torch.where((pos < length)[:, None], view, torch.zeros((), dtype=view.dtype, device=dev))
+
+
+def overlay_new(view: torch.Tensor, new: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """``view (B, H, L, D)`` with positions ``length - T .. length - 1`` holding ``new (B, H, T, D)`` exactly (a new
+    tensor; ``length`` a 0-dim device tensor: no host sync)."""
+    t = new.shape[2]
+    token = torch.arange(view.shape[2], device=view.device) - (length - t)
+    fresh = new.index_select(2, token.clamp(0, t - 1))
+    return torch.where(((token >= 0) & (token < t))[:, None], fresh, view)
 
 
 @torch.library.custom_op("flashcodec::read", mutates_args=())

@@ -14,8 +14,17 @@ def snapshot(cache) -> list:
         for stream in (layer.keys_stream, layer.values_stream):
             out += [stream._host_length, stream._host_start, stream.memo is None]
             out += [] if stream.state is None else [t.clone() for t in stream.state]
-            out += [] if stream.memo is None else [stream.memo.clone()]
+            out += [] if stream.memo is None else [_settled_memo(stream)]
     return out
+
+
+def _settled_memo(stream) -> torch.Tensor:
+    """The memo as stored: the rows a ``read(new)`` overlaid with the call's exact states put back (a copy)."""
+    memo = stream.memo.clone()
+    if stream._memo_owed is not None:
+        lo, rows = stream._memo_owed
+        memo[:, :, lo: lo + rows.shape[2]] = rows
+    return memo
 
 
 def same(a: list, b: list) -> bool:
