@@ -4,8 +4,9 @@ A stream keeps the state of ``ops/state.py`` (archive groups, fp16 scales, raw s
 a 0-dim device length) and, optionally, a memo: the decoded view attention reads, updated once per archived group.
 
 Layouts:
-- ``dynamic``: the archive starts at 256 positions and grows by 1/16 (at least 64 positions) on overflow; a host-side
-  length mirror drives growth.
+- ``dynamic``: the archive starts at up to 256 positions and grows by 1/16 (at least 64 positions) on overflow, never
+  past what an uncompressed cache of the same length would hold while the codec compresses (:meth:`CodecStream.
+  raw_budget_groups`); a host-side length mirror drives growth.
 - ``static``: preallocated for ``max_length`` tokens; ``append`` never branches on tensor values on the host,
   so a decode step compiles to one graph and can be captured in a CUDA graph.
 """
@@ -60,6 +61,7 @@ class CodecStream:
             raise TypeError(f"memoize must be a bool, got {type(memoize).__name__}")
         if crop not in CROP_MODES:
             raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
+        memoize = memoize and not codec.stores_raw  # a raw stored form is its own view
         self.codec, self.layout, self.max_length, self.memoize, self.crop_mode = codec, layout, max_length, memoize, crop
         self.spec = codec.spec  # a str built once: compiled steps pass it to the ops as a constant, never format it
         # static: positions to allocate (>= max_length; K and V of a layer get the same, see CodecKVCache)
@@ -96,9 +98,20 @@ class CodecStream:
 
     @property
     def exact_crop(self) -> bool:
-        """Whether reopening an archived group gives back the exact tokens (png lossless on 16-bit streams)."""
+        """Whether reopening an archived group gives back the exact tokens (png lossless on 16-bit streams, or a codec
+        that stores every token raw)."""
+        if self.codec.stores_raw:
+            return True
         return self.codec.mode == PNG and not self.codec.pruned and self.state is not None \
             and self.state.tail.dtype in (torch.float16, torch.bfloat16)
+
+    @property
+    def croppable(self) -> bool:
+        """Whether every crop is an exact rollback (crop, then the dropped tokens appended again in the same calls,
+        leaves every stored tensor as if the crop never happened, bitwise): per-token groups (``G = 1``: every crop
+        is at a group boundary; every lossy preset), exact reopening (:attr:`exact_crop`), or ``crop="decode"``.
+        Block codecs (``G > 1``) crop exactly inside their raw tail only, so not at every depth."""
+        return self.crop_mode == "decode" or self.exact_crop or self.codec.group == 1
 
     def _groups_for(self, positions: int) -> int:
         return _ceil_div(max(0, positions - self.codec.sinks), self.codec.group)
@@ -130,6 +143,16 @@ class CodecStream:
             memo[:, :, : self.memo.shape[2]].copy_(self.memo)
             self.memo = memo
 
+    def _grown_groups(self, like: torch.Tensor, need: int) -> int:
+        """Capacity after an overflow: doubled up to 64 positions, then 64 more, then 1/16 more; within the raw budget at
+        the new length when the codec leaves room for a step (a codec that does not compress, such as ``lossless``,
+        takes the step)."""
+        have = self.state.data.shape[2]
+        step = max(1, min(_ceil_div(GROWTH_MIN_POSITIONS, self.codec.group), have), have // GROWTH_DIVISOR)
+        target = max(need, have + step)
+        budget = self.raw_budget_groups(like, self._host_length + like.shape[2])
+        return max(need, min(target, budget)) if budget - have >= max(1, have // GROWTH_DIVISOR) else target
+
     def prepare(self, like: torch.Tensor) -> None:
         """Allocate the storage for tokens shaped like ``like (B, H, T, D)`` if it is not there yet (static: the whole
         capacity; dynamic: the initial one)."""
@@ -138,7 +161,17 @@ class CodecStream:
         if self.layout == "static":
             self._allocate(like, self._groups_for(self.positions))
         else:
-            self._allocate(like, self._groups_for(INITIAL_POSITIONS))
+            t = like.shape[2]
+            budget = self.raw_budget_groups(like, t)
+            self._allocate(like, max(1, self._groups_for(t), min(self._groups_for(INITIAL_POSITIONS), budget)))
+
+    def raw_budget_groups(self, like: torch.Tensor, length: int) -> int:
+        """Archive groups whose bytes, with the raw sink and tail rows and the mean, fit in what an uncompressed
+        stream of ``length`` tokens like ``like (B, H, T, D)`` takes per ``(batch, head)`` row (negative when even the
+        raw rows do not); the same for every batch size."""
+        codec, d, item = self.codec, like.shape[3], like.element_size()
+        fixed = d * ((codec.sinks + codec.tail_capacity) * item + (4 if codec.center else 0))
+        return (d * length * item - fixed) // codec.group_bytes(d, like.dtype)
 
     def check_new(self, x: torch.Tensor) -> None:
         """Reject tokens this stream cannot take, before any state changes."""
@@ -170,9 +203,7 @@ class CodecStream:
         if self.layout == "dynamic":
             need = self._groups_for(self._host_length + t)
             if need > self.state.data.shape[2]:
-                have = self.state.data.shape[2]
-                step = max(_ceil_div(GROWTH_MIN_POSITIONS, self.codec.group), have // GROWTH_DIVISOR)
-                self._grow(max(need, have + step))
+                self._grow(self._grown_groups(x, need))
         torch.ops.flashcodec.append(list(self.state), x.contiguous(), self.spec, self.memo)
         if compiling:
             self._stale = True  # a side effect Dynamo replays after the graph; never read in compiled code
@@ -190,7 +221,9 @@ class CodecStream:
         """
         if self.state is None:
             raise RuntimeError("read() before any token was appended")
-        if self.memo is None:
+        if self.codec.stores_raw and not torch.compiler.is_compiling():
+            view = self.state.data.flatten(2, 3)  # the archive holds the tokens themselves: no decode, no copy
+        elif self.memo is None:
             view = torch.ops.flashcodec.read(list(self.state), self.spec, new)
         elif torch.compiler.is_compiling():
             view = self.memo if new is None else overlay_new(self.memo, new, self.state.length)
@@ -250,6 +283,10 @@ class CodecStream:
                 rows[:, :, : keep - reopened] = self.read()[:, :, reopened:keep]
             st.tail.copy_(rows)
             st.start.fill_(reopened)
+            first_open = (reopened - codec.sinks) // codec.group
+            for t in st[:4]:  # the reopened and later groups hold nothing any more
+                if t.numel():
+                    t[:, :, first_open:].zero_()
             self._host_start = reopened
         if keep < codec.sinks:
             st.sink[:, :, keep:].zero_()
@@ -303,8 +340,8 @@ class CodecStream:
         if self.state is not None and keep < min(start, length) and self.crop_mode == "exact" and not self.exact_crop:
             reopened = self._reopened(keep)
             if keep > reopened:
-                raise ValueError(f"crop to {keep} tokens would reopen archived tokens {reopened}..{keep - 1} of a lossy "
-                                 f"codec, which cannot give them back exactly; crop at most "
+                raise ValueError(f"a crop of {length - keep} tokens (to {keep}) would reopen archived tokens "
+                                 f"{reopened}..{keep - 1} of a lossy codec, which cannot give them back exactly; crop at most "
                                  f"{length - max(start, min(length, self.codec.sinks))} tokens here, or build the "
                                  f"cache with crop='decode'")
         return keep
@@ -353,7 +390,10 @@ class CodecStream:
         self.memo, self.memoize, self._memo_owed = None, False, None
 
     def start_memo(self) -> None:
-        """Keep the decoded view from now on (one decode of what is stored; later appends update it)."""
+        """Keep the decoded view from now on (one decode of what is stored; later appends update it). A raw stored form
+        is its own view: nothing to keep."""
+        if self.codec.stores_raw:
+            return
         if self.state is not None and self.memo is None:
             self.memo = torch.ops.flashcodec.read(list(self.state), self.spec)
         self.memoize = True

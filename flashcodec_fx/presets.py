@@ -10,7 +10,9 @@ head_dim (one fp16 scale per token and head; the rotation is what makes one scal
 levels of a Gaussian with a least-squares scale search; keys are centered first (a per-channel mean of the prompt:
 keys carry large channel offsets; values do not, and centering them measured worse). The first ``SINKS`` tokens and
 the newest keys (``window``) stay raw: raw recent keys halve the KL at 3 bits. ``int8``: both streams 8-bit mid-rise
-after the rotation, no raw tokens (8.25 bits/value at head_dim 64).
+after the rotation, no raw tokens (8.25 bits/value at head_dim 64). ``lossless``: every token kept as given (per-token
+jpeg groups, no transform, no quantization: what a raw cache stores, 16 bits/value in bf16); attention reads it
+through the model's own implementation, so its tokens equal an uncompressed run's, and every crop is exact.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _preset(key_bits: int, key_window: int, value_bits: int, value_window: int) 
 _INT8 = {"mode": "jpeg", "block_size": 1, "quant_bits": 8, "levels": "midrise", "rotate": True}
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "lossless": {"mode": "png", "block_size": 8, "keep_ratio": 1.0},
+    "lossless": {"mode": "jpeg", "block_size": 1, "quant_bits": None},
     "int8": {"key_options": dict(_INT8), "value_options": dict(_INT8)},
     "4bit": _preset(4, 28, 4, 4),
     "3bit": _preset(3, 32, 2, 32),

@@ -120,21 +120,28 @@ def output_cache(output):
     return output.cache if hasattr(output, "cache") else output.past_key_values
 
 
-def save_tiny_model(folder, family: str = "llama") -> None:
-    """Save ``fresh_tiny_model(family)`` with an offline character tokenizer (one printable character per id above
-    the pad / bos / unk ids, so any generated id shows as text) to ``folder``, loadable by
-    ``flashcodec_fx.pretrained.load_pretrained(folder)``."""
+def char_tokenizer(vocab_size: int = VOCAB):
+    """An offline character tokenizer for the tiny models: one printable character per id above the pad / bos / unk
+    ids, so any generated id shows as text. Another ``vocab_size`` gives another vocabulary over the same characters
+    (in the opposite id order), for assistants with a different tokenizer."""
     tok = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
-    chars = [c for c in map(chr, range(0x20, 0x250)) if c.isprintable()][: VOCAB - 3]
+    chars = [c for c in map(chr, range(0x20, 0x250)) if c.isprintable()][: vocab_size - 3]
+    if vocab_size != VOCAB:
+        chars = chars[::-1]
     vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2} | {c: i + 3 for i, c in enumerate(chars)}
     backend = tok.Tokenizer(tok.models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = tok.pre_tokenizers.Split("", "isolated")
     backend.decoder = tok.decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>")
+
+
+def save_tiny_model(folder, family: str = "llama") -> None:
+    """Save ``fresh_tiny_model(family)`` with :func:`char_tokenizer` to ``folder``, loadable by
+    ``flashcodec_fx.pretrained.load_pretrained(folder)``."""
     fresh_tiny_model(family).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                            bos_token="<s>").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

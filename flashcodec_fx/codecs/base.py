@@ -86,6 +86,12 @@ class Codec:
         return 0
 
     @property
+    def stores_raw(self) -> bool:
+        """Whether the archive holds every token as given, in the stream dtype, at its position (no transform, no
+        quantization, no sinks or window): the archive is then the decoded view itself."""
+        return False
+
+    @property
     def dense_rows(self) -> int:
         """Rows ``R`` of the dense ``S`` of a block in ``X = A @ S`` (after dequantization / index scatter)."""
         return self.rows

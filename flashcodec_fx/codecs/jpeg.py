@@ -148,6 +148,11 @@ class JPEGCodec(Codec):
                      f"sinks={self.sinks};window={self.window}")
         return ";".join(parts)
 
+    @property
+    def stores_raw(self) -> bool:
+        return self.block_size == 1 and self.quantizer is None and self.rotate is None and not self.center \
+            and not self.sinks and not self.window
+
     def check_head_dim(self, head_dim: int) -> None:
         if self.quantizer is not None:
             check_head_dim(head_dim)

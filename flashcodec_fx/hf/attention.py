@@ -116,6 +116,9 @@ def _attend(module: torch.nn.Module, delegate: Callable, layer: Any, decode: boo
         layer.attention_bound = True
         _served[module] = weakref.ref(layer)
         return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if layer.stores_raw:  # the stored form is the tokens themselves: the model's own attention reads it, exactly
+        key_view, value_view = layer.read_view((key, value))
+        return delegate(module, query, key_view, value_view, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     reason = _unsupported(query, attention_mask, dropout, layer, kwargs)
     if reason is not None:
         if layer.strict:

@@ -135,15 +135,23 @@ class FlashCodecLayer(CacheLayerMixin):
         return self.codec_cache.values
 
     @property
+    def stores_raw(self) -> bool:
+        """Both streams keep every token as given (the ``lossless`` preset): attention reads the stored form through
+        the model's own implementation, the archive being the view (no copy), so tokens equal an uncompressed run's."""
+        return self.keys_stream.codec.stores_raw and self.values_stream.codec.stores_raw
+
+    @property
     def capacity(self) -> int:
         """Static layout: positions the views span (>= ``max_cache_len``)."""
         return self.keys_stream.positions
 
     @property
     def is_croppable(self) -> bool:
-        """Whether ``crop`` can put this layer back as it was: lossless codecs, or ``crop="decode"`` (reopened tokens
-        come back as attention read them); lossy codecs crop exactly only inside their raw tail."""
-        return all(s.crop_mode == "decode" or s.exact_crop for s in (self.keys_stream, self.values_stream))
+        """Whether every ``crop`` puts this layer back as it was (assisted and prompt-lookup decoding crop their
+        rejected draft tokens, of any count): both streams :attr:`~flashcodec_fx.CodecStream.croppable` (per-token
+        codecs, every preset; exact reopening; ``crop="decode"``). Block codecs crop exactly inside their raw tail
+        only: a crop that would reopen an archived group raises, naming its depth, and changes nothing."""
+        return self.keys_stream.croppable and self.values_stream.croppable
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate both streams for states shaped like these ``(B, H, T, D)`` (``T`` may be 0: transformers'
@@ -188,8 +196,8 @@ class FlashCodecLayer(CacheLayerMixin):
         if self._offloaded is not None:  # not prefetched (a call outside Cache.update's order): bring it back now
             self.prefetch()
         first_fill = self.keys_stream.get_seq_length() == 0
-        if self.materialization_free and not first_fill and not self.attention_bound:
-            self._fall_back_to_view()
+        if self.unserved:
+            fall_back_to_view([self])
         stored_k, stored_v = key_states, value_states
         if keep is not None:
             mask = keep[:, None, :, None]
@@ -225,13 +233,14 @@ class FlashCodecLayer(CacheLayerMixin):
                              f"view)")
         self.codec_cache.check_new(key_states, value_states)
 
-    def _fall_back_to_view(self) -> None:
-        reason = ("this layer attends on the stored form, but the 'kvcodec' attention function did not serve its "
-                  "prefill: install it with apply_flash_codec(model) or apply_codec_attention(model)")
-        if self.strict:
-            raise RuntimeError(reason)
-        warnings.warn(f"{reason}; this layer attends on the decoded view from now on (kept as a memo)",
-                      MaterializationFreeFallback, stacklevel=3)
+    @property
+    def unserved(self) -> bool:
+        """This layer was to attend on its stored form, holds tokens, and the ``"kvcodec"`` attention function did not
+        serve its prefill: the model does not use that function (see :func:`fall_back_to_view`)."""
+        return self.materialization_free and not self.attention_bound and self.keys_stream.get_seq_length() > 0
+
+    def use_view(self) -> None:
+        """Attend on the decoded view from now on, kept as a memo (a raw stored form is its own view: no memo)."""
         self.materialization_free = False
         self.codec_cache.keys.start_memo()
         self.codec_cache.values.start_memo()
@@ -376,12 +385,32 @@ class FlashCodecLayer(CacheLayerMixin):
         return 0 if tail is None else self.cached_values() * tail.element_size()
 
 
+def fall_back_to_view(layers: list[FlashCodecLayer]) -> None:
+    """``layers`` were to attend on their stored form, but the model does not use the ``"kvcodec"`` attention
+    function: they attend on their decoded views from now on, with one ``MaterializationFreeFallback`` warning for
+    all of them (the memory it costs, and the fix); ``strict=True`` raises instead, before anything changes."""
+    coded = [layer for layer in layers if not layer.stores_raw]
+    reason = (f"{len(coded)} FlashCodecCache layer(s) were to attend on the stored form, but the model does not use the "
+              f"'kvcodec' attention function: install it with apply_flash_codec(model) or apply_codec_attention(model)")
+    if any(layer.strict for layer in coded):
+        raise RuntimeError(reason)
+    if coded:
+        warnings.warn(f"{reason}. They attend on the decoded view from now on, which each keeps as a full-precision "
+                      f"memo beside its codes: this cache now holds more than an uncompressed DynamicCache",
+                      MaterializationFreeFallback, stacklevel=4)
+    for layer in layers:
+        layer.use_view()
+
+
 class FlashCodecSlidingLayer(FlashCodecLayer):
     """A sliding-window layer whose K and V live in codec streams, as a ring: archive groups that every later query
     has left behind (wholly before ``position - sliding_window + 1``) are dropped, so storage stays bounded by the
     window plus one group of each stream plus the tail, whatever the length. The dynamic layout only (a static
     FlashCodecCache keeps sliding layers native), codecs without sinks (sink tokens leave the window too). Positions
-    are absolute to transformers (``get_seq_length``, ``get_mask_sizes``' offset), relative inside the streams."""
+    are absolute to transformers (``get_seq_length``, ``get_mask_sizes``' offset), relative inside the streams.
+    ``activate_past_recording()`` (transformers' assisted decoding calls it, as for its own sliding layers): nothing is
+    dropped until the next ``crop``, which drops what leaves the window at the cropped length, so a rollback of any
+    depth since the last crop finds every position it needs."""
 
     is_sliding = True
 
@@ -398,15 +427,24 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         super().__init__(key_codec, value_codec, layout, **layer_kwargs)
         self.sliding_window = sliding_window
         self.dropped = 0  # positions forgotten at the front (a multiple of the drop unit)
+        self.record_past = False
         self._unit = math.lcm(key_codec.group, value_codec.group)
 
     def __repr__(self) -> str:
         return f"FlashCodecSlidingLayer(window={self.sliding_window}, keys={self.keys_stream.codec!r}, " \
                f"values={self.values_stream.codec!r})"
 
+    def activate_past_recording(self) -> None:
+        """Keep every position until the next :meth:`crop` (see the class docstring)."""
+        self.record_past = True
+
     def _drop_target(self) -> int:
-        """Positions forgotten before the next call: whole units below the first position a later query can see,
-        and archived in both streams. ``get_mask_sizes`` (before ``update``) and ``update`` agree on it."""
+        """Positions forgotten before the next call (none more while recording the past). ``get_mask_sizes`` (before
+        ``update``) and ``update`` agree on it."""
+        return self.dropped if self.record_past else self._window_target()
+
+    def _window_target(self) -> int:
+        """Whole units below the first position a later query can see, and archived in both streams."""
         seen = self.get_seq_length()
         visible = max(0, seen - self.sliding_window + 1)
         archived = self.dropped + min(self.keys_stream.archived_tokens, self.values_stream.archived_tokens)
@@ -423,7 +461,9 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
 
     def slide(self) -> None:
         """Drop the archive groups no later query can see (what ``update`` does before it appends)."""
-        target = self._drop_target()
+        self._drop_to(self._drop_target())
+
+    def _drop_to(self, target: int) -> None:
         if target > self.dropped:
             for stream in (self.keys_stream, self.values_stream):
                 stream.drop_front(target - self.dropped)
@@ -439,6 +479,8 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         """The streams' crop argument for ``crop(tokens_to_remove)`` (positions relative to the ring); raises where
         the ring has dropped positions that the crop would need back."""
         tokens_to_remove = crop_count(tokens_to_remove)
+        if tokens_to_remove == 0:
+            return 0
         seen = self.get_seq_length()
         keep = max(0, seen + tokens_to_remove) if tokens_to_remove < 0 else min(tokens_to_remove, seen)
         if keep < self.dropped:
@@ -448,8 +490,11 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         return keep - seen if keep < seen else 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """As :meth:`FlashCodecLayer.crop`; positions the ring has dropped cannot come back (ValueError)."""
+        """As :meth:`FlashCodecLayer.crop`; positions the ring has dropped cannot come back (ValueError). While
+        recording the past, the ring then drops what the cropped length leaves outside the window."""
         super().crop(self._stream_crop(tokens_to_remove))
+        if self.record_past:
+            self._drop_to(self._window_target())
 
     def check_crop(self, tokens_to_remove: int) -> None:
         super().check_crop(self._stream_crop(tokens_to_remove))
@@ -575,6 +620,16 @@ class FlashCodecCache(Cache):
             raise ValueError("config must be a transformers PreTrainedConfig, got None")
         return cls(config=config, **options)
 
+    def check_model(self, config: Any) -> None:
+        """Raise ``ValueError`` (naming both layer counts) when this cache holds another number of layers than the model
+        of ``config`` runs; a cache built without a layer count grows to any model."""
+        if self.layer_class_to_replicate is not None:
+            return
+        want = len(_layer_types(config)[0])
+        if want != len(self.layers):
+            raise ValueError(f"this FlashCodecCache holds {len(self.layers)} layers, the model runs {want}: build the "
+                             f"cache from this model's config (FlashCodecCache.from_config(model.config, ...))")
+
     @property
     def codec_layers(self) -> list[int]:
         """Indices of the layers that carry a codec."""
@@ -610,8 +665,14 @@ class FlashCodecCache(Cache):
         if self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"update(layer_idx={layer_idx}): this FlashCodecCache holds {len(self.layers)} layers (built "
+                             f"for a model with {len(self.layers)}); the model calling it has more: build the cache from "
+                             f"this model's config (FlashCodecCache.from_config(model.config, ...))")
         layer = self.layers[layer_idx]
         compiling = torch.compiler.is_compiling()
+        if isinstance(layer, FlashCodecLayer) and layer.unserved and not compiling:
+            fall_back_to_view([other for other in self.layers if isinstance(other, FlashCodecLayer) and other.unserved])
         if isinstance(layer, FlashCodecLayer) and self._padding_mask is not None and not compiling:
             kwargs = {**kwargs, "keep": self._keep_mask(layer, key_states)}
         if not self.offloading:

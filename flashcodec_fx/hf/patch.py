@@ -88,6 +88,7 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
             cache.activate_past_recording()
         model_kwargs[name] = cache
     if isinstance(cache, FlashCodecCache):
+        cache.check_model(model.config)
         cache.set_padding_mask(model_kwargs.get("attention_mask"))
 
 
