@@ -1,0 +1,143 @@
+"""The lossless stored form of a tensor: a reversible plane transform (:mod:`.planes`), then a byte coder per plane
+(:mod:`.entropy`). Exact, bitwise, for every dtype and bit pattern; a blob describes itself (dtype, shape, transform,
+planes), so it can be kept or moved on its own.
+
+Named methods (what ``FlashCodecCache.save(path, compression=...)`` takes, one per file):
+
+========  =============================================================================================================
+method    float tensors (bf16 / fp16 / fp32)                              other tensors (codes, ints)
+========  =============================================================================================================
+``raw``   as they are                                                     as they are
+``zstd``  ``"fields"`` planes (exponent, sign + mantissa), zstd each      zstd of the bytes
+``ppmd``  ``"expsign"`` planes: (exponent, sign) symbols by PPMd order 2  zstd of the bytes
+          (the channel's two previous tokens as context), mantissa zstd
+========  =============================================================================================================
+
+A plane that its coder does not shrink is kept raw. ``ppmd`` takes the ``"fields"`` planes for a tensor with more than
+256 (exponent, sign) pairs. Which method wins where: ``benchmarks/bench_lossless.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from . import entropy, planes
+
+METHODS = ("raw", "zstd", "ppmd")
+MAGIC = b"FCLS"
+VERSION = 1
+_HEAD = struct.Struct("<4sBI")  # magic, version, JSON header length
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.bool)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"tensor dtype must be one of {sorted(DTYPES)}, got {dtype}")
+    return name
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"compression must be one of {METHODS}, got {method!r}")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    transform: str | None  # None: the tensor's bytes as one plane
+    coders: tuple[str, ...]
+
+
+def _plan(x: torch.Tensor, method: str) -> _Plan:
+    float_planes = x.dtype in planes.FLOAT_BITS and x.dim() >= 2 and x.numel() > 0
+    if method == "raw" or not float_planes:
+        return _Plan(None, ("raw" if method == "raw" else "zstd",))
+    if method == "ppmd" and planes.fits_expsign(x):
+        n = planes.plane_count("expsign", x.dtype)
+        return _Plan("expsign", ("ppmd",) + ("zstd",) * (n - 1))
+    return _Plan("fields", ("zstd",) * planes.plane_count("fields", x.dtype))
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def encode(x: torch.Tensor, method: str = "ppmd") -> bytes:
+    """``x`` (any shape, a dtype of :data:`DTYPES`, moved to the CPU) -> its lossless blob."""
+    check_method(method)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    x = x.detach().cpu().contiguous()
+    header = {"dtype": dtype_name(x.dtype), "shape": list(x.shape)}
+    plan = _plan(x, method)
+    if plan.transform is None:
+        raw_planes, table = [_bytes(x.reshape(-1))], torch.zeros(0, dtype=torch.int16)
+    else:
+        split, table = planes.split(x, plan.transform)
+        raw_planes = [_bytes(p) for p in split]
+    payload, described = [], []
+    for data, coder in zip(raw_planes, plan.coders, strict=True):
+        coded = entropy.compress(data, coder)
+        if len(coded) >= len(data):
+            coded, coder = data, "raw"
+        payload.append(coded)
+        described.append({"coder": coder, "size": len(data), "stored": len(coded)})
+    header.update(transform=plan.transform, table=table.tolist(), planes=described)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join([_HEAD.pack(MAGIC, VERSION, len(text)), text, *payload])
+
+
+def _header(blob: bytes) -> tuple[dict, int]:
+    if len(blob) < _HEAD.size:
+        raise ValueError(f"not a lossless blob: {len(blob)} bytes, shorter than its {_HEAD.size}-byte head")
+    magic, version, size = _HEAD.unpack_from(blob)
+    if magic != MAGIC:
+        raise ValueError(f"not a lossless blob: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ValueError(f"lossless blob version {version}; this flashcodec_fx reads version {VERSION}")
+    try:
+        header = json.loads(blob[_HEAD.size:_HEAD.size + size])
+        dtype, shape = DTYPES[header["dtype"]], tuple(int(s) for s in header["shape"])
+        described = [(p["coder"], int(p["size"]), int(p["stored"])) for p in header["planes"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"damaged lossless blob header: {err}") from None
+    return {**header, "dtype": dtype, "shape": shape, "planes": described}, _HEAD.size + size
+
+
+def decode(blob: bytes) -> torch.Tensor:
+    """Inverse of :func:`encode` (a CPU tensor); ``ValueError`` on a damaged or truncated blob."""
+    header, offset = _header(bytes(blob))
+    dtype, shape, transform = header["dtype"], header["shape"], header["transform"]
+    stored = sum(s for _, _, s in header["planes"])
+    if len(blob) != offset + stored:
+        raise ValueError(f"lossless blob of {len(blob)} bytes, its header describes {offset + stored}")
+    data = []
+    for coder, size, length in header["planes"]:
+        data.append(entropy.decompress(blob[offset:offset + length], coder, size))
+        offset += length
+    if transform is None:
+        flat = torch.frombuffer(bytearray(data[0]), dtype=torch.uint8) if data[0] else torch.zeros(0, dtype=torch.uint8)
+        if flat.numel() != _count(shape) * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"lossless blob holds {flat.numel()} bytes for a {dtype} tensor of shape {shape}")
+        return flat.view(dtype).reshape(shape)
+    plane_shape = (*shape[:-2], shape[-1], shape[-2])
+    rows = []
+    for chunk in data:
+        if len(chunk) != _count(plane_shape):
+            raise ValueError(f"lossless blob plane of {len(chunk)} bytes for planes of shape {plane_shape}")
+        rows.append(torch.frombuffer(bytearray(chunk), dtype=torch.uint8).reshape(plane_shape))
+    table = torch.tensor(header["table"], dtype=torch.int16)
+    return planes.join(rows, transform, dtype, table)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
