@@ -1,6 +1,7 @@
 """The lossless stored form of a tensor: a reversible plane transform (:mod:`.planes`), then a byte coder per plane
-(:mod:`.entropy`). Exact, bitwise, for every dtype and bit pattern; a blob describes itself (dtype, shape, transform,
-planes), so it can be kept or moved on its own.
+(:mod:`.entropy`). Exact, bitwise, for every dtype and bit pattern. A blob describes itself (dtype, shape, transform,
+planes; the sha256 of the header and of each coded plane, checked before any decoder reads them), so it can be kept
+or moved on its own.
 
 Named methods (what ``FlashCodecCache.save(path, compression=...)`` takes, one per file):
 
@@ -19,6 +20,7 @@ A plane that its coder does not shrink is kept raw. ``ppmd`` takes the ``"fields
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from . import entropy, planes
 METHODS = ("raw", "zstd", "ppmd")
 MAGIC = b"FCLS"
 VERSION = 1
-_HEAD = struct.Struct("<4sBI")  # magic, version, JSON header length
+_HEAD = struct.Struct("<4sBI32s")  # magic, version, JSON header length, the header's sha256
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
     torch.int64, torch.bool)}
@@ -87,39 +89,50 @@ def encode(x: torch.Tensor, method: str = "ppmd") -> bytes:
         if len(coded) >= len(data):
             coded, coder = data, "raw"
         payload.append(coded)
-        described.append({"coder": coder, "size": len(data), "stored": len(coded)})
+        described.append({"coder": coder, "size": len(data), "stored": len(coded),
+                          "sha256": hashlib.sha256(coded).hexdigest()})
     header.update(transform=plan.transform, table=table.tolist(), planes=described)
     text = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join([_HEAD.pack(MAGIC, VERSION, len(text)), text, *payload])
+    return b"".join([_HEAD.pack(MAGIC, VERSION, len(text), hashlib.sha256(text).digest()), text, *payload])
 
 
 def _header(blob: bytes) -> tuple[dict, int]:
     if len(blob) < _HEAD.size:
         raise ValueError(f"not a lossless blob: {len(blob)} bytes, shorter than its {_HEAD.size}-byte head")
-    magic, version, size = _HEAD.unpack_from(blob)
+    magic, version, size, sha = _HEAD.unpack_from(blob)
     if magic != MAGIC:
         raise ValueError(f"not a lossless blob: magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise ValueError(f"lossless blob version {version}; this flashcodec_fx reads version {VERSION}")
+    text = blob[_HEAD.size:_HEAD.size + size]
+    if hashlib.sha256(text).digest() != sha:
+        raise ValueError("damaged or truncated lossless blob: its header's sha256 does not match")
     try:
-        header = json.loads(blob[_HEAD.size:_HEAD.size + size])
+        header = json.loads(text)
         dtype, shape = DTYPES[header["dtype"]], tuple(int(s) for s in header["shape"])
-        described = [(p["coder"], int(p["size"]), int(p["stored"])) for p in header["planes"]]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"damaged lossless blob header: {err}") from None
-    return {**header, "dtype": dtype, "shape": shape, "planes": described}, _HEAD.size + size
+        described = [(str(p["coder"]), int(p["size"]), int(p["stored"]), str(p["sha256"])) for p in header["planes"]]
+        transform, table = header["transform"], [int(v) for v in header["table"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"damaged lossless blob header: {err!r}") from None
+    if transform not in (None, *planes.TRANSFORMS) or min(shape, default=0) < 0:
+        raise ValueError(f"damaged lossless blob header: transform {transform!r}, shape {shape}")
+    return {"dtype": dtype, "shape": shape, "planes": described, "transform": transform, "table": table}, \
+        _HEAD.size + size
 
 
 def decode(blob: bytes) -> torch.Tensor:
     """Inverse of :func:`encode` (a CPU tensor); ``ValueError`` on a damaged or truncated blob."""
     header, offset = _header(bytes(blob))
     dtype, shape, transform = header["dtype"], header["shape"], header["transform"]
-    stored = sum(s for _, _, s in header["planes"])
+    stored = sum(s for _, _, s, _ in header["planes"])
     if len(blob) != offset + stored:
         raise ValueError(f"lossless blob of {len(blob)} bytes, its header describes {offset + stored}")
     data = []
-    for coder, size, length in header["planes"]:
-        data.append(entropy.decompress(blob[offset:offset + length], coder, size))
+    for coder, size, length, sha in header["planes"]:
+        coded = blob[offset:offset + length]
+        if hashlib.sha256(coded).hexdigest() != sha:  # checked before a decoder sees damaged input
+            raise ValueError(f"damaged lossless blob: a {coder} plane's sha256 does not match its header")
+        data.append(entropy.decompress(coded, coder, size))
         offset += length
     if transform is None:
         flat = torch.frombuffer(bytearray(data[0]), dtype=torch.uint8) if data[0] else torch.zeros(0, dtype=torch.uint8)
