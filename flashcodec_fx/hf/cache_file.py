@@ -166,12 +166,12 @@ def _check_model(header: dict[str, Any], config: Any, model: torch.nn.Module | N
         shown = "; ".join(f"{k}: file {saved.get(k)!r}, model {have.get(k)!r}" for k in differ[:6])
         raise ValueError(f"{path}: the cache was saved for another model config ({len(differ)} fields differ: "
                          f"{shown})")
-    if model is not None and header["weights"] is not None and weights_digest(model) != header["weights"]:
-        raise ValueError(f"{path}: the cache was saved for a model with other weights (same config, weights digest "
-                         f"differs)")
     dtypes = {layer["dtype"] for layer in header["layers"] if layer["kind"] == "codec" and layer["dtype"]}
     if model is not None and dtypes and dtypes != {str(model.dtype).removeprefix("torch.")}:
         raise ValueError(f"{path}: the cache holds {sorted(dtypes)} K/V, the model runs in {model.dtype}")
+    if model is not None and header["weights"] is not None and weights_digest(model) != header["weights"]:
+        raise ValueError(f"{path}: the cache was saved for a model with other weights (same config, weights digest "
+                         f"differs)")
 
 
 def _options(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
