@@ -5,17 +5,15 @@ or moved on its own.
 
 Named methods (what ``FlashCodecCache.save(path, compression=...)`` takes, one per file):
 
-========  =============================================================================================================
-method    float tensors (bf16 / fp16 / fp32)                              other tensors (codes, ints)
-========  =============================================================================================================
-``raw``   as they are                                                     as they are
-``zstd``  ``"fields"`` planes (exponent, sign + mantissa), zstd each      zstd of the bytes
-``ppmd``  ``"expsign"`` planes: (exponent, sign) symbols by PPMd order 2  zstd of the bytes
-          (the channel's two previous tokens as context), mantissa zstd
-========  =============================================================================================================
+- ``raw``: the bytes as they are;
+- ``zstd``: float tensors (bf16 / fp16 / fp32) split into planes by :data:`TRANSFORM` (bf16 and fp32: (exponent, sign)
+  symbols and mantissa bytes; fp16: its two bytes), zstd on each; other tensors (codes, ints): zstd of the bytes;
+- ``ppmd``: the same planes, PPMd order 2 on the plane holding the exponent (the channel's two previous tokens as
+  context), zstd on the others: the smallest, and the slowest.
 
-A plane that its coder does not shrink is kept raw. ``ppmd`` takes the ``"fields"`` planes for a tensor with more than
-256 (exponent, sign) pairs. Which method wins where: ``benchmarks/bench_lossless.py``.
+A plane that its coder does not shrink is kept raw; a plane PPMd cannot round-trip (:class:`.entropy.RoundTripError`)
+is coded by zstd. A tensor with more than 256 (exponent, sign) pairs takes the ``"fields"`` planes. The header records
+the transform and every plane's coder. Which method wins where: ``benchmarks/bench_lossless.py``.
 """
 
 from __future__ import annotations
@@ -23,13 +21,15 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
 
 import torch
 
 from . import entropy, planes
 
 METHODS = ("raw", "zstd", "ppmd")
+# the transform per dtype that codes smallest on real K/V (benchmarks/results/lossless.json): fp16 keeps its high
+# byte (sign, exponent, two mantissa bits) whole; bf16 and fp32 code (exponent, sign) symbols
+TRANSFORM = {torch.bfloat16: "expsign", torch.float32: "expsign", torch.float16: "bytes"}
 MAGIC = b"FCLS"
 VERSION = 1
 _HEAD = struct.Struct("<4sBI32s")  # magic, version, JSON header length, the header's sha256
@@ -50,20 +50,28 @@ def check_method(method: str) -> None:
         raise ValueError(f"compression must be one of {METHODS}, got {method!r}")
 
 
-@dataclass(frozen=True)
-class _Plan:
-    transform: str | None  # None: the tensor's bytes as one plane
-    coders: tuple[str, ...]
+def _split(x: torch.Tensor) -> tuple[str | None, list[bytes], torch.Tensor]:
+    """``(transform, plane bytes, pair table)`` of ``x``: its bytes as one plane unless a float tensor of 2+ dims."""
+    none = torch.zeros(0, dtype=torch.int16)
+    if x.dtype not in planes.FLOAT_BITS or x.dim() < 2 or x.numel() == 0:
+        return None, [_bytes(x.reshape(-1))], none
+    transform = TRANSFORM[x.dtype]
+    try:
+        parts, table = planes.split(x, transform)
+    except planes.TooManyPairs:
+        transform = "fields"
+        parts, table = planes.split(x, transform)
+    return transform, [_bytes(p) for p in parts], table
 
 
-def _plan(x: torch.Tensor, method: str) -> _Plan:
-    float_planes = x.dtype in planes.FLOAT_BITS and x.dim() >= 2 and x.numel() > 0
-    if method == "raw" or not float_planes:
-        return _Plan(None, ("raw" if method == "raw" else "zstd",))
-    if method == "ppmd" and planes.fits_expsign(x):
-        n = planes.plane_count("expsign", x.dtype)
-        return _Plan("expsign", ("ppmd",) + ("zstd",) * (n - 1))
-    return _Plan("fields", ("zstd",) * planes.plane_count("fields", x.dtype))
+def _coders(transform: str | None, count: int, method: str) -> list[str]:
+    """The coder of each plane: ``method`` on the plane holding the exponent, zstd on the others."""
+    if method == "raw":
+        return ["raw"] * count
+    coders = ["zstd"] * count
+    if transform is not None:
+        coders[-1 if transform == "bytes" else 0] = method
+    return coders
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -77,21 +85,22 @@ def encode(x: torch.Tensor, method: str = "ppmd") -> bytes:
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     x = x.detach().cpu().contiguous()
     header = {"dtype": dtype_name(x.dtype), "shape": list(x.shape)}
-    plan = _plan(x, method)
-    if plan.transform is None:
-        raw_planes, table = [_bytes(x.reshape(-1))], torch.zeros(0, dtype=torch.int16)
+    if method == "raw":
+        transform, raw_planes, table = None, [_bytes(x.reshape(-1))], torch.zeros(0, dtype=torch.int16)
     else:
-        split, table = planes.split(x, plan.transform)
-        raw_planes = [_bytes(p) for p in split]
+        transform, raw_planes, table = _split(x)
     payload, described = [], []
-    for data, coder in zip(raw_planes, plan.coders, strict=True):
-        coded = entropy.compress(data, coder)
+    for data, coder in zip(raw_planes, _coders(transform, len(raw_planes), method), strict=True):
+        try:
+            coded = entropy.compress(data, coder)
+        except entropy.RoundTripError:  # recorded in the header: the plane is zstd, exact all the same
+            coded, coder = entropy.compress(data, "zstd"), "zstd"
         if len(coded) >= len(data):
             coded, coder = data, "raw"
         payload.append(coded)
         described.append({"coder": coder, "size": len(data), "stored": len(coded),
                           "sha256": hashlib.sha256(coded).hexdigest()})
-    header.update(transform=plan.transform, table=table.tolist(), planes=described)
+    header.update(transform=transform, table=table.tolist(), planes=described)
     text = json.dumps(header, separators=(",", ":")).encode()
     return b"".join([_HEAD.pack(MAGIC, VERSION, len(text), hashlib.sha256(text).digest()), text, *payload])
 

@@ -80,12 +80,19 @@ def _exp_sign(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (((words >> mant_bits) & ((1 << exp_bits) - 1)) << 1) | (words >> (exp_bits + mant_bits))
 
 
+class TooManyPairs(ValueError):
+    """``"expsign"`` on a tensor with more than 256 distinct (exponent, sign) pairs (they do not fit a byte)."""
+
+
+def _pairs_present(pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    present = torch.bincount(pairs.reshape(-1), minlength=1 << (FLOAT_BITS[dtype][0] + 1)) > 0
+    return present.nonzero().reshape(-1).to(torch.int16)
+
+
 def pair_table(x: torch.Tensor) -> torch.Tensor:
     """The sorted (exponent, sign) pairs present in ``x`` (``exponent * 2 + sign``, int16)."""
     check_transform("expsign", x.dtype)
-    pairs = _exp_sign(_words(x), x.dtype).reshape(-1)
-    present = torch.bincount(pairs, minlength=1 << (FLOAT_BITS[x.dtype][0] + 1)) > 0
-    return present.nonzero().reshape(-1).to(torch.int16)
+    return _pairs_present(_exp_sign(_words(x), x.dtype), x.dtype)
 
 
 def fits_expsign(x: torch.Tensor) -> bool:
@@ -105,7 +112,7 @@ def plane_count(transform: str, dtype: torch.dtype) -> int:
 
 def split(x: torch.Tensor, transform: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``x (..., S, D)`` float -> (byte planes, each ``(..., D, S)`` uint8; the pair table of ``"expsign"``, else an
-    empty int16 tensor). Raises ``ValueError`` for ``"expsign"`` when ``x`` has over 256 (exponent, sign) pairs."""
+    empty int16 tensor). Raises :class:`TooManyPairs` for ``"expsign"`` when ``x`` has over 256 (exponent, sign) pairs."""
     check_transform(transform, x.dtype)
     if x.dim() < 2:
         raise ValueError(f"x must be (..., S, D) with at least 2 dims, got shape {tuple(x.shape)}")
@@ -122,12 +129,14 @@ def split(x: torch.Tensor, transform: str) -> tuple[list[torch.Tensor], torch.Te
         exponent = (words >> mant_bits) & ((1 << exp_bits) - 1)
         sign_mantissa = ((words >> (exp_bits + mant_bits)) << mant_bits) | mantissa
         return [exponent.to(torch.uint8), *_byte_planes(sign_mantissa, -(-(mant_bits + 1) // 8))], none
-    table = pair_table(x)
+    pairs = _exp_sign(words, x.dtype)
+    table = _pairs_present(pairs, x.dtype)
     if table.numel() > 256:
-        raise ValueError(f"transform 'expsign' needs at most 256 distinct (exponent, sign) pairs, x has {table.numel()}")
+        raise TooManyPairs(f"transform 'expsign' needs at most 256 distinct (exponent, sign) pairs, x has "
+                           f"{table.numel()}")
     lookup = torch.zeros(1 << (exp_bits + 1), dtype=torch.uint8)
     lookup[table.long()] = torch.arange(table.numel(), dtype=torch.uint8)
-    symbols = lookup[_exp_sign(words, x.dtype).long()]
+    symbols = lookup[pairs]
     return [symbols, *_byte_planes(mantissa, -(-mant_bits // 8))], table
 
 

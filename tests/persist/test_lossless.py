@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_planes import FLOATS, random_bits, same_bits, shapes
 
-from flashcodec_fx.persist import lossless
+from flashcodec_fx.persist import entropy, lossless
 
 OTHER = (torch.uint8, torch.int64, torch.bool)
 
@@ -63,6 +63,19 @@ def test_truncated_blob_is_refused(cut):
         lossless.decode(blob[:cut])
 
 
+def plane_transform(blob: bytes) -> str | None:
+    return lossless._header(blob)[0]["transform"]
+
+
+def test_each_dtype_takes_its_transform_and_many_exponents_take_fields():
+    for dtype, transform in lossless.TRANSFORM.items():
+        assert plane_transform(lossless.encode(kv_like(dtype), "zstd")) == transform
+    wide = torch.tensor([2.0 ** e for e in range(-126, 128)] + [-(2.0 ** e) for e in range(-126, -100)]).reshape(-1, 2)
+    blob = lossless.encode(wide, "ppmd")
+    assert plane_transform(blob) == "fields" and same_bits(lossless.decode(blob), wide)
+    assert plane_transform(lossless.encode(torch.arange(6).reshape(2, 3), "zstd")) is None  # ints: their bytes
+
+
 def test_bad_method_names_the_allowed_values():
     with pytest.raises(ValueError, match="compression must be one of"):
         lossless.encode(torch.zeros(2, 2), "lz4")
@@ -70,3 +83,15 @@ def test_bad_method_names_the_allowed_values():
         lossless.encode([1.0, 2.0], "zstd")
     with pytest.raises(TypeError, match="dtype must be one of"):
         lossless.encode(torch.zeros(2, dtype=torch.complex64), "zstd")
+
+
+def test_a_plane_ppmd_cannot_round_trip_is_coded_by_zstd(monkeypatch):
+    """pyppmd 1.x does not give every input back: the coder checks, and the plane falls back to zstd, exactly."""
+    x = kv_like(torch.bfloat16)
+    monkeypatch.setattr(entropy, "_ppmd_decompress", lambda blob: None)
+    with pytest.raises(entropy.RoundTripError, match="does not give"):
+        entropy.compress(b"abc" * 100, "ppmd")
+    blob = lossless.encode(x, "ppmd")
+    monkeypatch.undo()
+    assert lossless._header(blob)[0]["planes"][0][0] == "zstd"
+    assert same_bits(lossless.decode(blob), x)
