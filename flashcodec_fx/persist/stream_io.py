@@ -2,8 +2,10 @@
 
 Exported: the filled archive groups of ``data`` / ``scale`` / ``zero`` / ``index`` (the unused capacity is not
 stored), ``mean``, ``sink``, ``tail``, ``length``, ``start`` (the fields of ``ops/state.py``), and the host side (codec
-spec, layout, lengths, allocated groups). A memo is not stored: an imported stream that keeps one decodes it again.
-Import validates everything against the stream's codec before it changes anything.
+spec, layout, lengths, allocated groups). A lossless png archive is exported as the tokens it encodes (``tokens``, in
+the stream dtype) where encoding them gives back the archive bitwise (checked at export): half the bytes of its fp32
+deltas, and what the lossless coders code best; import encodes them again. A memo is not stored: an imported stream
+that keeps one decodes it again. Import validates everything against the stream's codec before it changes anything.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from .. import ops
 from ..cache import CodecStream
+from ..codecs import PNG
 from ..ops.state import StreamState, check_state
 from .lossless import dtype_name
 
@@ -31,10 +34,30 @@ def export_stream(stream: CodecStream) -> tuple[dict[str, torch.Tensor], dict[st
     filled = max(0, stream.archived_tokens - codec.sinks) // codec.group
     tensors = {name: getattr(st, name)[:, :, :filled] for name in ARCHIVE_FIELDS}
     tensors.update({name: getattr(st, name) for name in StreamState._fields[4:]})
+    tokens = _archived_tokens(stream, filled)
+    if tokens is not None:  # the archive as the tokens it rebuilds from, bitwise (lossless png: half the bytes)
+        del tensors["data"]
+        tensors["tokens"] = tokens
+    described.update(archive="tokens" if tokens is not None else "state")
     described.update(length=length, start=int(stream._host_start), filled_groups=filled,
                      allocated_groups=int(st.data.shape[2]), dtype=dtype_name(st.tail.dtype),
                      shape=list(st.tail.shape[:2]) + [int(st.tail.shape[3])])
     return tensors, described
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def _archived_tokens(stream: CodecStream, filled: int) -> torch.Tensor | None:
+    """``(B, H, filled * G, D)``: the archived tokens in the stream dtype, when encoding them gives back this archive
+    bitwise (lossless png: checked here), else None. Stored in place of the fp32 deltas, they take half the bytes."""
+    codec, st = stream.codec, stream.state
+    if codec.mode != PNG or codec.pruned or filled == 0:
+        return None
+    tokens = stream.read()[:, :, codec.sinks: codec.sinks + filled * codec.group].contiguous()
+    return tokens if _same_bits(codec.encode(tokens).data, st.data[:, :, :filled]) else None
 
 
 def _check_description(name: str, stream: CodecStream, described: dict[str, Any]) -> None:
@@ -53,10 +76,14 @@ def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tenso
     _check_description(name, stream, described)
     if not described["initialized"]:
         return None
+    codec, filled = stream.codec, int(described["filled_groups"])
+    if described.get("archive") == "tokens":
+        if "tokens" not in tensors or codec.mode != PNG:
+            raise ValueError(f"{name}: an archive stored as tokens needs a 'tokens' tensor and a png codec")
+        tensors = {**tensors, "data": codec.encode(tensors["tokens"].to(device)).data}
     missing = sorted(set(StreamState._fields) - set(tensors))
     if missing:
         raise ValueError(f"{name}: tensors {missing} missing from the file")
-    codec, filled = stream.codec, int(described["filled_groups"])
     groups = stream._groups_for(stream.positions) if stream.layout == "static" else int(described["allocated_groups"])
     if not 0 <= filled <= groups:
         raise ValueError(f"{name}: {filled} filled archive groups do not fit the {groups} this stream allocates")
