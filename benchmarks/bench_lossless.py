@@ -5,17 +5,17 @@ form wins for offloading.
 Real text (corpus.py, one window) through SmolLM2-135M and Gemma 3 270M; K/V as a ``DynamicCache`` stores them:
 
 - ``kv``: every layer's K and V in bf16 (the model in bf16), fp32 (the model in fp32) and fp16 (those fp32 values
-  rounded to fp16). Per transform (planes.py: ``bytes``, ``xor``, ``fields``, ``expsign``) and coder of the plane
-  holding the exponent (``zstd`` or ``ppmd``; the other planes zstd; a plane a coder does not shrink kept raw): bits per
+  rounded to fp16). ``methods``: the named methods (lossless.py) as ``save`` runs them, each checked bitwise: bits per
   value as stored, encode and decode GB/s of the raw tensor bytes (wall clock and CPU time: the machine is shared).
-  ``methods``: the named methods (lossless.py) as ``save`` runs them, each checked bitwise.
-- ``disk``: the prompt's prefill K/V (what each layer's ``update`` receives) put through ``FlashCodecCache`` per
+  ``combos`` (bf16): every transform (planes.py: ``bytes``, ``xor``, ``fields``, ``expsign``) x coder of the plane
+  holding the exponent (``zstd`` or ``ppmd``; the other planes zstd; a plane a coder does not shrink kept raw).
+- ``disk``: the same prompt's prefill K/V (what each layer's ``update`` receives) put through ``FlashCodecCache`` per
   preset, saved with each compression; file bytes per token next to a bf16 ``DynamicCache``'s and to the lossless
   form of that ``DynamicCache``'s K/V (``ppmd``).
 - ``offload``: one layer's stored form per preset: a copy's time against encode + decode, and the link bandwidth below
   which sending the compressed form is faster than sending the raw one (break-even).
 
-    python benchmarks/bench_lossless.py                      # both models, 2048 tokens, disk at 1024 -> results/lossless.json
+    python benchmarks/bench_lossless.py                      # both models, 2048 tokens -> results/lossless.json
     python benchmarks/bench_lossless.py --quick --out /tmp/lossless.json   # SmolLM2, 256 tokens, 4 layers
 """
 
@@ -37,7 +37,7 @@ from corpus import STREAMING_TEXTS, leading_tokens, load_tokens, windows
 import flashcodec_fx as fx
 from flashcodec_fx.persist import entropy, lossless, planes
 from flashcodec_fx.persist.stream_io import export_stream
-from flashcodec_fx.pretrained import GEMMA_MODEL, capture_kv, load_pretrained
+from flashcodec_fx.pretrained import GEMMA_MODEL, load_pretrained
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": GEMMA_MODEL}
 CODERS = ("zstd", "ppmd")
@@ -106,19 +106,19 @@ def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors]
 
 
-def measure_kv(tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """Every transform x coder, then every named method, over ``tensors`` (one dtype)."""
+def measure_kv(tensors: list[torch.Tensor], combos: bool) -> dict[str, Any]:
+    """Every named method over ``tensors`` (one dtype), and with ``combos`` every transform x coder first."""
     values, raw = sum(t.numel() for t in tensors), sum(t.nbytes for t in tensors)
-    combos = []
-    for transform in planes.TRANSFORMS:
+    rows = []
+    for transform in planes.TRANSFORMS if combos else ():
         if transform == "expsign" and not all(planes.fits_expsign(t) for t in tensors):
-            combos.append({"transform": transform, "skipped": "a tensor has over 256 (exponent, sign) pairs"})
+            rows.append({"transform": transform, "skipped": "a tensor has over 256 (exponent, sign) pairs"})
             continue
         for coder in CODERS:
             blobs, enc = timed(functools.partial(_combo_encode_all, tensors, transform, coder))
             _, dec = timed(functools.partial(_combo_decode_all, blobs, transform, tensors))
             stored = sum(len(b) for blob in blobs for b, _, _ in blob)
-            combos.append({"transform": transform, "exponent_coder": coder, "bits_per_value": 8 * stored / values,
+            rows.append({"transform": transform, "exponent_coder": coder, "bits_per_value": 8 * stored / values,
                            "encode_GBps": rate(raw, enc), "decode_GBps": rate(raw, dec)})
     methods = []
     for method in lossless.METHODS:
@@ -129,7 +129,7 @@ def measure_kv(tensors: list[torch.Tensor]) -> dict[str, Any]:
         stored = sum(len(b) for b in blobs)
         methods.append({"method": method, "bits_per_value": 8 * stored / values, "exact": exact,
                         "fraction_of_raw": stored / raw, "encode_GBps": rate(raw, enc), "decode_GBps": rate(raw, dec)})
-    return {"values": values, "raw_bytes": raw, "combos": combos, "methods": methods}
+    return {"values": values, "raw_bytes": raw, "combos": rows, "methods": methods}
 
 
 def prompt(tokenizer, tokens: int) -> torch.Tensor:
@@ -151,22 +151,24 @@ def prefill_states(model, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, t
     cache = Recording(config=model.config)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{name: cache})
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache})
     return [received[i] for i in sorted(received)], cache
 
 
-def measure_disk(model, states, dynamic, tokens: int, folder: Path) -> dict[str, Any]:
-    kv = [t for layer in dynamic.layers for t in (layer.keys, layer.values)]
+def measure_disk(model, states, dynamic, tokens: int, folder: Path, layers: int | None) -> dict[str, Any]:
+    kv = [t for layer in dynamic.layers[:layers] for t in (layer.keys, layer.values)]
     dynamic_bytes = sum(t.nbytes for t in kv)
     lossless_bytes = sum(len(lossless.encode(t, "ppmd")) for t in kv)
     rows = []
     for preset in sorted(fx.PRESETS):
-        cache = fx.FlashCodecCache.from_config(model.config, preset=preset)
+        cache = fx.FlashCodecCache.from_config(model.config, preset=preset) if layers is None else \
+            fx.FlashCodecCache(preset=preset, num_layers=layers)
         for idx, (k, v) in enumerate(states):
             cache.update(k, v, idx)
         stored = cache.storage_breakdown()["stored"]
         for compression in lossless.METHODS:
-            size = cache.save(folder / f"{preset}-{compression}.fc", compression=compression).stat().st_size
+            path = cache.save(folder / f"{preset}-{compression}.fc", compression=compression, model_or_config=model)
+            size = path.stat().st_size
             rows.append({"preset": preset, "compression": compression, "file_bytes": size,
                          "bytes_per_token": size / tokens, "vs_dynamic_cache": size / dynamic_bytes,
                          "in_memory_stored_bytes_per_token": stored / tokens})
@@ -198,22 +200,22 @@ def measure_offload(model, states) -> list[dict[str, Any]]:
     return rows
 
 
-def run_model(key: str, tokens: int, disk_tokens: int, layers: int | None) -> dict[str, Any]:
+def run_model(key: str, tokens: int, layers: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"model": MODELS[key], "tokens": tokens, "kv": {}}
     fp32 = None
     for dtype in (torch.bfloat16, torch.float32):
         model, tokenizer = load_pretrained(MODELS[key], dtype=dtype)
-        kv = capture_kv(model, prompt(tokenizer, tokens))[:layers]
-        tensors = [t.contiguous() for pair in kv for t in pair]
-        out["kv"][str(dtype).removeprefix("torch.")] = measure_kv(tensors)
+        states, dynamic = prefill_states(model, prompt(tokenizer, tokens))
+        tensors = [t.contiguous() for layer in dynamic.layers[:layers] for t in (layer.keys, layer.values)]
         if dtype == torch.float32:
             fp32 = tensors
-        else:
-            states, dynamic = prefill_states(model, prompt(tokenizer, disk_tokens))
-            with tempfile.TemporaryDirectory() as folder:
-                out["disk"] = measure_disk(model, states, dynamic, disk_tokens, Path(folder))
-            out["offload"] = measure_offload(model, states)
-    out["kv"]["float16"] = measure_kv([t.half() for t in fp32])
+            out["kv"]["float32"] = measure_kv(tensors, combos=False)
+            continue
+        out["kv"]["bfloat16"] = measure_kv(tensors, combos=True)
+        with tempfile.TemporaryDirectory() as folder:
+            out["disk"] = measure_disk(model, states[:layers], dynamic, tokens, Path(folder), layers)
+        out["offload"] = measure_offload(model, states)
+    out["kv"]["float16"] = measure_kv([t.half() for t in fp32], combos=False)
     best = min((m for m in out["kv"]["bfloat16"]["methods"]), key=lambda m: m["bits_per_value"])
     out["bf16_target"] = {"bits_per_value": TARGET_BITS, "best_method": best["method"],
                           "best_bits_per_value": best["bits_per_value"], "met": best["bits_per_value"] <= TARGET_BITS}
@@ -224,7 +226,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens for the K/V measurements")
-    parser.add_argument("--disk-tokens", type=int, default=1024, help="prompt tokens for the per-preset file sizes")
     parser.add_argument("--quick", action="store_true", help="SmolLM2 only, 256 tokens, 4 layers (a smoke run)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier next to other jobs)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/lossless.json)")
@@ -234,8 +235,8 @@ def main() -> None:
     unknown = sorted(set(keys) - set(MODELS))
     if unknown:
         parser.error(f"--models: unknown {unknown}; allowed: {sorted(MODELS)}")
-    tokens, disk_tokens, layers = (256, 256, 4) if args.quick else (args.tokens, args.disk_tokens, None)
-    results = [run_model(key, tokens, disk_tokens, layers) for key in keys]
+    tokens, layers = (256, 4) if args.quick else (args.tokens, None)
+    results = [run_model(key, tokens, layers) for key in keys]
     path = write_result("lossless", {"quick": args.quick, "target_bits_bf16": TARGET_BITS, "models": results},
                         args.out)
     for model in results:
