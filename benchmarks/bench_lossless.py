@@ -10,8 +10,9 @@ Real text (corpus.py, one window) through SmolLM2-135M and Gemma 3 270M; K/V as 
   ``combos`` (bf16): every transform (planes.py: ``bytes``, ``xor``, ``fields``, ``expsign``) x coder of the plane
   holding the exponent (``zstd`` or ``ppmd``; the other planes zstd; a plane a coder does not shrink kept raw).
 - ``disk``: the same prompt's prefill K/V (what each layer's ``update`` receives) put through ``FlashCodecCache`` per
-  preset, saved with each compression; file bytes per token next to a bf16 ``DynamicCache``'s and to the lossless
-  form of that ``DynamicCache``'s K/V (``ppmd``).
+  preset, saved with each compression (a sliding-window ring as its next update leaves it: about the window); file
+  bytes per token next to a bf16 ``DynamicCache``'s and to the lossless form of that ``DynamicCache``'s K/V
+  (``ppmd``).
 - ``offload``: one layer's stored form per preset: a copy's time against encode + decode, and the link bandwidth below
   which sending the compressed form is faster than sending the raw one (break-even).
 

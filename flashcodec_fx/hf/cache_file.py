@@ -2,7 +2,8 @@
 
 What a file holds: per codec layer, both streams' stored form (:mod:`~flashcodec_fx.persist.stream_io`: filled
 archive groups, scales, raw sinks and tail, mean, lengths) with their codec specs (rotation seeds included) and the
-layer's flags; per native layer (sliding or linear-attention layers transformers keeps), its tensors and plain
+layer's flags (a sliding-window ring as its next update leaves it: the groups no later query can see are not
+stored); per native layer (sliding or linear-attention layers transformers keeps), its tensors and plain
 attributes; the cache options, the layer types, the package versions and a fingerprint of the model config (the
 decoder text config without run-time fields such as dtype or the attention implementation), and, when ``save`` was
 given the model, a digest of its weights. ``load`` checks all of it against the model it is given before it builds
@@ -12,6 +13,7 @@ truncated or corrupted file raises ``ValueError`` naming what differs.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -111,6 +113,9 @@ def _codec_layer(idx: int, layer: FlashCodecLayer, tensors: dict[str, torch.Tens
     if layer.handed_out:
         raise ValueError(f"layer {idx} is in the middle of a step (attention has not read it yet): save the cache "
                          f"between forward calls")
+    if isinstance(layer, FlashCodecSlidingLayer) and layer._drop_target() > layer.dropped:
+        layer = copy.deepcopy(layer)  # saved as its next update leaves it: no group that no later query can see
+        layer.slide()
     entry = {"class": type(layer).__name__, **{f: getattr(layer, f) for f in LAYER_FLAGS},
              "attention_bound": layer.attention_bound,
              "dtype": None if getattr(layer, "dtype", None) is None else str(layer.dtype).removeprefix("torch.")}

@@ -16,6 +16,7 @@ from conftest import cache_kwargs, fresh_tiny_model, tiny_config, tiny_prompt  #
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf import apply_codec_attention, cache_file  # noqa: E402
+from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
 from flashcodec_fx.presets import PRESETS  # noqa: E402
 
 COMPRESSIONS = ("raw", "zstd", "ppmd")
@@ -35,6 +36,11 @@ def continued(model, cache, batch: int = 2, length: int = 20) -> torch.Tensor:
 
 
 def codec_state(cache) -> list:
+    """Every codec layer's state, rings as their next update leaves them (what a file holds)."""
+    cache = copy.deepcopy(cache)
+    for layer in cache.layers:
+        if isinstance(layer, FlashCodecSlidingLayer):
+            layer.slide()
     return [snapshot(layer) for layer in cache.layers if isinstance(layer, fx.FlashCodecLayer)]
 
 
@@ -71,8 +77,11 @@ def test_sliding_ring_that_dropped_groups_round_trips(tmp_path):
     assert any(getattr(layer, "dropped", 0) for layer in cache.layers)
     cache.save(tmp_path / "c.fc")
     loaded = fx.FlashCodecCache.load(tmp_path / "c.fc", model)
-    assert [getattr(layer, "dropped", None) for layer in loaded.layers] == \
-        [getattr(layer, "dropped", None) for layer in cache.layers]
+    assert all(same(a, b) for a, b in zip(codec_state(loaded), codec_state(cache), strict=True))
+    rings = [(ours, theirs) for ours, theirs in zip(loaded.layers, cache.layers, strict=True)
+             if isinstance(ours, FlashCodecSlidingLayer)]
+    assert all(ours.dropped >= theirs.dropped and ours._drop_target() == ours.dropped for ours, theirs in rings)
+    assert any(ours.dropped > theirs.dropped for ours, theirs in rings)  # the file left out what the ring would drop
     assert torch.equal(continued(model, loaded, length=40), continued(model, copy.deepcopy(cache), length=40))
 
 

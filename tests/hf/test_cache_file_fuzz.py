@@ -3,6 +3,8 @@ compression load back bitwise; any damaged byte of their file is refused, or cha
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from codec_tiers import FAST
@@ -15,6 +17,7 @@ from cache_state import same, snapshot  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
+from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
 from flashcodec_fx.presets import PRESETS  # noqa: E402
 
 caches = st.fixed_dictionaries({
@@ -37,7 +40,11 @@ def random_cache(family, preset, layout, dtype, batch, chunks, seed, **_):
 
 
 def layers_state(cache) -> list:
-    out = []
+    """Every layer's state, rings as their next update leaves them (what a file holds)."""
+    cache, out = copy.deepcopy(cache), []
+    for layer in cache.layers:
+        if isinstance(layer, FlashCodecSlidingLayer):
+            layer.slide()
     for layer in cache.layers:
         if isinstance(layer, fx.FlashCodecLayer):
             out.append(snapshot(layer))
