@@ -192,7 +192,13 @@ def load(path: str | os.PathLike, model_or_config: Any, device: str | torch.devi
     config, model = _text_config(model_or_config)
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    device, path = torch.device(device), Path(path)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be None, a str or a torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device must name a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}: {err}") from None
+    path = Path(path)
     header, tensors = fileformat.read(path)
     _check_model(header, config, model, path)
     full = model.config if model is not None else model_or_config

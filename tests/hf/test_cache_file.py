@@ -162,6 +162,10 @@ def test_bad_arguments_are_refused_before_writing(tmp_path):
     assert not any(tmp_path.iterdir())
     with pytest.raises(TypeError, match="model_or_config must be"):
         fx.FlashCodecCache.load(tmp_path / "c.fc", "llama")
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        fx.FlashCodecCache.load(tmp_path / "c.fc", model, device="gpu0")
+    with pytest.raises(TypeError, match="device must be None"):
+        fx.FlashCodecCache.load(tmp_path / "c.fc", model, device=0.5)
 
 
 def test_cache_without_config_saves_with_one(tmp_path):
