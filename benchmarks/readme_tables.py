@@ -161,10 +161,71 @@ def e2e_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*names)
 
 
+LOSSLESS_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _short(model: str) -> str:
+    return model.split("-Instruct")[0]
+
+
+def lossless_table() -> str:
+    """Exact coding of real K/V (bench_lossless.py): bits per value and encode / decode MB/s (CPU time) per named
+    method and dtype on every model; then, bf16, every transform x coder of the exponent plane."""
+    result = load("lossless")
+    models = result["models"]
+    head = "| K/V | method | " + " | ".join(f"{_short(m['model'])}: bits/value (vs raw) | encode / decode MB/s"
+                                          for m in models) + " |"
+    lines = [head, "|---|---|" + "---|---|" * len(models)]
+    for dtype, short in LOSSLESS_DTYPES.items():
+        for method in ("zstd", "ppmd"):
+            cells = []
+            for m in models:
+                row = next(r for r in m["kv"][dtype]["methods"] if r["method"] == method)
+                cells += [f"{row['bits_per_value']:.2f} ({row['fraction_of_raw']:.3f})",
+                          f"{1000 * row['encode_GBps']['cpu']:.0f} / {1000 * row['decode_GBps']['cpu']:.0f}"]
+            lines.append(f"| {short} | `{method}` | " + " | ".join(cells) + " |")
+    combos = ["| bf16 planes | exponent plane coder | " + " | ".join(f"{_short(m['model'])}: bits/value"
+                                                                   for m in models) + " |",
+              "|---|---|" + "---|" * len(models)]
+    for i, row in enumerate(models[0]["kv"]["bfloat16"]["combos"]):
+        if "bits_per_value" not in row:
+            continue
+        cells = [f"{m['kv']['bfloat16']['combos'][i]['bits_per_value']:.2f}" for m in models]
+        combos.append(f"| `{row['transform']}` | {row['exponent_coder']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + "\n".join(combos) + "\n\n" + provenance("lossless")
+
+
+def disk_table() -> str:
+    """Bytes per token on disk (bench_lossless.py's ``disk``): every preset saved with each compression, next to a
+    bf16 DynamicCache's bytes and the lossless form of its K/V."""
+    models = load("lossless")["models"]
+    head = "| cache | " + " | ".join(f"{_short(m['model'])}: raw / zstd / ppmd file | ppmd vs DynamicCache"
+                                    for m in models) + " |"
+    lines = [head, "|---|" + "---|---|" * len(models)]
+    dynamic = []
+    for m in models:
+        d = m["disk"]["dynamic_cache"]
+        dynamic += [f"{d['bytes_per_token']:.0f} (in memory); lossless form {d['lossless_ppmd_bytes_per_token']:.0f}",
+                    f"1 ; {d['lossless_vs_dynamic_cache']:.3f}"]
+    lines.append("| DynamicCache (bf16) | " + " | ".join(dynamic) + " |")
+    for preset in sorted({r["preset"] for r in models[0]["disk"]["presets"]}):
+        cells = []
+        for m in models:
+            rows = {r["compression"]: r for r in m["disk"]["presets"] if r["preset"] == preset}
+            cells += [" / ".join(f"{rows[c]['bytes_per_token']:.0f}" for c in ("raw", "zstd", "ppmd")),
+                      f"{rows['ppmd']['vs_dynamic_cache']:.3f}"]
+        lines.append(f"| `{preset}` | " + " | ".join(cells) + " |")
+    tokens = {m["disk"]["tokens"] for m in models}
+    return "\n".join(lines) + f"\n\n<sub>bytes per token of a {'/'.join(map(str, sorted(tokens)))}-token prompt; " \
+        + provenance("lossless").removeprefix("<sub>")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table,
+    "lossless": lossless_table,
+    "disk": disk_table,
 }
 
 

@@ -72,6 +72,7 @@ class CodecStream:
         self._host_start = codec.sinks
         self._stale = False  # a compiled append ran: the mirror is refreshed (one sync) the next time it is read
         self._memo_owed: tuple[int, torch.Tensor] | None = None  # (position, rows): stored rows a read(new) overlaid
+        self.shared = False  # the archive is another stream's too (persist/fork.py): copied before it is written
 
     @property
     def is_initialized(self) -> bool:
@@ -200,6 +201,9 @@ class CodecStream:
         self._repay_memo()
         t = x.shape[2]
         self.prepare(x)
+        if self.shared and advance(self.codec, self._host_start, self._host_length + t) > self._host_start:
+            self.state = StreamState(*(a.clone() for a in self.state[:4]), *self.state[4:])  # copy-on-append
+            self.shared = False
         if self.layout == "dynamic":
             need = self._groups_for(self._host_length + t)
             if need > self.state.data.shape[2]:

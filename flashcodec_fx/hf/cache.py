@@ -571,6 +571,7 @@ class FlashCodecCache(Cache):
 
         self.options = {**codec_options, "per_layer": overrides, **layer_kwargs, "offloading": offloading}
         self._padding_mask: torch.Tensor | None = None
+        self.source_config = config  # what save() fingerprints (hf/cache_file.py)
         offload = dict(offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         if layer_types is None:
             super().__init__(layer_class_to_replicate=_LayerFactory(codec_options, layer_kwargs), **offload)
@@ -629,6 +630,27 @@ class FlashCodecCache(Cache):
         if want != len(self.layers):
             raise ValueError(f"this FlashCodecCache holds {len(self.layers)} layers, the model runs {want}: build the "
                              f"cache from this model's config (FlashCodecCache.from_config(model.config, ...))")
+
+    def save(self, path: Any, compression: str = "ppmd", model_or_config: Any = None) -> Any:
+        """Write this cache to ``path`` (safetensors, exact bitwise; ``compression`` ``"raw"``, ``"zstd"`` or
+        ``"ppmd"``): see :mod:`flashcodec_fx.hf.cache_file`. Returns the path."""
+        from .cache_file import save
+
+        return save(self, path, compression, model_or_config)
+
+    @classmethod
+    def load(cls, path: Any, model_or_config: Any, device: Any = None) -> FlashCodecCache:
+        """The cache saved at ``path`` for ``model_or_config`` (checked; ``ValueError`` naming what differs)."""
+        from .cache_file import load
+
+        return load(path, model_or_config, device)
+
+    def fork(self) -> FlashCodecCache:
+        """A cache continuing from this one's tokens that shares its archives until either writes them
+        (copy-on-append, :mod:`flashcodec_fx.persist.fork`): the prompt-cache recipe without copying the prompt."""
+        from .fork import fork_cache
+
+        return fork_cache(self)
 
     @property
     def codec_layers(self) -> list[int]:

@@ -382,7 +382,8 @@ class CacheContract(RuleBasedStateMachine):
                                                                                      native.values[:, :, :n])
             assert layer.batch_size == self.batch
         if all(layer.keys_stream.is_initialized for layer in self.cache.layers):  # the dtype is known from then on
-            croppable = all(self.crop_mode == "decode" or lossless(m.codec, self.dtype) for ms in self.models for m in ms)
+            croppable = all(self.crop_mode == "decode" or lossless(m.codec, self.dtype) or m.codec.group == 1
+                            for ms in self.models for m in ms)  # per-token groups: every crop ends at a group boundary
             assert self.cache.is_croppable == croppable
         self.check_mask_sizes()
         self.check_storage()

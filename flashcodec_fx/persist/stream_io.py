@@ -1,0 +1,120 @@
+"""A :class:`~flashcodec_fx.cache.CodecStream` as named tensors and a JSON-able description, and back (bitwise).
+
+Exported: the filled archive groups of ``data`` / ``scale`` / ``zero`` / ``index`` (the unused capacity is not
+stored), ``mean``, ``sink``, ``tail``, ``length``, ``start`` (the fields of ``ops/state.py``), and the host side (codec
+spec, layout, lengths, allocated groups). A lossless png archive is exported as the tokens it encodes (``tokens``, in
+the stream dtype) where encoding them gives back the archive bitwise (checked at export): half the bytes of its fp32
+deltas, and what the lossless coders code best; import encodes them again. A memo is not stored: an imported stream
+that keeps one decodes it again. Import validates everything against the stream's codec before it changes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..cache import CodecStream
+from ..codecs import PNG
+from ..ops.state import StreamState, check_state
+from .lossless import dtype_name
+
+ARCHIVE_FIELDS = StreamState._fields[:4]
+
+
+def export_stream(stream: CodecStream) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(tensors, description)`` of ``stream`` (an empty dict and ``{"initialized": False}`` before its first
+    append). Tensors are the state's own (no copy); the description is plain JSON."""
+    length = stream.get_seq_length()  # refreshes the host mirror after compiled appends
+    described = {"spec": stream.spec, "layout": stream.layout, "initialized": stream.state is not None}
+    if stream.state is None:
+        return {}, described
+    st, codec = stream.state, stream.codec
+    filled = max(0, stream.archived_tokens - codec.sinks) // codec.group
+    tensors = {name: getattr(st, name)[:, :, :filled] for name in ARCHIVE_FIELDS}
+    tensors.update({name: getattr(st, name) for name in StreamState._fields[4:]})
+    tokens = _archived_tokens(stream, filled)
+    if tokens is not None:  # the archive as the tokens it rebuilds from, bitwise (lossless png: half the bytes)
+        del tensors["data"]
+        tensors["tokens"] = tokens
+    described.update(archive="tokens" if tokens is not None else "state")
+    described.update(length=length, start=int(stream._host_start), filled_groups=filled,
+                     allocated_groups=int(st.data.shape[2]), dtype=dtype_name(st.tail.dtype),
+                     shape=list(st.tail.shape[:2]) + [int(st.tail.shape[3])])
+    return tensors, described
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def _archived_tokens(stream: CodecStream, filled: int) -> torch.Tensor | None:
+    """``(B, H, filled * G, D)``: the archived tokens in the stream dtype, when encoding them gives back this archive
+    bitwise (lossless png: checked here), else None. Stored in place of the fp32 deltas, they take half the bytes."""
+    codec, st = stream.codec, stream.state
+    if codec.mode != PNG or codec.pruned or filled == 0:
+        return None
+    tokens = stream.read()[:, :, codec.sinks: codec.sinks + filled * codec.group].contiguous()
+    return tokens if _same_bits(codec.encode(tokens).data, st.data[:, :, :filled]) else None
+
+
+def _check_description(name: str, stream: CodecStream, described: dict[str, Any]) -> None:
+    if described.get("spec") != stream.spec:
+        raise ValueError(f"{name}: the file holds codec {described.get('spec')!r}, this cache layer has "
+                         f"{stream.spec!r}")
+    if described.get("layout") != stream.layout:
+        raise ValueError(f"{name}: the file holds layout {described.get('layout')!r}, this cache has "
+                         f"{stream.layout!r}")
+
+
+def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tensor], described: dict[str, Any],
+                  device: torch.device) -> StreamState | None:
+    """The state ``stream`` gets from an export (on ``device``, the archive at its saved capacity, or the static
+    layout's), checked against the stream's codec; the stream is not touched. None for an uninitialized export."""
+    _check_description(name, stream, described)
+    if not described["initialized"]:
+        return None
+    codec, filled = stream.codec, int(described["filled_groups"])
+    if described.get("archive") == "tokens":
+        if "tokens" not in tensors or codec.mode != PNG:
+            raise ValueError(f"{name}: an archive stored as tokens needs a 'tokens' tensor and a png codec")
+        tensors = {**tensors, "data": codec.encode(tensors["tokens"].to(device)).data}
+    missing = sorted(set(StreamState._fields) - set(tensors))
+    if missing:
+        raise ValueError(f"{name}: tensors {missing} missing from the file")
+    groups = stream._groups_for(stream.positions) if stream.layout == "static" else int(described["allocated_groups"])
+    if not 0 <= filled <= groups:
+        raise ValueError(f"{name}: {filled} filled archive groups do not fit the {groups} this stream allocates")
+    archive = []
+    for field in ARCHIVE_FIELDS:
+        saved = tensors[field]
+        if saved.dim() < 3 or saved.shape[2] != filled:
+            raise ValueError(f"{name}.{field}: shape {tuple(saved.shape)} does not hold {filled} archive groups")
+        full = torch.zeros((*saved.shape[:2], groups, *saved.shape[3:]), dtype=saved.dtype, device=device)
+        full[:, :, :filled].copy_(saved)
+        archive.append(full)
+    state = StreamState(*archive, *(tensors[f].to(device) for f in StreamState._fields[4:]))
+    state = check_state(name, codec, state)
+    length, start = int(described["length"]), int(described["start"])
+    if int(state.length) != length or int(state.start) != start:
+        raise ValueError(f"{name}: the device lengths ({int(state.length)}, {int(state.start)}) disagree with the "
+                         f"header ({length}, {start})")
+    if stream.layout == "static" and length > stream.max_length:
+        raise ValueError(f"{name}: {length} tokens do not fit max_length={stream.max_length}")
+    return state
+
+
+def install_state(stream: CodecStream, state: StreamState | None) -> None:
+    """Put a :func:`prepare_state` result into ``stream`` (host mirrors from the device lengths; a memo decoded
+    again when the stream keeps one)."""
+    stream.reset()
+    if state is None:
+        return
+    ops.warm(stream.codec, state.tail.shape[3], state.tail.device)
+    stream.state = state
+    stream._host_length, stream._host_start, stream._stale = int(state.length), int(state.start), False
+    stream._mark_static_shapes()
+    if stream.memoize:
+        stream.memo = torch.ops.flashcodec.read(list(state), stream.spec)
