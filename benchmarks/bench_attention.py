@@ -43,9 +43,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashcodec_fx import PRESETS, presets
 from flashcodec_fx.codecs import Codec
+from flashcodec_fx.config import cache_config
 from flashcodec_fx.ops import empty_state
 from flashcodec_fx.ops.attention import codec_attention_reference
-from flashcodec_fx.options import resolve_layer_codecs
 
 SHAPES = {"cpu": (1, 3, 9, 64), "cuda": (1, 8, 32, 128)}  # B, H_kv, H_q, D
 DEFAULT = "default"  # no preset: the cache's default options
@@ -55,10 +55,7 @@ DEFAULT_PRESETS = (DEFAULT, *(name for name in PRESETS if name != "lossless"))
 def preset_codecs(name: str) -> tuple[Codec, Codec]:
     """The key and value codecs preset ``name`` (or ``DEFAULT``: none) gives a cache's layer 0 (the cache's own
     option resolution)."""
-    if name != DEFAULT:
-        return presets.preset_codecs(name)
-    codecs = resolve_layer_codecs({}, where="the default options")
-    return codecs.key, codecs.value
+    return presets.preset_codecs(name) if name != DEFAULT else cache_config().layers.build(0)
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

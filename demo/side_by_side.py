@@ -66,16 +66,23 @@ def codec_tiers() -> list[Tier]:
     import flashcodec_fx
 
     presets = getattr(flashcodec_fx, "PRESETS", None) or {}
-    tiers = [Tier(str(name), {"preset": name}, note=_options_text(options)) for name, options in presets.items()]
-    known = [dict(options) for options in presets.values()]
+    tiers = [Tier(str(name), {"preset": name}, note=_config_text(config)) for name, config in presets.items()]
+    known = list(presets.values())
     for tier in main_tiers(view=False):
-        if not tier.is_raw and dict(tier.options) not in known:
+        if not tier.is_raw and flashcodec_fx.cache_config(**tier.options) not in known:
             tiers.append(Tier(tier.name, tier.options, note=_options_text(tier.options)))
     return tiers
 
 
 def _options_text(options: Any) -> str:
     return ", ".join(f"{key}={value}" for key, value in dict(options).items())
+
+
+def _config_text(config: Any) -> str:
+    """``key: jpeg block_size=1, ...; value: ...`` (one stream when keys and values are stored alike)."""
+    key, value = config.layers.key, config.layers.value
+    streams = [("", key)] if key == value else [("key: ", key), ("value: ", value)]
+    return "; ".join(f"{label}{stream.codec} {_options_text(stream.as_dict)}".strip() for label, stream in streams)
 
 
 def with_switches(tier: Tier, materialization_free: bool = False, capacity: int | None = None) -> Tier:

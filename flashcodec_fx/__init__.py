@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from . import _compat, ops  # noqa: F401  (_compat: torch version floor)
 from .cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
-from .codecs import Codec, JPEGCodec, PNGCodec, make_codec
+from .codecs import Codec, JPEGCodec, PNGCodec, make_codec, register_codec
+from .config import CacheConfig, LayerConfig, StreamConfig, cache_config
 from .presets import DEFAULT_PRESET, PRESETS
 
 __version__ = "0.1.0"
@@ -13,8 +14,9 @@ _HF_NAMES = ("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback"
              "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec")
 
 __all__ = [
-    "DEFAULT_PRESET", "PRESETS", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream", "JPEGCodec", "PNGCodec",
-    "codec_decode_attention", "make_codec", "ops", "__version__",
+    "DEFAULT_PRESET", "PRESETS", "CacheConfig", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream",
+    "JPEGCodec", "LayerConfig", "PNGCodec", "StreamConfig", "cache_config", "codec_decode_attention", "make_codec", "ops",
+    "register_codec", "__version__",
 ]
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from . import _compat, ops
-from .codecs import PNG, Codec, Encoded, make_codec
+from .codecs import Codec, Encoded, PNGCodec, make_codec
 from .ops.read import overlay_new
 from .ops.state import StreamState, advance, capacity
 
@@ -103,7 +103,7 @@ class CodecStream:
         that stores every token raw)."""
         if self.codec.stores_raw:
             return True
-        return self.codec.mode == PNG and not self.codec.pruned and self.state is not None \
+        return isinstance(self.codec, PNGCodec) and not self.codec.pruned and self.state is not None \
             and self.state.tail.dtype in (torch.float16, torch.bfloat16)
 
     @property

@@ -1,8 +1,9 @@
-"""Named presets, the way a serving stack picks a ``kv_cache_dtype``: a name -> FlashCodecCache options.
+"""Named presets, the way a serving stack picks a ``kv_cache_dtype``: a name -> a :class:`~flashcodec_fx.config.
+CacheConfig` (``PRESETS``), written as the keyword options it is built from (``RECIPES``).
 
 ``FlashCodecCache.from_config(config, preset="3bit")``, ``apply_flash_codec(model, preset="3bit")``; options given
-next to a preset override it (``key_options`` / ``value_options`` merged key by key). The bits in a name are the
-target; what each preset stores, measured on real models, is in the README (``benchmarks/bench_ppl.py``).
+next to a preset override it (the rule of :mod:`flashcodec_fx.config`). The bits in a name are the target; what each
+preset stores, measured on real models, is in the README (``benchmarks/bench_ppl.py``).
 
 Recipes (docs/quantization.md; chosen by ``benchmarks/bench_ppl.py`` measurements on SmolLM2-135M, fp32, the
 streaming protocol): every lossy preset quantizes per token after a random-sign Walsh-Hadamard rotation along
@@ -21,7 +22,7 @@ import copy
 from typing import Any
 
 from .codecs import Codec
-from .options import resolve_layer_codecs
+from .config import CacheConfig, cache_config
 
 SINKS = 4
 
@@ -39,7 +40,7 @@ def _preset(key_bits: int, key_window: int, value_bits: int, value_window: int) 
 
 _INT8 = {"mode": "jpeg", "block_size": 1, "quant_bits": 8, "levels": "midrise", "rotate": True}
 
-PRESETS: dict[str, dict[str, Any]] = {
+RECIPES: dict[str, dict[str, Any]] = {
     "lossless": {"mode": "jpeg", "block_size": 1, "quant_bits": None},
     "int8": {"key_options": dict(_INT8), "value_options": dict(_INT8)},
     "4bit": _preset(4, 28, 4, 4),
@@ -47,32 +48,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     "2.5bit": _preset(2, 32, 2, 16),
 }
 DEFAULT_PRESET = "int8"
+PRESETS: dict[str, CacheConfig] = {name: cache_config(**recipe) for name, recipe in RECIPES.items()}
 
 
-def preset_options(name: str) -> dict[str, Any]:
-    """A copy of preset ``name``'s options (ValueError naming the presets for an unknown one)."""
+def preset_config(name: str) -> CacheConfig:
+    """Preset ``name``'s configuration (TypeError / ValueError naming the presets for anything else)."""
     if not isinstance(name, str):
         raise TypeError(f"preset must be a preset name (str), got {type(name).__name__}")
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    return copy.deepcopy(PRESETS[name])
+    return PRESETS[name]
 
 
-def with_preset(preset: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` over preset ``preset`` (None: ``options`` unchanged); stream option dicts merge key by key."""
-    if preset is None:
-        return dict(options)
-    merged = preset_options(preset)
-    for name, value in options.items():
-        if name in ("key_options", "value_options") and isinstance(value, dict) and isinstance(merged.get(name), dict):
-            merged[name] = {**merged[name], **value}
-        else:
-            merged[name] = value
-    return merged
+def preset_options(name: str) -> dict[str, Any]:
+    """A copy of the keyword options preset ``name`` is built from (``RECIPES``), e.g. for benchmark tier files."""
+    preset_config(name)
+    return copy.deepcopy(RECIPES[name])
 
 
 def preset_codecs(name: str, layer_idx: int = 0) -> tuple[Codec, Codec]:
     """``(key codec, value codec)`` of preset ``name`` as layer ``layer_idx`` gets them (``rotate=True`` seeds
     ``layer_idx``); no transformers import (serving hosts, the Triton tests and benchmarks use it)."""
-    codecs = resolve_layer_codecs(preset_options(name), where=f"preset {name!r}", layer_idx=layer_idx)
-    return codecs.key, codecs.value
+    return preset_config(name).layers.build(layer_idx)

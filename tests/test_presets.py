@@ -10,7 +10,8 @@ transformers = pytest.importorskip("transformers")
 from conftest import fresh_tiny_model, tiny_prompt  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.presets import PRESETS, preset_options, with_preset  # noqa: E402
+from flashcodec_fx.config import CacheConfig, cache_config  # noqa: E402
+from flashcodec_fx.presets import PRESETS, RECIPES, preset_options  # noqa: E402
 
 # Stored bits per value of each preset on SmolLM2-135M's shape (30 layers x 3 KV heads x head_dim 64, bf16), after
 # the streaming protocol's 1024 tokens (prefill 128, chunks of 16); the README's figures come from the same count.
@@ -55,13 +56,29 @@ def test_every_preset_generates_on_the_stored_form(preset):
         assert torch.equal(out, reference)
 
 
-def test_overrides_merge_stream_options_key_by_key():
-    merged = with_preset("3bit", {"value_options": {"window": 64}, "layout": "static"})
-    base = preset_options("3bit")
-    assert merged["value_options"] == {**base["value_options"], "window": 64}
-    assert merged["key_options"] == base["key_options"] and merged["layout"] == "static"
-    merged["key_options"]["sinks"] = 99
-    assert PRESETS["3bit"]["key_options"]["sinks"] != 99  # copies, never the table itself
+def test_overrides_apply_over_the_preset_streams():
+    """Shared options reach both streams over the preset's own (they are never silently shadowed by them); stream
+    options reach one; the preset table itself never changes."""
+    base = PRESETS["3bit"].layers
+    merged = cache_config(preset="3bit", window=8, value_options={"quant_bits": 4}).layers
+    assert merged.key.as_dict == {**base.key.as_dict, "window": 8}
+    assert merged.value.as_dict == {**base.value.as_dict, "window": 8, "quant_bits": 4}
+    assert PRESETS["3bit"].layers == base and RECIPES["3bit"]["key_options"]["window"] == 32
+    options = preset_options("3bit")
+    options["key_options"]["sinks"] = 99
+    assert RECIPES["3bit"]["key_options"]["sinks"] != 99  # copies, never the table itself
+
+
+@pytest.mark.parametrize("options", [dict(mode="png"), dict(key_options={"mode": "png"})])
+def test_a_mode_next_to_a_preset_is_refused(options):
+    with pytest.raises(ValueError, match="would replace preset '4bit'"):
+        fx.FlashCodecCache(preset="4bit", **options)
+
+
+def test_presets_are_configs_whose_spec_round_trips():
+    for name, config in PRESETS.items():
+        assert isinstance(config, CacheConfig) and CacheConfig.from_spec(config.spec) == config, name
+        assert cache_config(**RECIPES[name]) == config
 
 
 def test_unknown_preset_names_the_choices():

@@ -55,7 +55,7 @@ def markdown_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]
 
 
 def presets() -> dict[str, Mapping[str, Any]]:
-    """``flashcodec_fx.PRESETS`` (name -> FlashCodecCache options) when the package defines it, else empty."""
+    """``flashcodec_fx.PRESETS`` (name -> CacheConfig) when the package defines it, else empty."""
     import flashcodec_fx
 
     return dict(getattr(flashcodec_fx, "PRESETS", None) or {})
@@ -65,10 +65,10 @@ def available_tiers() -> dict[str, Tier]:
     """Every tier ``--tiers`` / ``--preset`` can name: the named tiers (:data:`NAMED`) and the presets."""
     by_name = {tier.name: tier for tier in [RAW, *main_tiers(view=True)]}
     tiers = {key: by_name[name] for key, name in NAMED.items()}
-    for name, options in presets().items():
+    for name in presets():
         if name in tiers:
             raise ValueError(f"preset {name!r} clashes with a named tier of the main job")
-        tiers[name] = Tier(f"preset {name}", dict(options))
+        tiers[name] = Tier(f"preset {name}", {"preset": name})
     return tiers
 
 

@@ -15,14 +15,14 @@ on ``S`` directly (``ops/attention.py``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
 from .rotation import rotation
 
-JPEG, PNG = 0, 1
-MODE_NAMES = {JPEG: "jpeg", PNG: "png"}
+if TYPE_CHECKING:
+    from .registry import SpecFields
 
 
 class Encoded(NamedTuple):
@@ -49,10 +49,11 @@ def check_count(name: str, value, least: int = 0) -> int:
 
 
 class Codec:
-    """Base of the ``jpeg`` and ``png`` codecs (see the module docstring). Subclasses set the transform
-    (``synthesis``, ``transform``), the archive layout (``archive_shapes``) and :meth:`stored_rows`."""
+    """Base of every codec (see the module docstring). Subclasses (registered with
+    :func:`~flashcodec_fx.codecs.registry.register_codec`) set their ``name``, the transform (``synthesis``,
+    ``encode_rows``), the archive layout (``archive_shapes``), :meth:`stored_rows` and their spec fields."""
 
-    mode: int
+    name: ClassVar[str]
     block_size: int
     rows: int  # stored rows per block (before any quantization)
     blocks: int = 1  # blocks per archive group
@@ -98,7 +99,18 @@ class Codec:
 
     @property
     def spec(self) -> str:
-        """The codec as the string the ``torch.ops.flashcodec`` ops take (``codec_from_spec`` inverts it)."""
+        """The codec as the string the ``torch.ops.flashcodec`` ops take (``codec_from_spec`` inverts it):
+        ``"<name>;key=value;..."`` of :meth:`spec_fields`, then the residual policy."""
+        fields = {**self.spec_fields(), "sinks": self.sinks, "window": self.window}
+        return ";".join([self.name, *(f"{key}={value}" for key, value in fields.items())])
+
+    def spec_fields(self) -> dict[str, str | int]:
+        """The codec's own ``key=value`` fields of :attr:`spec`, in order (the residual policy follows)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_spec_fields(cls, fields: SpecFields) -> Codec:
+        """The codec whose :attr:`spec` has these fields (``sinks`` and ``window`` included)."""
         raise NotImplementedError
 
     def __eq__(self, other) -> bool:

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import JPEG, Codec, Encoded, check_count
+from .base import Codec, Encoded, check_count
 from .dct import dct_basis
 from .pack import check_head_dim
 from .quant import AXES, SCALE_DTYPE, Quantizer
+from .registry import SpecFields, register_codec
 
 MAX_BLOCK = 256
 DEFAULT_CHANNEL_GROUP = 128
@@ -83,6 +84,7 @@ def _matrix(block_size: int, keep: int, synthesis: bool, device: str) -> torch.T
     return (basis.T if synthesis else basis).contiguous()
 
 
+@register_codec
 class JPEGCodec(Codec):
     """Keep the lowest ``keep_freqs`` DCT coefficients of each block of ``block_size`` tokens.
 
@@ -95,7 +97,7 @@ class JPEGCodec(Codec):
     ``sinks`` / ``window``: raw first / newest tokens. Unquantized coefficients keep the stream dtype.
     """
 
-    mode = JPEG
+    name = "jpeg"
 
     def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits=None, *, levels=None,
                  scale_axis: str = "token", group: int | None = None, scale_search: bool = False, rotate=None,
@@ -137,16 +139,25 @@ class JPEGCodec(Codec):
     def __repr__(self) -> str:
         return f"JPEGCodec({self.spec})"
 
-    @property
-    def spec(self) -> str:
+    def spec_fields(self) -> dict[str, str | int]:
         q = self.quantizer
-        parts = [f"jpeg;r={self.block_size};k={self.keep_freqs}"]
+        fields: dict[str, str | int] = {"r": self.block_size, "k": self.keep_freqs}
         if q is not None:
-            parts.append(f"bits={'.'.join(map(str, q.bits))};levels={'.'.join(q.levels)};axis={q.axis};"
-                         f"blocks={q.blocks};search={int(q.search)}")
-        parts.append(f"rotate={'-' if self.rotate is None else self.rotate};center={int(self.center)};"
-                     f"sinks={self.sinks};window={self.window}")
-        return ";".join(parts)
+            fields.update(bits=".".join(map(str, q.bits)), levels=".".join(q.levels), axis=q.axis, blocks=q.blocks,
+                          search=int(q.search))
+        fields.update(rotate="-" if self.rotate is None else self.rotate, center=int(self.center))
+        return fields
+
+    @classmethod
+    def from_spec_fields(cls, fields: SpecFields) -> JPEGCodec:
+        r = fields.int("r")
+        options = dict(rotate=None if fields.str("rotate") == "-" else fields.int("rotate"),
+                       center=bool(fields.int("center")), sinks=fields.int("sinks"), window=fields.int("window"))
+        if fields.has("bits"):
+            options.update(quant_bits=fields.ints("bits"), levels=tuple(fields.str("levels").split(".")),
+                           scale_axis=fields.str("axis"), group=fields.int("blocks") * r,
+                           scale_search=bool(fields.int("search")))
+        return cls(r, fields.int("k"), **options)
 
     @property
     def stores_raw(self) -> bool:

@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from .base import PNG, Codec, Encoded, check_count
+from .base import Codec, Encoded, check_count
 from .quant import SCALE_DTYPE
+from .registry import SpecFields, register_codec
 
 MAX_BLOCK = 256  # kept-delta positions are stored as uint8
 
@@ -19,6 +20,7 @@ def _prefix_sum(block_size: int, device: str) -> torch.Tensor:
     return torch.tril(torch.ones(block_size, block_size, device=device))
 
 
+@register_codec
 class PNGCodec(Codec):
     """Store each block of ``block_size`` tokens as its first token (the anchor) and ``r - 1`` deltas, fp32.
 
@@ -29,7 +31,7 @@ class PNGCodec(Codec):
     newest tokens, as for jpeg.
     """
 
-    mode = PNG
+    name = "png"
 
     def __init__(self, block_size: int = 8, keep_ratio: float = 1.0, *, sinks: int = 0, window: int = 0):
         block_size = check_count("block_size", block_size, least=2)
@@ -49,9 +51,15 @@ class PNGCodec(Codec):
     def __repr__(self) -> str:
         return f"PNGCodec({self.spec})"
 
-    @property
-    def spec(self) -> str:
-        return f"png;r={self.block_size};kept={self.kept_deltas};sinks={self.sinks};window={self.window}"
+    def spec_fields(self) -> dict[str, str | int]:
+        return {"r": self.block_size, "kept": self.kept_deltas}
+
+    @classmethod
+    def from_spec_fields(cls, fields: SpecFields) -> PNGCodec:
+        r, kept = fields.int("r"), fields.int("kept")
+        if not 1 <= kept < r:
+            raise ValueError(f"spec kept must be in 1..{r - 1} for png block_size={r}, got {kept}")
+        return cls(r, kept / (r - 1), sinks=fields.int("sinks"), window=fields.int("window"))
 
     @property
     def index_rows(self) -> int:

@@ -31,22 +31,46 @@ from transformers.cache_utils import (
 )
 
 from .. import _compat
-from ..cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
-from ..codecs import Codec
-from ..options import (
-    CACHE_OPTIONS,
-    UNSET,
-    check_cache_switches,
-    check_option_names,
-    check_per_layer,
-    layer_options,
-    resolve_layer_codecs,
-)
-from ..presets import DEFAULT_PRESET, with_preset
+from ..cache import CROP_MODES, LAYOUTS, CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
+from ..codecs import CODECS, Codec, codec_options
+from ..config import CacheConfig, cache_config
+from ..presets import PRESETS, preset_config
 from .attention import MaterializationFreeFallback, tag_states
 from .offload import HOST, allocated_groups, move_stream
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
+CODEC_KEYWORDS = ("preset", "per_layer", "key_options", "value_options", "mode")  # besides each codec's options
+CACHE_SWITCHES = ("layout", "max_cache_len", "materialization_free", "strict", "memoize", "crop", "offloading",
+                  "offload_only_non_sliding")
+
+
+class StaticSlidingNative(UserWarning):
+    """A static FlashCodecCache keeps a model's sliding-window layers native (uncompressed)."""
+
+
+def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: Any, strict: Any, memoize: Any,
+                         crop: Any = "exact") -> None:
+    """Validate the cache-wide options (ValueError / TypeError naming the option), before anything is built."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "static":
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int for layout='static', got {max_cache_len!r}")
+    elif max_cache_len is not None:
+        raise ValueError(f"max_cache_len applies to layout='static' only, got max_cache_len={max_cache_len!r} with "
+                         f"layout={layout!r}")
+    for name, value in (("materialization_free", materialization_free), ("strict", strict)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    if memoize is not None and not isinstance(memoize, bool):
+        raise TypeError(f"memoize must be None (automatic) or a bool, got {type(memoize).__name__} {memoize!r}")
+    if strict and not materialization_free:
+        raise ValueError("strict=True only applies with materialization_free=True (it turns its fallbacks into errors)")
+    if memoize and materialization_free:
+        raise ValueError("memoize=True keeps a decoded view that attention on the stored form never reads: set "
+                         "materialization_free=False to attend on the view, or leave memoize unset")
+    if crop not in CROP_MODES:
+        raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
 
 
 def crop_count(tokens_to_remove: Any) -> int:
@@ -504,54 +528,36 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         self.dropped = 0
 
 
-def _without_sinks(options: dict[str, Any]) -> dict[str, Any]:
-    """Layer options with ``sinks=0`` for both streams (a sliding window leaves its first tokens behind)."""
-    out = {**options, "sinks": 0}
-    for name in ("key_options", "value_options"):
-        if isinstance(out.get(name), dict):
-            out[name] = {**out[name], "sinks": 0}
-    return out
-
-
 class FlashCodecCache(Cache):
-    """A transformers ``Cache`` whose full-attention layers store K and V through the flashcodec codecs.
+    """A transformers ``Cache`` whose attention layers store K and V through the flashcodec codecs.
 
-    ``preset``: a name from ``flashcodec_fx.PRESETS`` (``"int8"``, ``"4bit"``, ``"3bit"``, ...); codec options given
-    with it override it. Without a preset and without codec options: ``DEFAULT_PRESET`` (``"int8"``). Codec options (see
-    docs/hf.md): ``mode`` ``"jpeg"`` (default) or ``"png"``; ``block_size`` (8); jpeg ``keep_freqs`` (all),
-    ``quant_bits`` (8; an int, a per-frequency table, or ``None``: unquantized), ``levels``, ``scale_axis``, ``group``,
-    ``scale_search``, ``rotate``, ``center``; png ``keep_ratio`` (1.0 = exact); ``sinks`` / ``window`` (raw first /
-    newest tokens); ``key_options`` / ``value_options``: dicts of the same options for one stream only. ``per_layer``:
-    ``{layer_idx: options dict | None}`` overrides (``None`` keeps the layer native, uncompressed). Cache options:
-    ``layout`` ``"dynamic"`` / ``"static"`` (needs ``max_cache_len``), ``materialization_free``, ``memoize``,
-    ``strict``, ``crop``.
+    ``codecs``: a :class:`~flashcodec_fx.config.CacheConfig` (``flashcodec_fx.PRESETS`` holds some), a preset name, or
+    a ``CacheConfig.spec`` string. Or keyword options (:func:`~flashcodec_fx.config.cache_config`): ``preset`` and
+    codec options over it, ``key_options`` / ``value_options`` (one stream), ``per_layer`` (``{layer_idx: options
+    dict | preset name | None}``; ``None`` keeps the layer native); without any, ``DEFAULT_PRESET`` (``"int8"``).
+    Codec options (docs/hf.md): ``mode`` ``"jpeg"`` (default) or ``"png"``; ``block_size`` (8); jpeg ``keep_freqs``
+    (all), ``quant_bits`` (8; an int, a per-frequency table, or ``None``: unquantized), ``levels``, ``scale_axis``,
+    ``group``, ``scale_search``, ``rotate``, ``center``; png ``keep_ratio`` (1.0 = exact); ``sinks`` / ``window``
+    (raw first / newest tokens). Cache options: ``layout`` ``"dynamic"`` / ``"static"`` (needs ``max_cache_len``),
+    ``materialization_free``, ``memoize``, ``strict``, ``crop``, ``offloading``, ``offload_only_non_sliding``.
 
-    Layers: with ``config`` (or :meth:`from_config`), one per model layer: codec layers on full-attention layers,
-    every other layer type (sliding, chunked, linear attention, ...) keeps its native transformers layer. With
-    ``num_layers``, that many codec layers. With neither, codec layers are created as the model asks for them
-    (``per_layer`` then needs ``num_layers`` or ``config``).
+    Layers: with ``config`` (or :meth:`from_config`), one per model layer: codec layers on full-attention layers and,
+    on the dynamic layout, codec rings on sliding-window layers (the static layout keeps those native, and warns);
+    every other layer type (chunked, linear attention, ...) keeps its native transformers layer. With ``num_layers``,
+    that many codec layers. With neither, codec layers are created as the model asks for them (``per_layer`` then
+    needs ``num_layers`` or ``config``).
     """
 
-    def __init__(self, mode: str = UNSET, block_size: int = UNSET, keep_freqs: int | None = UNSET,
-                 quant_bits: int | None = UNSET, keep_ratio: float = UNSET, *, preset: str | None = None,
-                 key_options: dict | None = None, value_options: dict | None = None, layout: str = "dynamic",
-                 max_cache_len: int | None = None, per_layer: dict[int, dict | None] | None = None,
-                 materialization_free: bool = True, strict: bool = False, memoize: bool | None = None,
-                 crop: str = "exact", offloading: bool = False, offload_only_non_sliding: bool = True,
-                 config: Any = None, num_layers: int | None = None, **codec_options: Any):
+    def __init__(self, codecs: CacheConfig | str | None = None, *, layout: str = "dynamic",
+                 max_cache_len: int | None = None, materialization_free: bool = True, strict: bool = False,
+                 memoize: bool | None = None, crop: str = "exact", offloading: bool = False,
+                 offload_only_non_sliding: bool = True, config: Any = None, num_layers: int | None = None,
+                 **options: Any):
         check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
         for name, value in (("offloading", offloading), ("offload_only_non_sliding", offload_only_non_sliding)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-        check_option_names(codec_options, CACHE_OPTIONS)
-        given = {"mode": mode, "block_size": block_size, "keep_freqs": keep_freqs, "quant_bits": quant_bits,
-                 "keep_ratio": keep_ratio, **codec_options}
-        given = {k: v for k, v in given.items() if v is not UNSET}
-        for name, value in (("key_options", key_options), ("value_options", value_options)):
-            if value is not None:
-                given[name] = value
-        codec_options = with_preset(DEFAULT_PRESET if preset is None and not given else preset, given)
-        overrides = check_per_layer(per_layer)
+        codec_config = resolve_codecs(codecs, options)
         layer_kwargs = dict(layout=layout, max_cache_len=max_cache_len, memoize=memoize,
                             materialization_free=materialization_free, strict=strict, crop=crop)
         if config is not None and num_layers is not None:
@@ -564,42 +570,19 @@ class FlashCodecCache(Cache):
             layer_types, native_kwargs = ["full_attention"] * num_layers, [{}] * num_layers
         else:
             layer_types = native_kwargs = None
-            if overrides:
+            if codec_config.per_layer:
                 raise ValueError("per_layer needs the layer count: use FlashCodecCache.from_config(config, per_layer=...) "
                                  "or pass num_layers=")
-        resolve_layer_codecs(codec_options)  # every option checked before anything is built
 
-        self.options = {**codec_options, "per_layer": overrides, **layer_kwargs, "offloading": offloading}
+        self.codec_config = codec_config
+        self.options = {"codecs": codec_config.spec, **layer_kwargs, "offloading": offloading}
         self._padding_mask: torch.Tensor | None = None
         self.source_config = config  # what save() fingerprints (hf/cache_file.py)
         offload = dict(offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         if layer_types is None:
-            super().__init__(layer_class_to_replicate=_LayerFactory(codec_options, layer_kwargs), **offload)
+            super().__init__(layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs), **offload)
             return
-        for idx in overrides:
-            if idx >= len(layer_types):
-                raise ValueError(f"per_layer: layer index {idx} out of range; the model has {len(layer_types)} layers")
-            if layer_types[idx] not in CODEC_LAYER_TYPES or (layout == "static" and layer_types[idx] != "full_attention"):
-                allowed = CODEC_LAYER_TYPES if layout == "dynamic" else ("full_attention",)
-                raise ValueError(f"per_layer: layer {idx} is a {layer_types[idx]!r} layer; with layout={layout!r} only "
-                                 f"{allowed} layers carry a codec")
-        layers = []
-        for idx, (kind, kwargs) in enumerate(zip(layer_types, native_kwargs, strict=True)):
-            codec_layer = kind == "full_attention" or (kind == "sliding_attention" and layout == "dynamic")
-            if codec_layer and not (idx in overrides and overrides[idx] is None):
-                options = layer_options(codec_options, overrides.get(idx))
-                if kind == "sliding_attention":
-                    options = _without_sinks(options)
-                codecs = resolve_layer_codecs(options, where=f"per_layer[{idx}]" if idx in overrides else "", layer_idx=idx)
-                if kind == "sliding_attention":
-                    layers.append(FlashCodecSlidingLayer(codecs.key, codecs.value, sliding_window=kwargs["sliding_window"],
-                                                         **layer_kwargs))
-                else:
-                    layers.append(FlashCodecLayer(codecs.key, codecs.value, **layer_kwargs))
-            elif layout == "static":
-                layers.append(STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kwargs))
-            else:
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+        layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dim(config))
         super().__init__(layers=layers, **offload)
 
     def __deepcopy__(self, memo: dict) -> FlashCodecCache:
@@ -761,13 +744,82 @@ class _LayerFactory:
     (``rotate=True``). A plain object rather than a closure over the cache, so a deep copy of the cache stays
     independent of the original."""
 
-    def __init__(self, codec_options: dict, layer_kwargs: dict):
-        self.codec_options, self.layer_kwargs, self.made = codec_options, layer_kwargs, 0
+    def __init__(self, codec_config: CacheConfig, layer_kwargs: dict):
+        self.codec_config, self.layer_kwargs, self.made = codec_config, layer_kwargs, 0
 
     def __call__(self) -> FlashCodecLayer:
-        codecs = resolve_layer_codecs(self.codec_options, layer_idx=self.made)
+        key, value = self.codec_config.layers.build(self.made)
         self.made += 1
-        return FlashCodecLayer(codecs.key, codecs.value, **self.layer_kwargs)
+        return FlashCodecLayer(key, value, **self.layer_kwargs)
+
+
+def resolve_codecs(codecs: CacheConfig | str | None, options: dict[str, Any]) -> CacheConfig:
+    """The configuration ``FlashCodecCache(codecs, **options)`` asks for (see its docstring); raises naming what is
+    wrong before anything is built."""
+    unknown = sorted(set(options) - set(CODEC_KEYWORDS) - {n for name in CODECS for n in codec_options(name)})
+    if unknown:
+        allowed = sorted(set(CODEC_KEYWORDS) | {n for name in CODECS for n in codec_options(name)})
+        raise ValueError(f"unknown option(s) {unknown}; allowed: {allowed} and the cache options of FlashCodecCache")
+    if codecs is None:
+        return cache_config(**options)
+    if options:
+        raise ValueError(f"pass either codecs= or codec options, not both (got codecs and {sorted(options)})")
+    if isinstance(codecs, CacheConfig):
+        return codecs
+    if isinstance(codecs, str):
+        return preset_config(codecs) if codecs in PRESETS else CacheConfig.from_spec(codecs)
+    raise TypeError(f"codecs must be a CacheConfig, a preset name or a CacheConfig.spec string, got "
+                    f"{type(codecs).__name__}")
+
+
+def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: list[dict], layer_kwargs: dict,
+            head_dim: int | None) -> list:
+    """One cache layer per model layer (see :class:`FlashCodecCache`); checks the overrides and head_dim first."""
+    layout, n = layer_kwargs["layout"], len(layer_types)
+    carries = [kind == "full_attention" or (kind == "sliding_attention" and layout == "dynamic") for kind in layer_types]
+    for idx in codec_config.overrides:
+        if idx >= n:
+            raise ValueError(f"per_layer: layer index {idx} out of range; the model has {n} layers")
+        if not carries[idx]:
+            allowed = CODEC_LAYER_TYPES if layout == "dynamic" else ("full_attention",)
+            raise ValueError(f"per_layer: layer {idx} is a {layer_types[idx]!r} layer; with layout={layout!r} only "
+                             f"{allowed} layers carry a codec")
+    layers, native_sliding = [], []
+    for idx, (kind, kwargs) in enumerate(zip(layer_types, native_kwargs, strict=True)):
+        layer_config = codec_config.layer(idx) if carries[idx] else None
+        if layer_config is None:
+            if kind == "sliding_attention":
+                native_sliding.append(idx)
+            mapping = STATIC_LAYER_TYPE_MAPPING if layout == "static" else DYNAMIC_LAYER_TYPE_MAPPING
+            layers.append(mapping[kind](**({"max_cache_len": layer_kwargs["max_cache_len"]} if layout == "static"
+                                           else {}), **kwargs))
+            continue
+        if kind == "sliding_attention":
+            layer_config = layer_config.without_sinks()
+        key, value = layer_config.build(idx)
+        if head_dim is not None:
+            for stream, codec in (("keys", key), ("values", value)):
+                try:
+                    codec.check_head_dim(head_dim)
+                except ValueError as err:
+                    raise ValueError(f"layer {idx} ({stream}): {err}") from None
+        if kind == "sliding_attention":
+            layers.append(FlashCodecSlidingLayer(key, value, sliding_window=kwargs["sliding_window"], **layer_kwargs))
+        else:
+            layers.append(FlashCodecLayer(key, value, **layer_kwargs))
+    if layout == "static" and native_sliding and any(carries):
+        warnings.warn(f"layout='static' keeps the {len(native_sliding)} sliding-window layer(s) {native_sliding} native "
+                      f"(uncompressed): codec rings need the dynamic layout", StaticSlidingNative, stacklevel=4)
+    return layers
+
+
+def _head_dim(config: Any) -> int | None:
+    """The attention head dim of ``config`` (its decoder text config), None where the config does not say."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
+        head_dim = text.hidden_size // text.num_attention_heads
+    return head_dim if isinstance(head_dim, int) else None
 
 
 def _layer_types(config: Any) -> tuple[list[str], list[dict]]:
@@ -779,4 +831,4 @@ def _layer_types(config: Any) -> tuple[list[str], list[dict]]:
 
 
 __all__ = ["CODEC_LAYER_TYPES", "CodecOverflowError", "FlashCodecCache", "FlashCodecLayer", "FlashCodecSlidingLayer",
-           "MaterializationFreeFallback"]
+           "MaterializationFreeFallback", "StaticSlidingNative"]

@@ -19,9 +19,8 @@ from typing import Any, TypeVar
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache
-from ..options import CACHE_OPTIONS, check_option_names, check_per_layer
 from .attention import apply_codec_attention, remove_codec_attention
-from .cache import FlashCodecCache
+from .cache import CACHE_SWITCHES, FlashCodecCache, resolve_codecs
 from .compile import check_compile, forget_compiled_call, install_compile_config
 
 METHOD = PREPARE_CACHE_METHOD
@@ -30,16 +29,17 @@ T = TypeVar("T", bound=type)
 
 
 def _validate(options: dict[str, Any], config: Any = None) -> dict[str, Any]:
-    """Check every option now (a static layout may omit max_cache_len: generate's max length is used)."""
-    check_option_names(options, CACHE_OPTIONS)
+    """Check every option now (a static layout may omit max_cache_len: generate's max length is used; without a
+    model config, the codec options are checked on their own and the cache switches on a default cache)."""
     probe = dict(options)
     if probe.get("layout") == "static" and probe.get("max_cache_len") is None:
         probe["max_cache_len"] = 1
     if config is not None:
         FlashCodecCache.from_config(config, **probe)
-    else:
-        check_per_layer(probe.pop("per_layer", None))
-        FlashCodecCache(**probe)
+        return dict(options)
+    switches = {k: v for k, v in probe.items() if k in CACHE_SWITCHES}
+    resolve_codecs(probe.get("codecs"), {k: v for k, v in probe.items() if k not in CACHE_SWITCHES and k != "codecs"})
+    FlashCodecCache(**switches)
     return dict(options)
 
 

@@ -23,11 +23,14 @@ rollback). A stream's *capacity* in positions is ``sinks + NG * G``.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
-from ..codecs import Codec, codec_from_spec
+from ..codecs import Codec, JPEGCodec, PNGCodec, codec_from_spec
+
+KERNEL_CODECS = (JPEGCodec, PNGCodec)  # what the fast kernels (C++, Triton) know; other codecs run the reference
 
 
 class StreamState(NamedTuple):
@@ -70,6 +73,13 @@ def advance(codec: Codec, start, end):
     if isinstance(behind, torch.Tensor):
         return start + torch.div(behind.clamp_min(0), codec.group, rounding_mode="floor") * codec.group
     return start + max(0, behind) // codec.group * codec.group
+
+
+@functools.lru_cache(maxsize=512)
+def fast_kernels_serve(*specs: str) -> bool:
+    """Whether the fast kernels know every codec of ``specs`` (:data:`KERNEL_CODECS`); a codec registered elsewhere
+    runs the reference ops, which use only the :class:`~flashcodec_fx.codecs.Codec` interface."""
+    return all(type(codec_from_spec(spec)) in KERNEL_CODECS for spec in specs)
 
 
 def spec_codec(name: str, spec: str) -> Codec:

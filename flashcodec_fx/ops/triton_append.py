@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs import JPEG
+from ..codecs import JPEGCodec
 from .append import check_append_args, completable_groups
 from .triton_common import (
     CHANNEL_CODES,
@@ -120,10 +120,10 @@ class EncodeTiles:
     def of(cls, codec, head_dim: int, has_memo: bool) -> EncodeTiles:
         q = codec.quantizer
         dp = pow2(head_dim, 16)
-        stored = codec.blocks * pow2(codec.rows if codec.mode == JPEG else codec.block_size)
+        stored = codec.blocks * pow2(codec.rows if isinstance(codec, JPEGCodec) else codec.block_size)
         rc = min(32, dp)
         rpp = pow2(codec.block_size)
-        return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), rc, codec.window, codec.mode == JPEG,
+        return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), rc, codec.window, isinstance(codec, JPEGCodec),
                    q is not None, q is not None and q.search, has_memo, _CHUNK,
                    dp if q is not None and q.axis == "token" else rc, max(pow2(codec.blocks), -(-16 // rpp)), rpp)
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs import JPEG, LEVELS, Codec
+from ..codecs import LEVELS, Codec, JPEGCodec
 from ..codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 
 # What the Triton path accepts (launchers raise a ValueError naming the limit; the reference ops take more):
@@ -198,7 +198,7 @@ def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
     factors = torch.zeros(2, FACTOR_SLOTS.value, dtype=torch.float32)
     factors[0, : len(SHRINK_FACTORS)] = torch.tensor(SHRINK_FACTORS)
     factors[1, : len(LLOYD_FACTORS)] = torch.tensor(LLOYD_FACTORS)
-    analysis = codec.analysis("cpu") if codec.mode == JPEG else placeholder
+    analysis = codec.analysis("cpu") if isinstance(codec, JPEGCodec) else placeholder
     return StreamTables(*(t.contiguous().to(device) for t in (
         codec.synthesis("cpu"), placeholder if rotation is None else rotation, rows, levels, analysis, factors)))
 

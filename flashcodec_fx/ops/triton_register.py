@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _compat
+from .state import fast_kernels_serve
 from .triton_append import triton_append
 from .triton_attention import triton_codec_attention
 from .triton_common import warm_tables
@@ -60,7 +61,8 @@ def gated(triton_fn: Callable, reference_fn: Callable) -> Callable:
         device = next(a.device if isinstance(a, torch.Tensor) else a[0].device for a in args
                       if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
                                                          and isinstance(a[0], torch.Tensor)))
-        fn = triton_fn if kernel_choice(torch.device(device)) == "triton" else reference_fn
+        known = fast_kernels_serve(*(a for a in args if isinstance(a, str)))
+        fn = triton_fn if known and kernel_choice(torch.device(device)) == "triton" else reference_fn
         return fn(*args, **kwargs)
 
     return kernel

@@ -16,7 +16,7 @@ import torch
 
 from .. import ops
 from ..cache import CodecStream
-from ..codecs import PNG
+from ..codecs import PNGCodec
 from ..ops.state import StreamState, check_state
 from .lossless import dtype_name
 
@@ -54,7 +54,7 @@ def _archived_tokens(stream: CodecStream, filled: int) -> torch.Tensor | None:
     """``(B, H, filled * G, D)``: the archived tokens in the stream dtype, when encoding them gives back this archive
     bitwise (lossless png: checked here), else None. Stored in place of the fp32 deltas, they take half the bytes."""
     codec, st = stream.codec, stream.state
-    if codec.mode != PNG or codec.pruned or filled == 0:
+    if not isinstance(codec, PNGCodec) or codec.pruned or filled == 0:
         return None
     tokens = stream.read()[:, :, codec.sinks: codec.sinks + filled * codec.group].contiguous()
     return tokens if _same_bits(codec.encode(tokens).data, st.data[:, :, :filled]) else None
@@ -78,7 +78,7 @@ def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tenso
         return None
     codec, filled = stream.codec, int(described["filled_groups"])
     if described.get("archive") == "tokens":
-        if "tokens" not in tensors or codec.mode != PNG:
+        if "tokens" not in tensors or not isinstance(codec, PNGCodec):
             raise ValueError(f"{name}: an archive stored as tokens needs a 'tokens' tensor and a png codec")
         tensors = {**tensors, "data": codec.encode(tensors["tokens"].to(device)).data}
     missing = sorted(set(StreamState._fields) - set(tensors))

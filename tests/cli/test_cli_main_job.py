@@ -129,11 +129,12 @@ def test_default_tiers_are_raw_and_the_presets_else_png_and_int8(monkeypatch):
 
     monkeypatch.setattr(flashcodec_fx, "PRESETS", {}, raising=False)
     assert main_job.default_tier_names() == ["raw", "png", "jpeg-int8"]
-    monkeypatch.setattr(flashcodec_fx, "PRESETS", {"tiny": {"mode": "jpeg", "keep_freqs": 4}, "int8": {}}, raising=False)
+    presets = {"tiny": flashcodec_fx.cache_config(mode="jpeg", keep_freqs=4), "int8": flashcodec_fx.cache_config()}
+    monkeypatch.setattr(flashcodec_fx, "PRESETS", presets, raising=False)
     assert main_job.default_tier_names() == ["raw", "tiny", "int8"]
     tier = main_job.resolve_tiers(["tiny"])[1]
-    assert tier.name == "preset tiny" and tier.options == {"mode": "jpeg", "keep_freqs": 4}
-    monkeypatch.setattr(flashcodec_fx, "PRESETS", {"png": {"mode": "png"}}, raising=False)
+    assert tier.name == "preset tiny" and tier.options == {"preset": "tiny"}
+    monkeypatch.setattr(flashcodec_fx, "PRESETS", {"png": flashcodec_fx.cache_config(mode="png")}, raising=False)
     with pytest.raises(ValueError, match="clashes"):
         main_job.available_tiers()
 

@@ -9,7 +9,8 @@ from _codec_data import DTYPES, FAST, bit_table_and_levels
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcodec_fx.codecs import OPTIONS, JPEGCodec, PNGCodec, codec_from_spec, make_codec
+from flashcodec_fx.codecs import CODECS, JPEGCodec, PNGCodec, codec_from_spec, make_codec
+from flashcodec_fx.codecs import codec_options as options_of
 
 # (mode, options, exception, name in the message): wrong types raise TypeError, wrong values ValueError.
 BAD_OPTIONS = [
@@ -107,10 +108,13 @@ def test_direct_constructors_validate_too():
         PNGCodec(keep_ratio=2)
 
 
-def test_options_table_lists_what_each_mode_takes():
-    for mode, names in OPTIONS.items():
-        assert {"block_size", "sinks", "window"} <= set(names), mode
-        make_codec(mode, block_size=4, sinks=1, window=2)
+def test_every_registered_codec_lists_its_options_with_their_defaults():
+    assert {"jpeg", "png"} <= set(CODECS)  # and whatever a test registered (tests/codecs/toy_codec.py)
+    for mode in CODECS:
+        options = options_of(mode)
+        assert {"sinks", "window"} <= set(options), mode  # every codec keeps raw sinks and a raw window
+        assert make_codec(mode, **options) == make_codec(mode)  # the defaults are the constructor's
+        make_codec(mode, sinks=1, window=2)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3, 5, 8, 100, 256])

@@ -43,8 +43,9 @@ def _finish(turn):
 
 
 def test_tiers_are_every_preset_then_every_main_tier_not_already_a_preset(monkeypatch):
-    same_as_int8 = dict(next(t for t in main_tiers() if t.name == "jpeg r=8 K=8 int8").options)
-    monkeypatch.setattr(flashcodec_fx, "PRESETS", {"k8-int8": same_as_int8, "lossless": {"mode": "png"}}, raising=False)
+    same_as_int8 = flashcodec_fx.cache_config(**next(t for t in main_tiers() if t.name == "jpeg r=8 K=8 int8").options)
+    presets = {"k8-int8": same_as_int8, "lossless": flashcodec_fx.cache_config(mode="png")}
+    monkeypatch.setattr(flashcodec_fx, "PRESETS", presets, raising=False)
     tiers = sbs.codec_tiers()
     assert [t.name for t in tiers] == ["k8-int8", "lossless", "png keep=1.0", "jpeg r=8 K=8", "jpeg r=8 K=4 int8",
                                        "jpeg r=8 K=2 int8"]

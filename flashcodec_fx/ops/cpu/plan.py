@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...codecs import JPEG, Codec, codec_from_spec
+from ...codecs import Codec, JPEGCodec, codec_from_spec
 from ...codecs.levels import LEVELS
 from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 
@@ -39,12 +39,12 @@ class Plan(NamedTuple):
 def _meta(codec: Codec, head_dim: int, sum_width: int) -> list[int]:
     q = codec.quantizer
     fields = {
-        "mode": codec.mode, "r": codec.block_size, "rows": codec.rows, "dense": codec.dense_rows,
+        "mode": int(not isinstance(codec, JPEGCodec)), "r": codec.block_size, "rows": codec.rows, "dense": codec.dense_rows,
         "blocks": codec.blocks, "group": codec.group, "sinks": codec.sinks, "window": codec.window,
         "tail_cap": codec.tail_capacity, "center": int(codec.center), "rotate": int(codec.rotate is not None),
         "quant": QUANT_AXES[None if q is None else q.axis], "pruned": codec.index_rows,
         "classes": 0 if q is None else len(q.classes), "zero_classes": 0 if q is None else q.zero_classes,
-        "cumsum": int(codec.mode != JPEG), "head_dim": head_dim,
+        "cumsum": int(not isinstance(codec, JPEGCodec)), "head_dim": head_dim,
         "row_bytes": 0 if q is None else q.row_bytes(head_dim), "search": int(q is not None and q.search),
         "n_shrink": len(SHRINK_FACTORS), "n_lloyd": len(LLOYD_FACTORS), "sum_width": sum_width,
     }
@@ -64,7 +64,7 @@ def codec_plan(spec: str, head_dim: int, sum_width: int = 8) -> Plan:
     of torch's sum kernel, whose summation order the encoder follows (``launch.sum_width``)."""
     codec = codec_from_spec(spec)
     q = codec.quantizer
-    if codec.mode == JPEG:
+    if isinstance(codec, JPEGCodec):
         analysis = codec.analysis()
     else:
         analysis = torch.zeros(0, codec.block_size)
