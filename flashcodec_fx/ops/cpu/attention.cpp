@@ -19,42 +19,6 @@ constexpr int kChunk = 256;      // positions per chunk (rounded up to a multipl
 constexpr int kItemsPerThread = 8;
 constexpr int kRawBatch = 64;    // raw rows converted at a time (sinks, tail, new tokens)
 
-struct MaskView {
-  const char* ptr = nullptr;
-  at::ScalarType dtype = at::kBool;
-  int64_t sb = 0, sh = 0, st = 0, sl = 0, len = 0;  // strides in elements (0 on broadcast dims)
-  int64_t elem = 1;
-
-  // out[i * stride] += bias of position p0 + i, i < n, for query (b, head, t)
-  void apply(int64_t b, int64_t head, int64_t t, int64_t p0, int n, float* out, int stride) const {
-    const char* base = ptr + (b * sb + head * sh + t * st) * elem;
-    for (int i = 0; i < n; ++i) {
-      const int64_t p = std::min<int64_t>(p0 + i, len - 1);
-      const char* cell = base + p * sl * elem;
-      float& o = out[i * stride];
-      switch (dtype) {
-        case at::kBool: if (!*reinterpret_cast<const bool*>(cell)) o = kNegInf; break;
-        case at::kFloat: o += *reinterpret_cast<const float*>(cell); break;
-        case at::kDouble: o += static_cast<float>(*reinterpret_cast<const double*>(cell)); break;
-        case at::kHalf: o += static_cast<float>(*reinterpret_cast<const at::Half*>(cell)); break;
-        default: o += static_cast<float>(*reinterpret_cast<const at::BFloat16*>(cell)); break;
-      }
-    }
-  }
-};
-
-// Raw rows (B, H, N, D) with arbitrary strides, last dim contiguous (q, k_new, v_new).
-struct Rows {
-  const char* ptr = nullptr;
-  at::ScalarType dtype = at::kFloat;
-  int64_t sb = 0, sh = 0, sn = 0;  // bytes
-  Rows() = default;
-  explicit Rows(const at::Tensor& t)
-      : ptr(static_cast<const char*>(t.data_ptr())), dtype(t.scalar_type()), sb(t.stride(0) * t.element_size()),
-        sh(t.stride(1) * t.element_size()), sn(t.stride(2) * t.element_size()) {}
-  const char* at(int64_t b, int64_t h, int64_t n) const { return ptr + b * sb + h * sh + n * sn; }
-};
-
 // Per-thread scratch (floats), sized from the shapes only.
 struct Scratch {
   float *scores, *kblk, *vblk, *coef, *pc, *qs, *zq, *cacc, *cz, *raw, *sf;
@@ -624,13 +588,16 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
                            const std::vector<at::Tensor>& v_in, const std::vector<at::Tensor>& k_plan,
                            const std::vector<at::Tensor>& v_plan, const c10::optional<at::Tensor>& k_new,
                            const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& mask,
-                           double scale) {
+                           double scale, bool simd) {
   const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
   const std::vector<at::Tensor> k_state = readable_state(k_in), v_state = readable_state(v_in);
   const at::Tensor q = readable_rows(q_in);
   at::Tensor kn, vn;
   if (k_new.has_value()) { kn = readable_rows(*k_new); vn = readable_rows(*v_new); }
   const Stream ks(kc, k_state), vs(vc, v_state);
+  if (per_token(kc) && per_token(vc))
+    return token_codec_attention(q, k_state[6].size(1), ks, vs, k_new.has_value() ? &kn : nullptr,
+                                 k_new.has_value() ? &vn : nullptr, mask, scale, simd);
   Attention A;
   A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
   A.Hkv = k_state[6].size(1); A.GT = (A.Hq / A.Hkv) * A.Tq;
@@ -639,17 +606,7 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   A.q = Rows(q);
   if (k_new.has_value()) { A.knew = Rows(kn); A.vnew = Rows(vn); }
   A.has_mask = mask.has_value();
-  if (A.has_mask) {
-    const at::Tensor& mk = *mask;
-    A.mask.ptr = static_cast<const char*>(mk.data_ptr());
-    A.mask.dtype = mk.scalar_type();
-    A.mask.elem = mk.element_size();
-    A.mask.sb = mk.size(0) == 1 ? 0 : mk.stride(0);
-    A.mask.sh = mk.size(1) == 1 ? 0 : mk.stride(1);
-    A.mask.st = mk.size(2) == 1 ? 0 : mk.stride(2);
-    A.mask.sl = mk.stride(3);
-    A.mask.len = mk.size(3);
-  }
+  if (A.has_mask) A.mask = MaskView(*mask);
   A.scale = static_cast<float>(scale);
   A.out_dtype = q.scalar_type();
   const int64_t threads = at::get_num_threads();
@@ -697,9 +654,20 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
 
 // Floats of the workspace one call allocates besides its output: a function of the shapes and the thread count,
 // never of the stored length.
-int64_t attention_workspace(const std::vector<at::Tensor>& k_plan, int64_t B, int64_t Hkv, int64_t GT, int64_t D) {
-  const Codec kc = Codec::parse(k_plan);
+int64_t attention_workspace(const std::vector<at::Tensor>& k_plan, const std::vector<at::Tensor>& v_plan, int64_t B,
+                            int64_t Hkv, int64_t GT, int64_t D) {
+  const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
+  if (per_token(kc) && per_token(vc))
+    return token_layout(B, Hkv, GT, static_cast<int>(D), at::get_num_threads()).total();
   return attention_layout(kc, B, Hkv, GT, static_cast<int>(D), at::get_num_threads()).total();
+}
+
+// Which code serves a pair of codecs: "block" (this file), else "token:<keys>/<values>" with how each stream's
+// archive rows are read ("avx2", "portable" or "raw").
+std::string attention_path(const std::vector<at::Tensor>& k_plan, const std::vector<at::Tensor>& v_plan, bool simd) {
+  const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
+  if (!(per_token(kc) && per_token(vc))) return "block";
+  return std::string("token:") + row_codes_name(row_codes(kc, simd)) + "/" + row_codes_name(row_codes(vc, simd));
 }
 
 }  // namespace fc

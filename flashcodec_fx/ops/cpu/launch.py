@@ -85,7 +85,7 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     d = q.shape[3]
     softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
-                                  mask, softmax_scale)
+                                  mask, softmax_scale, True)
 
 
 def cpu_append(state, new, spec, memo=None) -> None:
