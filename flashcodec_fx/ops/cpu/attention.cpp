@@ -1,6 +1,7 @@
 // flashcodec::codec_attention on the CPU: flash-decoding over the stored form (see ops/attention.py for the spec).
 //
-// Work items are (batch, kv head, query tile, split). A tile holds up to kLanes query rows (the GQA heads x tokens
+// Work items are (batch, kv head, query tile, split), run by pool.h's fork-join (one region per call, only when the
+// work gives each thread kMinWorkPerThread). A tile holds up to kLanes query rows (the GQA heads x tokens
 // of one kv head) side by side in SIMD lanes, so every loaded block serves all of them and no dot product needs a
 // horizontal reduction: scores are stored [position][lane]. A split walks its chunks of positions in order; for a
 // chunk, key scores of every position come from the key stream's own layout (sinks, archive blocks, tail, the call's
@@ -17,6 +18,7 @@ namespace fc {
 
 constexpr int kChunk = 256;      // positions per chunk (rounded up to a multiple of the key codec's group)
 constexpr int kItemsPerThread = 8;
+constexpr int64_t kMinWorkPerThread = 8192;  // stored positions x tiles per extra thread (~0.5 ms of int8 blocks)
 constexpr int kRawBatch = 64;    // raw rows converted at a time (sinks, tail, new tokens)
 
 // Per-thread scratch (floats), sized from the shapes only.
@@ -615,37 +617,36 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   float* base = ws.data_ptr<float>();
   A.part = base;
   float* scratch = base + lay.part_floats;
-  A.tiles = lay.tiles; A.splits = lay.splits; A.chunk = lay.chunk; A.lds = lay.lds;
   const int64_t L = ks.length;
+  const int64_t use = threads_for(A.B * A.Hkv * lay.tiles * L, kMinWorkPerThread);
+  A.tiles = lay.tiles; A.splits = use == 1 ? 1 : lay.splits; A.chunk = lay.chunk; A.lds = lay.lds;
   A.n_chunks = L <= kc.sinks ? 1 : (L - kc.sinks + A.chunk - 1) / A.chunk;
   at::Tensor out = at::empty(q.sizes(), q.options());
   const bool rot = vc.rotate;
   const int D = A.D;
-  at::parallel_for(0, lay.items, 1, [&](int64_t i0, int64_t i1) {
-    float* mine = scratch + at::get_thread_num() * lay.scratch_floats;
+  std::vector<int64_t> prepared(use, -1);  // per slot: the tile whose queries its scratch holds
+  Pool::get().run(A.B * A.Hkv * A.tiles * A.splits, static_cast<int>(use - 1), [&](int64_t item, int slot) {
+    float* mine = scratch + slot * lay.scratch_floats;
     Scratch w(mine, A.lds, D);
     float* query_base = mine + Scratch::floats(A.lds, D);
     TileQueries tq(query_base, D, kc.rotate);
-    int64_t prepared = -1;  // the tile whose queries tq holds (a thread's items are consecutive: mostly one tile)
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t split = item % A.splits, it = item / A.splits;
-      const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
-      if (it != prepared) {
-        prepare_queries(A, ks, b, h, tile, tq, query_base + TileQueries::floats(D));
-        prepared = it;
-      }
-      const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
-      Partial p(A.part + item * Partial::floats(D), D, rot);
-      std::fill(p.mx, p.mx + kLanes, kNegInf);
-      std::fill(p.l, p.l + 2 * kLanes + 2 * kLanes * D, 0.0f);
-      const int64_t c0 = A.n_chunks * split / A.splits, c1 = A.n_chunks * (split + 1) / A.splits;
-      for (int64_t ch = c0; ch < c1; ++ch) {
-        const int64_t p0 = A.chunk_begin(ch), p1 = A.chunk_end(ch);
-        if (p0 >= p1) continue;
-        key_chunk(A, b, h, tile, tq, mt, p0, p1, w);
-        softmax_step(w.scores, static_cast<int>(p1 - p0), mt, D, p, rot, vc.center);
-        value_chunk(A, b, h, mt, p0, p1, p, w);
-      }
+    const int64_t split = item % A.splits, it = item / A.splits;
+    const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
+    if (it != prepared[slot]) {
+      prepare_queries(A, ks, b, h, tile, tq, query_base + TileQueries::floats(D));
+      prepared[slot] = it;
+    }
+    const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
+    Partial p(A.part + item * Partial::floats(D), D, rot);
+    std::fill(p.mx, p.mx + kLanes, kNegInf);
+    std::fill(p.l, p.l + 2 * kLanes + 2 * kLanes * D, 0.0f);
+    const int64_t c0 = A.n_chunks * split / A.splits, c1 = A.n_chunks * (split + 1) / A.splits;
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      const int64_t p0 = A.chunk_begin(ch), p1 = A.chunk_end(ch);
+      if (p0 >= p1) continue;
+      key_chunk(A, b, h, tile, tq, mt, p0, p1, w);
+      softmax_step(w.scores, static_cast<int>(p1 - p0), mt, D, p, rot, vc.center);
+      value_chunk(A, b, h, mt, p0, p1, p, w);
     }
   });
   combine(A, vs, out);

@@ -11,9 +11,9 @@
 // key stream's own layout (sinks, archive, tail, the call's new tokens), one softmax step, then the value stream's
 // positions with the same weights from its own layout. Splits are combined at the end (log-sum-exp).
 //
-// Threads: one parallel region per call at most, and only when the call's work (stored positions x tiles) gives
-// every thread at least kMinWorkPerThread of it; the threads then claim items from a shared counter, so one that
-// starts late (a busy machine) takes fewer. Without AVX2 + FMA (or with simd=false) the archive's rows go through
+// Threads: one parallel region per call at most (pool.h: the caller works too and never waits for a helper that has
+// not started), and only when the call's work (stored positions x tiles) gives every thread at least
+// kMinTokenWorkPerThread of it. Without AVX2 + FMA (or with simd=false) the archive's rows go through
 // the portable path: codes unpacked and levels looked up into a row of D floats, then plain dot products.
 
 namespace fc {
@@ -21,7 +21,7 @@ namespace fc {
 constexpr int kTileRows = 4;                  // query rows of a tile (the SIMD loops' accumulator registers)
 constexpr int kTokenChunk = 256;              // positions per online-softmax step
 constexpr int kTokenItemsPerThread = 4;       // work items per thread used
-constexpr int64_t kMinWorkPerThread = 16384;  // stored positions x tiles (~0.3 ms of 4-bit codes) per extra thread
+constexpr int64_t kMinTokenWorkPerThread = 16384;  // stored positions x tiles (~0.3 ms of 4-bit codes) per extra thread
 
 // A codec whose archive holds one row per token: block_size 1, one stored row, token-axis scales or unquantized.
 inline bool per_token(const Codec& c) {
@@ -485,7 +485,7 @@ at::Tensor token_codec_attention(const at::Tensor& q, int64_t Hkv, const Stream&
   A.tiles = Tiles(A.GT, lay.tiles);
   const int64_t bht = A.B * A.Hkv * lay.tiles, L = ks.length;
   A.n_chunks = (L + kTokenChunk - 1) / kTokenChunk;
-  const int64_t use = std::clamp<int64_t>(bht * L / kMinWorkPerThread, 1, threads);
+  const int64_t use = threads_for(bht * L, kMinTokenWorkPerThread);
   A.splits = static_cast<int>(use == 1 ? 1
                                        : std::clamp<int64_t>((kTokenItemsPerThread * use + bht - 1) / bht, 1,
                                                              std::min(lay.max_splits, std::max<int64_t>(A.n_chunks, 1))));
@@ -494,21 +494,11 @@ at::Tensor token_codec_attention(const at::Tensor& q, int64_t Hkv, const Stream&
   float* scratch = A.part + lay.part_floats;
   const int64_t items = bht * A.splits;
   const bool rotated = ks.c->rotate;
-  auto run = [&](int64_t thread, std::atomic<int64_t>* next) {
-    TokenScratch w(scratch + thread * lay.scratch_floats, A.D, rotated);
-    int64_t prepared = -1;
-    if (next == nullptr) {
-      for (int64_t item = 0; item < items; ++item) token_item(A, item, w, prepared);
-      return;
-    }
-    for (int64_t item = next->fetch_add(1); item < items; item = next->fetch_add(1)) token_item(A, item, w, prepared);
-  };
-  if (use == 1) {
-    run(0, nullptr);
-  } else {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, use, 1, [&](int64_t, int64_t) { run(at::get_thread_num(), &next); });
-  }
+  std::vector<int64_t> prepared(use, -1);  // per slot: the tile whose queries its scratch holds
+  Pool::get().run(items, static_cast<int>(use - 1), [&](int64_t item, int slot) {
+    TokenScratch w(scratch + slot * lay.scratch_floats, A.D, rotated);
+    token_item(A, item, w, prepared[slot]);
+  });
   at::Tensor out = at::empty(q.sizes(), q.options());
   token_combine(A, out);
   return out;
