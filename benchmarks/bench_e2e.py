@@ -28,7 +28,7 @@ Configurations:
 
     python benchmarks/bench_e2e.py --models smollm2 --configs eager_raw,eager_int8,eager_4bit,eager_3bit,eager_2.5bit \
         --contexts 4096,16384 --new-tokens 6 --threads 1 --out benchmarks/results/e2e_cpu_eager_1thread.json
-    python benchmarks/bench_e2e.py ... --neighbour python   # the same decode next to CPU-burning processes
+    python benchmarks/bench_e2e.py ... --neighbours none,python,omp   # the same decode next to CPU-burning processes
     python benchmarks/bench_e2e.py --models smollm2 --configs raw,codec_pass --contexts 1024,4096 --new-tokens 12 \
         --out benchmarks/results/e2e_cpu_compiled.json
     python benchmarks/bench_e2e.py --quick            # llama-rand (SmolLM2 attention geometry, 2 layers, vocab 8192), 1k/4k/16k
@@ -292,8 +292,10 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 model and cache")
     parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead" (CUDA graphs)')
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
-    parser.add_argument("--neighbour", choices=NEIGHBOURS, default="none",
-                        help="eager runs next to CPU-burning processes (common.neighbour)")
+    parser.add_argument("--neighbours", default="none",
+                        help=f"comma list of {', '.join(NEIGHBOURS)}: each eager run once per kind, next to those "
+                             "CPU-burning processes (common.neighbour)")
+    parser.add_argument("--neighbour", choices=NEIGHBOURS, default="none", help=argparse.SUPPRESS)  # --run-eager
     parser.add_argument("--out", default=None)
     parser.add_argument("--run", nargs=3, metavar=("MODEL", "CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-eager", nargs=2, metavar=("MODEL", "CONTEXT"), help=argparse.SUPPRESS)
@@ -320,17 +322,20 @@ def main() -> None:
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
     eager = [c for c in configs if c in EAGER]
+    neighbours = [n for n in args.neighbours.split(",") if n]
+    if sorted(set(neighbours) - set(NEIGHBOURS)):
+        raise ValueError(f"--neighbours: unknown {sorted(set(neighbours) - set(NEIGHBOURS))}; allowed: {NEIGHBOURS}")
     if eager and args.device != "cpu":
         raise ValueError("--configs: the eager configurations run on the CPU only")
     rows = []
     for model_name, contexts in plan.items():
         for context in contexts:
-            if eager:
+            for kind in neighbours if eager else ():
                 cmd = [sys.executable, __file__, "--run-eager", model_name, str(context), "--configs", ",".join(eager),
-                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                       "--neighbour", args.neighbour]
-                with neighbour(args.neighbour):
-                    rows += _subprocess_rows(cmd, {"model": model_name, "config": ",".join(eager), "context": context})
+                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--neighbour", kind]
+                with neighbour(kind):
+                    rows += _subprocess_rows(cmd, {"model": model_name, "config": ",".join(eager), "context": context,
+                                                   "neighbour": kind})
             for config in [c for c in configs if c not in EAGER]:
                 cmd = [sys.executable, __file__, "--run", model_name, config, str(context),
                        "--new-tokens", str(args.new_tokens), "--device", args.device, "--threads", str(args.threads)]

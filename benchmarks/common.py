@@ -65,10 +65,10 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
 
 
 @contextlib.contextmanager
-def neighbour(kind: str) -> Iterator[None]:
-    """Run the CPU-burning neighbour ``kind`` (:data:`NEIGHBOURS`; ``none``: nothing) for the duration of the block:
-    ``python`` starts one pure-Python busy loop per core, ``omp`` one process whose torch matmul loop keeps an OpenMP
-    thread on every core. They are stopped when the block ends."""
+def neighbour(kind: str) -> Iterator[list[subprocess.Popen]]:
+    """Run the CPU-burning neighbour ``kind`` (:data:`NEIGHBOURS`; ``none``: nothing) for the duration of the block
+    (it yields the processes): ``python`` starts one pure-Python busy loop per core, ``omp`` one process whose torch
+    matmul loop keeps an OpenMP thread on every core. They are killed when the block ends."""
     if kind not in NEIGHBOURS:
         raise ValueError(f"neighbour must be one of {NEIGHBOURS}, got {kind!r}")
     import os
@@ -80,7 +80,7 @@ def neighbour(kind: str) -> Iterator[None]:
                                   stderr=subprocess.DEVNULL) for _ in range(copies)]
         time.sleep(2.0)  # let them start burning (torch's import takes a second)
     try:
-        yield
+        yield procs
     finally:
         for proc in procs:
             proc.kill()

@@ -2,9 +2,11 @@
 // group is encoded only when it completes and leaves the window, decided here from the stored length, so a decode
 // step is the same call every time and runs no ATen op. When groups complete, their products run through the
 // reference's own ATen expressions on the reference's shapes (centering, `x @ R.T`, `M @ blocks`; for the memo
-// `A @ S`, `x @ R`), so BLAS rounds them as it rounds the reference's; the quantizer of codecs/quant.py (scale
-// search, every level set and axis) runs here in C++ with torch's summation order; png Top-M goes through at::topk.
-// The per-channel mean (once per stream) uses the reference's own ATen ops. The result is bitwise the reference's.
+// `A @ S`, `x @ R`) on one BLAS thread (SerialBlas), so BLAS rounds them as it rounds the reference's run with one
+// BLAS thread; the quantizer of codecs/quant.py (scale search, every level set and axis) runs here in C++ with torch's
+// summation order; png Top-M goes through at::topk. The per-channel mean (once per stream) uses the reference's own
+// ATen ops. The result is bitwise the reference's at one BLAS thread (MKL rounds a few small shapes differently on
+// more threads: there the reference itself changes with the thread count).
 
 namespace fc {
 
@@ -442,6 +444,7 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
                        const c10::optional<at::Tensor>& memo) {
   const Codec c = Codec::parse(plan);
   const Matrices mx(plan);
+  const SerialBlas serial;  // the products (rotation, DCT, memo decode) on this thread: no BLAS team to stall
   Stream s(c, state);
   const int64_t B = x_new.size(0), H = x_new.size(1), T = x_new.size(2), D = x_new.size(3);
   const int64_t L = s.length, end = L + T;
