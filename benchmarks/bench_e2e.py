@@ -220,7 +220,13 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
     model = _model(model_name).float()
     cfg = model.config
     heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    caches = {config: _cache(model, config, context + new_tokens + 8) for config in configs}
+    caches, skipped = {}, []
+    for config in configs:
+        try:
+            caches[config] = _cache(model, config, context + new_tokens + 8)
+        except (ValueError, NotImplementedError) as err:  # e.g. quanto refuses sliding-window layers
+            skipped.append({"model": model_name, "config": config, "context": context, "neighbour": neighbour_kind,
+                            "error": f"{type(err).__name__}: {err}"})
     with torch.no_grad():
         for idx in range(cfg.num_hidden_layers):
             kv = [torch.randn(1, heads, context, dim) for _ in range(2)]
@@ -268,7 +274,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
             row["tok_per_s_vs_raw"] = round(raw["step_ms_median"] / row["step_ms_median"], 3)
             row["tok_per_s_vs_raw_min"] = round(raw["step_ms_min"] / row["step_ms_min"], 3)
         row["kv_total_vs_raw"] = round(row["kv_bytes"]["total"] / raw_equivalent, 4)
-    return rows
+    return rows + skipped
 
 def _subprocess_rows(cmd: list[str], what: dict) -> list[dict]:
     """The ``ROW`` lines a run prints, or one row with its error (``what`` names the run)."""

@@ -167,19 +167,23 @@ def e2e_config(config: str) -> str:
     return f"eager, FlashCodecCache `{config.removeprefix('eager_')}`"
 
 
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+
 def e2e_table() -> str:
-    """SmolLM2 decode speed (one thread) and KV held, eager and compiled, each config vs its raw twin of the run."""
+    """Decode speed (one thread) and KV held per model, eager and compiled, each config vs its raw twin of the run."""
     names = ("e2e_cpu_eager_1thread", "e2e_cpu_compiled_1thread")
-    lines = ["| context | config | tok/s | vs raw | KV held vs raw |", "|---|---|---|---|---|"]
+    lines = ["| model | context | config | tok/s | vs raw | KV held vs raw |", "|---|---|---|---|---|---|"]
     for name in names:
-        rows = load(name)["rows"]
+        rows = [r for r in load(name)["rows"] if "error" not in r]
         for row in rows:
-            raw = next(r for r in rows if r["context"] == row["context"] and r["config"] in ("eager_raw", "raw")
+            raw = next(r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
+                       and r["config"] in ("eager_raw", "raw")
                        and r["config"].startswith("eager") == row["config"].startswith("eager"))
             held = row["kv_bytes"]["total"] / raw["kv_bytes"]["total"]
-            lines.append(f"| {row['context'] // 1024 or row['context']}{'k' if row['context'] >= 1024 else ''} | "
-                         f"{e2e_config(row['config'])} | {row['tok_per_s']:.2f} | "
-                         f"{row['tok_per_s'] / raw['tok_per_s']:.2f}x | {held:.3f} |")
+            lines.append(f"| {row['model']} | {_context(row['context'])} | {e2e_config(row['config'])} | "
+                         f"{row['tok_per_s']:.2f} | {row['tok_per_s'] / raw['tok_per_s']:.2f}x | {held:.3f} |")
     return "\n".join(lines) + "\n\n" + provenance(*names)
 
 
@@ -196,7 +200,7 @@ def e2e_busy_table() -> str:
         quiet = {(r["context"], r["config"]): r["tok_per_s_vs_raw"] for r in rows if r["neighbour"] == "none"}
         for row in rows:
             kept = row["tok_per_s_vs_raw"] / quiet[(row["context"], row["config"])]
-            lines.append(f"| {row['threads']} | {row['context'] // 1024}k | {row['neighbour']} | "
+            lines.append(f"| {row['threads']} | {_context(row['context'])} | {row['neighbour']} | "
                          f"{e2e_config(row['config'])} | {row['tok_per_s']:.2f} | {row['tok_per_s_vs_raw']:.2f}x | "
                          f"{kept:.2f} |")
     return "\n".join(lines) + "\n\n" + provenance(*BUSY_RESULTS)
