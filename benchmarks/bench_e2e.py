@@ -224,7 +224,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
     for config in configs:
         try:
             caches[config] = _cache(model, config, context + new_tokens + 8)
-        except (ValueError, NotImplementedError) as err:  # e.g. quanto refuses sliding-window layers
+        except (ValueError, NotImplementedError, ImportError) as err:  # quanto: sliding layers, not installed
             skipped.append({"model": model_name, "config": config, "context": context, "neighbour": neighbour_kind,
                             "error": f"{type(err).__name__}: {err}"})
     with torch.no_grad():

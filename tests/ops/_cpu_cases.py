@@ -85,3 +85,10 @@ def make_mask(kind: str, b: int, hq: int, t: int, width: int, seed: int) -> torc
     if kind == "bool":
         return keep
     return (torch.randn(shape, generator=gen) * 0.5).masked_fill(~keep, float("-inf"))
+
+
+def allocations(fn) -> list[int]:
+    """Bytes of every allocation ``fn`` makes through torch's CPU allocator (profiler memory events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)

@@ -348,7 +348,9 @@ at::Tensor transform_groups(const Codec& c, const Matrices& mx, const Stream& s,
   if (c.center || s.dtype != at::kFloat) x = x.contiguous();  // there the reference's x is a new tensor
   if (c.rotate) x = at::matmul(x, mx.rot.t());
   at::Tensor blocks = x.reshape({B, H, n * G / c.r, c.r, D});
-  return (c.mode == kJpeg ? at::matmul(mx.analysis, blocks) : blocks).contiguous();
+  // jpeg's analysis of one-token blocks is [[1.0]]: its product is the blocks themselves (a value times 1.0, exactly)
+  const bool identity = c.mode != kJpeg || (c.r == 1 && c.rows == 1);
+  return (identity ? blocks : at::matmul(mx.analysis, blocks)).contiguous();
 }
 
 // One written group from its transform (`rows`: the group's g x K x D coefficients, or png's r x D block).
@@ -434,7 +436,8 @@ at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data
         for (int64_t d = 0; d < D; ++d) p[i * D + d] = p[(i - 1) * D + d] + p[i * D + d];
     return rows.view({B, H, n * c.group, D});
   }
-  at::Tensor x = at::matmul(mx.synth, rows).flatten(-3, -2);
+  const bool identity = c.r == 1 && c.dense == 1;  // one-token blocks: the synthesis is [[1.0]]
+  at::Tensor x = (identity ? rows : at::matmul(mx.synth, rows)).flatten(-3, -2);
   return c.rotate ? at::matmul(x, mx.rot) : x;
 }
 

@@ -4,11 +4,14 @@
 // oversubscribed machine one descheduled thread holds the whole call for a time slice, and the idle threads spin.
 // Here the calling thread works too, items are claimed one at a time from a shared counter, and the call returns as
 // soon as every item is done: it never waits for a helper that has not started (a helper the OS runs late finds no
-// item left and goes back to sleep), only for items a running helper has claimed. Helpers sleep on a condition
-// variable between calls (no spinning). One call at a time: a caller that finds the pool busy, or that runs inside
-// an ATen parallel region, runs its items itself. The helper threads are detached and the pool is never destroyed
-// (a process exits with them asleep); a forked child starts with no helpers.
+// item left and goes back to sleep), only for items a running helper has claimed; when such a helper was
+// descheduled in an item and held the call up, the next calls run on the calling thread alone (a backoff that
+// doubles while it keeps happening). Helpers sleep on a condition variable between calls (no spinning). One call
+// at a time: a caller that finds the pool busy, or that runs inside an ATen parallel region, runs its items itself.
+// Which thread runs an item never changes its result. The helper threads are detached and the pool is never
+// destroyed (a process exits with them asleep); a forked child starts with no helpers.
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <new>
@@ -35,7 +38,9 @@ class Pool {
   void run(int64_t n, int helpers, F&& fn) {
     if (n <= 0) return;
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (helpers <= 0 || n == 1 || !busy.owns_lock() || at::in_parallel_region()) {
+    const bool backing_off = busy.owns_lock() && serial_calls_ > 0;
+    if (helpers <= 0 || n == 1 || !busy.owns_lock() || at::in_parallel_region() || backing_off) {
+      if (backing_off) --serial_calls_;
       for (int64_t item = 0; item < n; ++item) fn(item, 0);
       return;
     }
@@ -54,11 +59,23 @@ class Pool {
       claim_.store(gen << kItemBits, std::memory_order_release);
     }
     wake_.notify_all();
+    const auto start = Clock::now();
     work(gen, call_, ctx_, n, 0);
+    const auto own = Clock::now();
     while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();  // items a helper is finishing
+    // A helper that held the call up longer than the caller's own share took was descheduled in an item: the
+    // machine is oversubscribed. The next calls run alone, twice as many after each such call in a row.
+    if (Clock::now() - own > own - start) {
+      strikes_ = std::min(strikes_ + 1, kMaxStrikes);
+      serial_calls_ = (1 << strikes_) - 1;
+    } else {
+      strikes_ = 0;
+    }
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  static constexpr int kMaxStrikes = 8;  // at most 255 calls alone after a stall
   static constexpr int kItemBits = 40;
   static constexpr uint64_t kItemMask = (uint64_t(1) << kItemBits) - 1;
   static constexpr uint64_t kGenMask = (uint64_t(1) << (64 - kItemBits)) - 1;
@@ -109,7 +126,9 @@ class Pool {
     started_ = 0;
   }
 
-  std::mutex busy_;  // one call at a time
+  std::mutex busy_;  // one call at a time; it guards strikes_ and serial_calls_
+  int strikes_ = 0;       // calls in a row that a helper held up
+  int serial_calls_ = 0;  // calls left to run alone
   std::mutex mu_;
   std::condition_variable wake_;
   int started_ = 0;
