@@ -136,7 +136,8 @@ def test_rejects_what_the_reference_rejects(cpu_kernels):
                             mask=torch.ones(1, 1, 1, 20, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("names", [("jpeg-int8", "jpeg-int8"), ("channel-key", "token-lloyd-value")])
+@pytest.mark.parametrize("names", [("jpeg-int8", "jpeg-int8"), ("channel-key", "token-lloyd-value"),
+                                   ("token-lloyd-value", "token-uniform-4bit")])  # block kernel; token kernel
 def test_allocates_only_its_output_and_a_workspace_independent_of_the_length(cpu_kernels, names):
     ck, cv = codec(names[0]), codec(names[1])
     q = torch.randn(1, 6, 1, 64)
