@@ -16,8 +16,9 @@ For each model, context length and configuration, one subprocess (clean memory f
 
 Configurations:
 - eager (the model as a user runs it, ``attn_implementation="sdpa"``): ``eager_raw`` (transformers
-  ``DynamicCache``), ``eager_codec`` (``FlashCodecCache.from_config(config)`` without options: jpeg r=8 int8,
-  attention on the stored form through the ``"kvcodec"`` attention function, no memo), ``eager_quanto``
+  ``DynamicCache``), ``eager_codec`` (``FlashCodecCache.from_config(config)`` without options: the default preset,
+  attention on the stored form through the ``"kvcodec"`` attention function, no memo), ``eager_<preset>`` for each
+  lossy preset (``FlashCodecCache.from_config(config, preset=...)``, the same attention), ``eager_quanto``
   (transformers ``QuantizedCache("quanto")`` int4, its defaults: per-token groups of 64, 128 raw tokens; it
   dequantizes its whole history every step);
 - compiled: ``raw`` (transformers StaticCache, backend inductor), ``codec_materialized`` (FlashCodecCache static,
@@ -25,8 +26,9 @@ Configurations:
   flashcodec, strict: attention on the stored state). Codec tier of the compiled rows: jpeg r=8, all coefficients,
   int8 (the cache's default, not the "int8" preset).
 
-    python benchmarks/bench_e2e.py --models smollm2 --configs eager_raw,eager_codec,eager_quanto \
-        --contexts 512,4096,16384 --new-tokens 6 --out benchmarks/results/e2e_cpu_eager.json
+    python benchmarks/bench_e2e.py --models smollm2 --configs eager_raw,eager_int8,eager_4bit,eager_3bit,eager_2.5bit \
+        --contexts 4096,16384 --new-tokens 6 --threads 1 --out benchmarks/results/e2e_cpu_eager_1thread.json
+    python benchmarks/bench_e2e.py ... --neighbours none,python,omp   # the same decode next to CPU-burning processes
     python benchmarks/bench_e2e.py --models smollm2 --configs raw,codec_pass --contexts 1024,4096 --new-tokens 12 \
         --out benchmarks/results/e2e_cpu_compiled.json
     python benchmarks/bench_e2e.py --quick            # llama-rand (SmolLM2 attention geometry, 2 layers, vocab 8192), 1k/4k/16k
@@ -47,12 +49,17 @@ import time
 import warnings
 
 import torch
+from common import NEIGHBOURS, neighbour, write_result
 
+from flashcodec_fx import PRESETS
 from flashcodec_fx.evaluate.storage import cache_bytes
 
 COMPILED = ("raw", "codec_materialized", "codec_pass")
-EAGER = ("eager_raw", "eager_codec", "eager_quanto")
+EAGER_PRESETS = {f"eager_{name}": name for name in PRESETS if name != "lossless"}
+EAGER = ("eager_raw", "eager_codec", "eager_quanto", *EAGER_PRESETS)
+EAGER_CODEC = ("eager_codec", *EAGER_PRESETS)  # attention on the stored form
 CONFIGS = COMPILED + EAGER
+MODELS = {"smollm2": None, "gemma3": "gemma-3-270m"}  # load_pretrained names; llama-rand: random weights
 TIER = dict(mode="jpeg", block_size=8, quant_bits=8)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -83,10 +90,10 @@ class RSSSampler(threading.Thread):
 def _model(name: str):
     import transformers
 
-    if name == "smollm2":
+    if name in MODELS:
         from flashcodec_fx.pretrained import load_pretrained
 
-        return load_pretrained()[0]
+        return load_pretrained(MODELS[name])[0]
     # SmolLM2-135M's attention geometry (9 query / 3 KV heads, head_dim 64, hidden 576), 2 layers, random weights,
     # a small vocabulary (8192) so that the lm head does not hide the attention cost.
     config = transformers.LlamaConfig(vocab_size=8192, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
@@ -109,6 +116,8 @@ def _cache(model, config: str, capacity: int):
         return DynamicCache(config=model.config)
     if config == "eager_codec":
         return FlashCodecCache.from_config(model.config)  # the defaults: what a user gets
+    if config in EAGER_PRESETS:
+        return FlashCodecCache.from_config(model.config, preset=EAGER_PRESETS[config])
     if config == "eager_quanto":
         return QuantizedCache("quanto", model.config, nbits=4)
     return FlashCodecCache.from_config(model.config, layout="static", max_cache_len=capacity, memoize=False, **TIER)
@@ -200,7 +209,8 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
             "kv_bytes": _kv_bytes(cache, config, raw_equivalent), "view_bytes_per_step": view, "tokens": tokens}
 
 
-def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: int) -> list[dict]:
+def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: int,
+              neighbour_kind: str = "none") -> list[dict]:
     """The eager configurations on one model in one process, their steps interleaved (a round times one step of
     each), so that their ratios share the machine's conditions; one row per configuration."""
     from flashcodec_fx.hf import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
@@ -210,13 +220,19 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
     model = _model(model_name).float()
     cfg = model.config
     heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    caches = {config: _cache(model, config, context + new_tokens + 8) for config in configs}
+    caches, skipped = {}, []
+    for config in configs:
+        try:
+            caches[config] = _cache(model, config, context + new_tokens + 8)
+        except (ValueError, NotImplementedError, ImportError) as err:  # quanto: sliding layers, not installed
+            skipped.append({"model": model_name, "config": config, "context": context, "neighbour": neighbour_kind,
+                            "error": f"{type(err).__name__}: {err}"})
     with torch.no_grad():
         for idx in range(cfg.num_hidden_layers):
             kv = [torch.randn(1, heads, context, dim) for _ in range(2)]
             for config, cache in caches.items():
                 cache.update(*kv, idx)
-                if config == "eager_codec":  # the fill stands for a prefill the kvcodec attention served (it marks it)
+                if config in EAGER_CODEC:  # the fill stands for a prefill the kvcodec attention served (it marks it)
                     cache.layers[idx].attention_bound = True
     warnings.simplefilter("error", MaterializationFreeFallback)  # a layer on the decoded view would time the memo
     name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
@@ -226,7 +242,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
     with torch.no_grad():
         for i in range(new_tokens + 1):  # step 0 warms up (plans, validation), untimed
             for config, cache in caches.items():
-                if config == "eager_codec":
+                if config in EAGER_CODEC:
                     apply_codec_attention(model)  # what apply_flash_codec installs: attention on the stored form
                 ids = torch.tensor([[tokens[config][-1]]])
                 start = time.perf_counter()
@@ -234,7 +250,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
                             **{name: cache})
                 token = int(out.logits[0, -1].argmax())
                 elapsed = time.perf_counter() - start
-                if config == "eager_codec":
+                if config in EAGER_CODEC:
                     remove_codec_attention(model)
                 tokens[config].append(token)
                 if i:
@@ -250,6 +266,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
                      "step_ms_p90": round(sorted(times[config])[int(0.9 * (len(times[config]) - 1))] * 1e3, 3),
                      "tok_per_s": round(1.0 / median, 2), "kv_bytes": _kv_bytes(cache, config, raw_equivalent),
                      "tokens": tokens[config][1:], "timer": "interleaved rounds, one step of each config per round",
+                     "neighbour": neighbour_kind,
                      "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())})
     raw = next((r for r in rows if r["config"] == "eager_raw"), None)
     for row in rows:
@@ -257,7 +274,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
             row["tok_per_s_vs_raw"] = round(raw["step_ms_median"] / row["step_ms_median"], 3)
             row["tok_per_s_vs_raw_min"] = round(raw["step_ms_min"] / row["step_ms_min"], 3)
         row["kv_total_vs_raw"] = round(row["kv_bytes"]["total"] / raw_equivalent, 4)
-    return rows
+    return rows + skipped
 
 def _subprocess_rows(cmd: list[str], what: dict) -> list[dict]:
     """The ``ROW`` lines a run prints, or one row with its error (``what`` names the run)."""
@@ -274,20 +291,24 @@ def _subprocess_rows(cmd: list[str], what: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="llama-rand only, contexts 1k/4k/16k")
-    parser.add_argument("--models", default=None, help="comma list of smollm2, llama-rand")
+    parser.add_argument("--models", default=None, help="comma list of smollm2, gemma3, llama-rand")
     parser.add_argument("--contexts", default=None, help="comma list of context lengths")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--configs", default=",".join(COMPILED), help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 model and cache")
     parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead" (CUDA graphs)')
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    parser.add_argument("--neighbours", default="none",
+                        help=f"comma list of {', '.join(NEIGHBOURS)}: each eager run once per kind, next to those "
+                             "CPU-burning processes (common.neighbour)")
+    parser.add_argument("--neighbour", choices=NEIGHBOURS, default="none", help=argparse.SUPPRESS)  # --run-eager
     parser.add_argument("--out", default=None)
     parser.add_argument("--run", nargs=3, metavar=("MODEL", "CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-eager", nargs=2, metavar=("MODEL", "CONTEXT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_eager:
         for row in run_eager(args.run_eager[0], args.configs.split(","), int(args.run_eager[1]), args.new_tokens,
-                             args.threads):
+                             args.threads, args.neighbour):
             print("ROW " + json.dumps(row), flush=True)
         return
     if args.run:
@@ -307,22 +328,25 @@ def main() -> None:
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; allowed: {list(CONFIGS)}")
     eager = [c for c in configs if c in EAGER]
+    neighbours = [n for n in args.neighbours.split(",") if n]
+    if sorted(set(neighbours) - set(NEIGHBOURS)):
+        raise ValueError(f"--neighbours: unknown {sorted(set(neighbours) - set(NEIGHBOURS))}; allowed: {NEIGHBOURS}")
     if eager and args.device != "cpu":
         raise ValueError("--configs: the eager configurations run on the CPU only")
     rows = []
     for model_name, contexts in plan.items():
         for context in contexts:
-            if eager:
+            for kind in neighbours if eager else ():
                 cmd = [sys.executable, __file__, "--run-eager", model_name, str(context), "--configs", ",".join(eager),
-                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-                rows += _subprocess_rows(cmd, {"model": model_name, "config": ",".join(eager), "context": context})
+                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--neighbour", kind]
+                with neighbour(kind):
+                    rows += _subprocess_rows(cmd, {"model": model_name, "config": ",".join(eager), "context": context,
+                                                   "neighbour": kind})
             for config in [c for c in configs if c not in EAGER]:
                 cmd = [sys.executable, __file__, "--run", model_name, config, str(context),
                        "--new-tokens", str(args.new_tokens), "--device", args.device, "--threads", str(args.threads)]
                 cmd += ["--mode", args.mode] if args.mode else []
                 rows += _subprocess_rows(cmd, {"model": model_name, "config": config, "context": context})
-    from common import write_result
-
     payload = {"tier": TIER, "dtype": "bfloat16" if args.device == "cuda" else "float32", "batch": 1, "mode": args.mode,
                "rows": rows}
     if args.device == "cpu":

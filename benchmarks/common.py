@@ -8,9 +8,12 @@ Usage from a script in ``benchmarks/``::
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +21,16 @@ import torch
 from flashcodec_fx.provenance import metadata, write_json
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-__all__ = ["RESULTS_DIR", "median_time", "median_times", "metadata", "write_result"]
+__all__ = ["NEIGHBOURS", "RESULTS_DIR", "copy_gbps", "median_time", "median_times", "metadata", "neighbour",
+           "write_result"]
+
+# CPU-burning neighbour processes (a shared machine's other jobs, on purpose): pure-Python busy loops, one per core;
+# or one process running a torch matmul loop on every core (OpenMP threads, like another model's decode).
+_BURNERS = {
+    "python": ["while True: pass"],
+    "omp": ["import os, torch\ntorch.set_num_threads(os.cpu_count())\na = torch.randn(512, 512)\nwhile True: a @ a"],
+}
+NEIGHBOURS = ("none", *_BURNERS)
 
 
 def write_result(name: str, payload: dict, out: str | Path | None = None) -> Path:
@@ -50,3 +62,35 @@ def median_times(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) ->
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` untimed runs (CUDA synced)."""
     return median_times(fn, repeats, warmup)["wall_s"]
+
+
+@contextlib.contextmanager
+def neighbour(kind: str) -> Iterator[list[subprocess.Popen]]:
+    """Run the CPU-burning neighbour ``kind`` (:data:`NEIGHBOURS`; ``none``: nothing) for the duration of the block
+    (it yields the processes): ``python`` starts one pure-Python busy loop per core, ``omp`` one process whose torch
+    matmul loop keeps an OpenMP thread on every core. They are killed when the block ends."""
+    if kind not in NEIGHBOURS:
+        raise ValueError(f"neighbour must be one of {NEIGHBOURS}, got {kind!r}")
+    import os
+
+    procs = []
+    if kind != "none":
+        copies = (os.cpu_count() or 1) if kind == "python" else 1
+        procs = [subprocess.Popen([sys.executable, "-c", _BURNERS[kind][0]], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) for _ in range(copies)]
+        time.sleep(2.0)  # let them start burning (torch's import takes a second)
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def copy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """The machine's copy bandwidth for a buffer of ``nbytes`` (GB/s of bytes read, median of ``repeats`` copies of
+    one fp32 tensor into another, on this process's torch threads): the physical floor next to a kernel's reads."""
+    src = torch.ones(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    return nbytes / median_time(lambda: dst.copy_(src), repeats=repeats, warmup=1) / 1e9

@@ -16,7 +16,6 @@ import argparse
 import difflib
 import json
 import re
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -119,25 +118,41 @@ def reconstruct_table() -> str:
     return real + "\n\n" + provenance("reconstruct")
 
 
+ATTENTION_RESULTS = ("attention_cpu_1thread", "attention_cpu")  # 1 thread (the targets'), 2 threads
+
+
+def _attention_cells(at: dict, path: str, tier: str, seqs: list[int], ratio: bool) -> str:
+    """A path's ms per S (and its ratio to SDPA), then at the last S its bytes read and GB/s (and that over the copy
+    path's GB/s on the same working set)."""
+    times = [at[(path, tier, s)]["time_us"] / 1000 for s in seqs]
+    sdpa = [at[("sdpa_gqa", "raw", s)]["time_us"] / 1000 for s in seqs]
+    shown = [f"{t:.2f} ({t / b:.2f}x)" if ratio else f"{t:.2f}" for t, b in zip(times, sdpa, strict=True)]
+    row, copy = at[(path, tier, seqs[-1])], at.get(("copy", "raw", seqs[-1]))
+    of_copy = f" ({row['gbps'] / copy['gbps']:.2f}x)" if copy else ""
+    return " | ".join(shown) + f" | {row['bytes'] / 1e6:.2f} | {row['gbps']:.1f}{of_copy}"
+
+
 def attention_table() -> str:
-    """Per-layer decode attention (one thread, one layer): the fused CPU kernel per preset vs SDPA over raw fp32."""
-    name = "attention_cpu_1thread"
-    result = load(name)
-    seqs = result["config"]["seqs"]
-    times: dict[tuple[str, str], dict[int, list[float]]] = {}
-    for row in result["rows"]:
-        if row["layers"] == 1 and row["path"] in ("sdpa_gqa", "kernel"):
-            times.setdefault((row["path"], row["tier"]), {}).setdefault(row["S"], []).append(row["time_us"] / 1000)
-    median = {key: {s: statistics.median(v) for s, v in by_seq.items()} for key, by_seq in times.items()}
-    sdpa = median[("sdpa_gqa", "raw")]
-    lines = ["| path | tier | " + " | ".join(f"S={s // 1024}k ms (vs SDPA)" for s in seqs) + " |",
-             "|---|---|" + "---|" * len(seqs),
-             "| SDPA, raw fp32 K/V | - | " + " | ".join(f"{sdpa[s]:.1f}" for s in seqs) + " |"]
-    for (path, tier), by_seq in median.items():
-        if path == "kernel":
-            lines.append(f"| fused CPU kernel on the stored form | {tier} | "
-                         + " | ".join(f"{by_seq[s]:.1f} ({by_seq[s] / sdpa[s]:.2f}x)" for s in seqs) + " |")
-    return "\n".join(lines) + "\n\n" + provenance(name)
+    """Per-layer decode attention (one layer, hot in the caches) at 1 and 2 threads, per layer shape: SDPA over raw
+    fp32 K/V, then the fused CPU kernel per preset, each time with its ratio to SDPA; at the longest S also the bytes
+    a call reads and its GB/s, next to the machine's copy bandwidth on the same working set."""
+    first = load(ATTENTION_RESULTS[0])["config"]["seqs"]
+    last = first[-1]
+    lines = ["| shape | threads | path | tier | " + " | ".join(f"S={s // 1024}k ms (vs SDPA)" for s in first)
+             + f" | MB read, S={last // 1024}k | GB/s (of copy), S={last // 1024}k |",
+             "|---|---|---|---|" + "---|" * len(first) + "---|---|"]
+    for name in ATTENTION_RESULTS:
+        result = load(name)
+        threads = result["config"]["threads"]
+        rows = [r for r in result["rows"] if r["layers"] == 1]
+        for shape in dict.fromkeys(r.get("shape", "smollm2") for r in rows):
+            at = {(r["path"], r["tier"], r["S"]): r for r in rows if r.get("shape", "smollm2") == shape}
+            lines.append(f"| {shape} | {threads} | SDPA, raw fp32 K/V | - | "
+                         f"{_attention_cells(at, 'sdpa_gqa', 'raw', first, ratio=False)} |")
+            for tier in dict.fromkeys(r["tier"] for r in rows if r["path"] == "kernel"):
+                lines.append(f"| {shape} | {threads} | fused CPU kernel on the stored form | {tier} | "
+                             f"{_attention_cells(at, 'kernel', tier, first, ratio=True)} |")
+    return "\n".join(lines) + "\n\n" + provenance(*ATTENTION_RESULTS)
 
 
 E2E_CONFIGS = {"eager_raw": "eager, raw DynamicCache", "eager_codec": "eager, default FlashCodecCache",
@@ -145,19 +160,30 @@ E2E_CONFIGS = {"eager_raw": "eager, raw DynamicCache", "eager_codec": "eager, de
                "codec_pass": "compiled, codec static cache + the pass"}
 
 
+def e2e_config(config: str) -> str:
+    """A configuration's label: the named ones, or ``eager, FlashCodecCache `<preset>``` for ``eager_<preset>``."""
+    if config in E2E_CONFIGS:
+        return E2E_CONFIGS[config]
+    return f"eager, FlashCodecCache `{config.removeprefix('eager_')}`"
+
+
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+
 def e2e_table() -> str:
-    """SmolLM2 decode speed (one thread) and KV held, eager and compiled, each config vs its raw twin of the run."""
+    """Decode speed (one thread) and KV held per model, eager and compiled, each config vs its raw twin of the run."""
     names = ("e2e_cpu_eager_1thread", "e2e_cpu_compiled_1thread")
-    lines = ["| context | config | tok/s | vs raw | KV held vs raw |", "|---|---|---|---|---|"]
+    lines = ["| model | context | config | tok/s | vs raw | KV held vs raw |", "|---|---|---|---|---|---|"]
     for name in names:
-        rows = load(name)["rows"]
+        rows = [r for r in load(name)["rows"] if "error" not in r]
         for row in rows:
-            raw = next(r for r in rows if r["context"] == row["context"] and r["config"] in ("eager_raw", "raw")
+            raw = next(r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
+                       and r["config"] in ("eager_raw", "raw")
                        and r["config"].startswith("eager") == row["config"].startswith("eager"))
             held = row["kv_bytes"]["total"] / raw["kv_bytes"]["total"]
-            lines.append(f"| {row['context'] // 1024 or row['context']}{'k' if row['context'] >= 1024 else ''} | "
-                         f"{E2E_CONFIGS[row['config']]} | {row['tok_per_s']:.2f} | "
-                         f"{row['tok_per_s'] / raw['tok_per_s']:.2f}x | {held:.3f} |")
+            lines.append(f"| {row['model']} | {_context(row['context'])} | {e2e_config(row['config'])} | "
+                         f"{row['tok_per_s']:.2f} | {row['tok_per_s'] / raw['tok_per_s']:.2f}x | {held:.3f} |")
     return "\n".join(lines) + "\n\n" + provenance(*names)
 
 
@@ -220,12 +246,29 @@ def disk_table() -> str:
         + provenance("lossless").removeprefix("<sub>")
 
 
+BUSY_RESULTS = ("e2e_cpu_busy_1thread", "e2e_cpu_busy")  # the same decode beside CPU-burning neighbours
+
+
+def e2e_busy_table() -> str:
+    """Eager decode beside CPU-burning neighbours (and without), 1 and 2 threads: each config's tok/s, its ratio to
+    the raw cache of the same run, and how much of the quiet run's ratio it keeps."""
+    lines = ["| threads | context | neighbour | config | tok/s | vs raw | ratio kept vs no neighbour |",
+             "|---|---|---|---|---|---|---|"]
+    for name in BUSY_RESULTS:
+        rows = [r for r in load(name)["rows"] if "error" not in r]
+        quiet = {(r["context"], r["config"]): r["tok_per_s_vs_raw"] for r in rows if r["neighbour"] == "none"}
+        for row in rows:
+            kept = row["tok_per_s_vs_raw"] / quiet[(row["context"], row["config"])]
+            lines.append(f"| {row['threads']} | {_context(row['context'])} | {row['neighbour']} | "
+                         f"{e2e_config(row['config'])} | {row['tok_per_s']:.2f} | {row['tok_per_s_vs_raw']:.2f}x | "
+                         f"{kept:.2f} |")
+    return "\n".join(lines) + "\n\n" + provenance(*BUSY_RESULTS)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
-    "e2e": e2e_table,
-    "lossless": lossless_table,
-    "disk": disk_table,
+    "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
 }
 
 

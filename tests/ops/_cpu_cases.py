@@ -62,3 +62,33 @@ def filled(c, x: torch.Tensor, sizes: list[int], groups: int | None = None, appe
         appender(state, x[:, :, at: at + n], c.spec)
         at += n
     return state
+
+
+# fp32: both accumulate in fp32 in different orders (and the kernel's exp is a polynomial within 2 ulp); unit-scale
+# data. fp16 / bf16: both round the same fp32 result once, so they differ by at most one ulp of the output.
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.float16: {"atol": 1e-5, "rtol": 2.0**-10},
+             torch.bfloat16: {"atol": 1e-5, "rtol": 2.0**-7}}
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[out.dtype])
+
+
+def make_mask(kind: str, b: int, hq: int, t: int, width: int, seed: int) -> torch.Tensor | None:
+    """None, bool (True = attend) or additive float, with broadcast batch / head / query dims."""
+    if kind == "none":
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    shape = (b if seed % 2 else 1, hq if seed % 3 else 1, t if seed % 5 else 1, width)
+    keep = torch.rand(shape, generator=gen) > 0.25
+    if kind == "bool":
+        return keep
+    return (torch.randn(shape, generator=gen) * 0.5).masked_fill(~keep, float("-inf"))
+
+
+def allocations(fn) -> list[int]:
+    """Bytes of every allocation ``fn`` makes through torch's CPU allocator (profiler memory events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)

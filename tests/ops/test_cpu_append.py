@@ -1,4 +1,6 @@
-"""The C++ CPU kernel of `flashcodec::append` against the reference (the spec), called directly: bitwise."""
+"""The C++ CPU kernel of `flashcodec::append` against the reference (the spec), called directly: bitwise, with the
+reference run on one thread (the kernel's products use one BLAS thread; MKL rounds some small products differently
+with more, so the reference itself changes with the thread count there)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,20 @@ QUANTIZED = [name for name in CODECS if "quant_bits" in CODECS[name][1]]
 # test_mismatch_rate_on_random_data); a BLAS or torch build that orders its sums otherwise could move a value sitting
 # at a rounding tie by one code step (or one fp16 scale step), which this bound tolerates without hiding a real bug.
 TIE_RATE = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The reference's BLAS products on one thread, as the kernel's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_blas_products_stay_on_the_calling_thread(cpu_kernels):
+    """With torch's MKL the kernel can keep its products off a BLAS thread team (a busy machine stalls one)."""
+    assert cpu_kernels.serial_blas() == torch.backends.mkl.is_available()
 
 
 def assert_same_state(got: list[torch.Tensor], want: list[torch.Tensor], codec_name: str) -> None:

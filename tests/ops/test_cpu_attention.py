@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _cpu_cases import CODECS, DTYPES, HEAD_DIMS, chunks, codec, filled
+from _cpu_cases import CODECS, DTYPES, HEAD_DIMS, allocations, assert_matches, chunks, codec, filled, make_mask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,28 +14,6 @@ from flashcodec_fx.ops.append import append_reference
 from flashcodec_fx.ops.attention import codec_attention_reference
 from flashcodec_fx.ops.cpu.launch import cpu_append, cpu_codec_attention
 from flashcodec_fx.ops.cpu.plan import codec_plan
-
-# fp32: both accumulate in fp32 in different orders (and the kernel's exp is a polynomial within 2 ulp); unit-scale
-# data. fp16 / bf16: both round the same fp32 result once, so they differ by at most one ulp of the output.
-TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.float16: {"atol": 1e-5, "rtol": 2.0**-10},
-             torch.bfloat16: {"atol": 1e-5, "rtol": 2.0**-7}}
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[out.dtype])
-
-
-def make_mask(kind: str, b: int, hq: int, t: int, width: int, seed: int) -> torch.Tensor | None:
-    """None, bool (True = attend) or additive float, with broadcast batch / head / query dims."""
-    if kind == "none":
-        return None
-    gen = torch.Generator().manual_seed(seed)
-    shape = (b if seed % 2 else 1, hq if seed % 3 else 1, t if seed % 5 else 1, width)
-    keep = torch.rand(shape, generator=gen) > 0.25
-    if kind == "bool":
-        return keep
-    return (torch.randn(shape, generator=gen) * 0.5).masked_fill(~keep, float("-inf"))
 
 
 @st.composite
@@ -84,7 +62,7 @@ def test_matches_reference(cpu_kernels, case):
 def test_long_streams_every_split_and_chunk(cpu_kernels, k, v):
     """Long enough for several chunks per split (flash-decoding combine across splits), GQA 3 as SmolLM2. The states
     are filled by the CPU append kernel (bitwise the reference's: test_cpu_append.py), which is faster."""
-    for threads, length in ((1, 1100), (2, 1700)):
+    for threads, length in ((1, 1100), (2, 3100)):  # 2 threads: work enough for the second (kMinWorkPerThread)
         with_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -158,14 +136,8 @@ def test_rejects_what_the_reference_rejects(cpu_kernels):
                             mask=torch.ones(1, 1, 1, 20, dtype=torch.int64))
 
 
-def allocations(fn) -> list[int]:
-    """Bytes of every allocation ``fn`` makes through torch's CPU allocator (profiler memory events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
-
-
-@pytest.mark.parametrize("names", [("jpeg-int8", "jpeg-int8"), ("channel-key", "token-lloyd-value")])
+@pytest.mark.parametrize("names", [("jpeg-int8", "jpeg-int8"), ("channel-key", "token-lloyd-value"),
+                                   ("token-lloyd-value", "token-uniform-4bit")])  # block kernel; token kernel
 def test_allocates_only_its_output_and_a_workspace_independent_of_the_length(cpu_kernels, names):
     ck, cv = codec(names[0]), codec(names[1])
     q = torch.randn(1, 6, 1, 64)
@@ -175,7 +147,7 @@ def test_allocates_only_its_output_and_a_workspace_independent_of_the_length(cpu
         ks, vs = filled(ck, x, [length], appender=cpu_append), filled(cv, x, [length], appender=cpu_append)
         cpu_codec_attention(q, ks, vs, ck.spec, cv.spec)  # validation and plans cached, as in a decode loop
         seen.append(allocations(lambda ks=ks, vs=vs: cpu_codec_attention(q, ks, vs, ck.spec, cv.spec)))
-    workspace = 4 * cpu_kernels.attention_workspace(codec_plan(ck.spec, 64), 1, 2, 3, 64)
+    workspace = 4 * cpu_kernels.attention_workspace(codec_plan(ck.spec, 64), codec_plan(cv.spec, 64), 1, 2, 3, 64)
     assert seen[0] == seen[1] == sorted([q.numel() * 4, workspace])
 
 

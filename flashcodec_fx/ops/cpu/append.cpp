@@ -2,9 +2,11 @@
 // group is encoded only when it completes and leaves the window, decided here from the stored length, so a decode
 // step is the same call every time and runs no ATen op. When groups complete, their products run through the
 // reference's own ATen expressions on the reference's shapes (centering, `x @ R.T`, `M @ blocks`; for the memo
-// `A @ S`, `x @ R`), so BLAS rounds them as it rounds the reference's; the quantizer of codecs/quant.py (scale
-// search, every level set and axis) runs here in C++ with torch's summation order; png Top-M goes through at::topk.
-// The per-channel mean (once per stream) uses the reference's own ATen ops. The result is bitwise the reference's.
+// `A @ S`, `x @ R`) on one BLAS thread (SerialBlas), so BLAS rounds them as it rounds the reference's run with one
+// BLAS thread; the quantizer of codecs/quant.py (scale search, every level set and axis) runs here in C++ with torch's
+// summation order; png Top-M goes through at::topk. The per-channel mean (once per stream) uses the reference's own
+// ATen ops. The result is bitwise the reference's at one BLAS thread (MKL rounds a few small shapes differently on
+// more threads: there the reference itself changes with the thread count).
 
 namespace fc {
 
@@ -307,6 +309,20 @@ struct Matrices {
   explicit Matrices(const std::vector<at::Tensor>& plan) : synth(plan[1]), analysis(plan[2]), rot(plan[4]) {}
 };
 
+constexpr int64_t kMinAppendWorkPerThread = 1 << 16;  // values x passes per extra thread (~0.1 ms)
+
+// fn(bh, slot) for every (b, h) of B * H heads, on more than one thread only when `work_per_head` (values x passes)
+// gives each thread kMinAppendWorkPerThread (a decode step's append runs on the calling thread alone).
+template <typename F>
+inline void for_heads(int64_t heads, int64_t work_per_head, F&& fn) {
+  Pool::get().run(heads, static_cast<int>(threads_for(heads * work_per_head, kMinAppendWorkPerThread) - 1), fn);
+}
+
+// Passes of the quantizer over a group's values: one per clipping factor it tries, plus the final one.
+inline int64_t quant_passes(const Codec& c) {
+  return c.quant == kNone ? 1 : 1 + (c.search ? std::max(c.n_shrink, c.n_lloyd) : 1);
+}
+
 // Groups k < `written` of the work buffer (row p = position start + p) -> what the codec's transform produces for
 // them: jpeg coefficients (B, H, n * blocks, K, D), png prepared blocks (B, H, n, r, D); fp32. The tensors have the
 // reference's shapes and layouts (its `work[:, :, :n * G]`, a slice of a (B, H, tail + T, D) buffer, stays a slice
@@ -318,23 +334,23 @@ at::Tensor transform_groups(const Codec& c, const Matrices& mx, const Stream& s,
   const int64_t D = c.head_dim, G = c.group, rows = c.tail_cap + T;
   at::Tensor buffer = at::zeros({B, H, rows, D}, at::TensorOptions().dtype(at::kFloat));
   float* px = buffer.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t bh = i0; bh < i1; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const float* mean = c.center ? s.mean.at(b, h) : nullptr;
-      for (int64_t p = 0; p < written * G; ++p) {
-        float* row = px + (bh * rows + p) * D;
-        to_float(work(b, h, p), s.dtype, row, static_cast<int>(D));
-        if (mean != nullptr)
-          for (int64_t d = 0; d < D; ++d) row[d] = row[d] - mean[d];
-      }
+  for_heads(B * H, written * G * D, [&](int64_t bh, int) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+    for (int64_t p = 0; p < written * G; ++p) {
+      float* row = px + (bh * rows + p) * D;
+      to_float(work(b, h, p), s.dtype, row, static_cast<int>(D));
+      if (mean != nullptr)
+        for (int64_t d = 0; d < D; ++d) row[d] = row[d] - mean[d];
     }
   });
   at::Tensor x = buffer.narrow(2, 0, n * G);
   if (c.center || s.dtype != at::kFloat) x = x.contiguous();  // there the reference's x is a new tensor
   if (c.rotate) x = at::matmul(x, mx.rot.t());
   at::Tensor blocks = x.reshape({B, H, n * G / c.r, c.r, D});
-  return (c.mode == kJpeg ? at::matmul(mx.analysis, blocks) : blocks).contiguous();
+  // jpeg's analysis of one-token blocks is [[1.0]]: its product is the blocks themselves (a value times 1.0, exactly)
+  const bool identity = c.mode != kJpeg || (c.r == 1 && c.rows == 1);
+  return (identity ? blocks : at::matmul(mx.analysis, blocks)).contiguous();
 }
 
 // One written group from its transform (`rows`: the group's g x K x D coefficients, or png's r x D block).
@@ -406,13 +422,12 @@ at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data
   const int64_t D = c.head_dim, R = c.dense, nb = c.blocks;
   at::Tensor rows = at::zeros({B, H, n * nb, R, D}, at::TensorOptions().dtype(at::kFloat));
   float* pr = rows.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  for_heads(B * H, written * nb * R * D, [&](int64_t bh, int) {
     std::vector<int32_t> codes(D);
-    for (int64_t bh = i0; bh < i1; ++bh)
-      for (int64_t k = 0; k < written; ++k)
-        for (int64_t blk = 0; blk < nb; ++blk)
-          dense_rows(c, data_dtype, slot_at(bh / H, bh % H, k), static_cast<int>(blk),
-                     pr + ((bh * n + k) * nb + blk) * R * D, codes.data());
+    for (int64_t k = 0; k < written; ++k)
+      for (int64_t blk = 0; blk < nb; ++blk)
+        dense_rows(c, data_dtype, slot_at(bh / H, bh % H, k), static_cast<int>(blk),
+                   pr + ((bh * n + k) * nb + blk) * R * D, codes.data());
   });
   if (c.mode != kJpeg) {  // png: X[i] = X[i - 1] + S[i], in order
     float* p = pr;
@@ -421,7 +436,8 @@ at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data
         for (int64_t d = 0; d < D; ++d) p[i * D + d] = p[(i - 1) * D + d] + p[i * D + d];
     return rows.view({B, H, n * c.group, D});
   }
-  at::Tensor x = at::matmul(mx.synth, rows).flatten(-3, -2);
+  const bool identity = c.r == 1 && c.dense == 1;  // one-token blocks: the synthesis is [[1.0]]
+  at::Tensor x = (identity ? rows : at::matmul(mx.synth, rows)).flatten(-3, -2);
   return c.rotate ? at::matmul(x, mx.rot) : x;
 }
 
@@ -431,6 +447,7 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
                        const c10::optional<at::Tensor>& memo) {
   const Codec c = Codec::parse(plan);
   const Matrices mx(plan);
+  const SerialBlas serial;  // the products (rotation, DCT, memo decode) on this thread: no BLAS team to stall
   Stream s(c, state);
   const int64_t B = x_new.size(0), H = x_new.size(1), T = x_new.size(2), D = x_new.size(3);
   const int64_t L = s.length, end = L + T;
@@ -469,42 +486,39 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
   }
   const int64_t new_rows = std::min<int64_t>(end - new_start, c.tail_cap);
   const int64_t shift = new_start - start;
-  const int64_t grain = (written > 0 || T > 1) ? 1 : B * H;  // a plain decode step: one thread, no fork
-  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
-    Buffers buf;
-    for (int64_t bh = i0; bh < i1; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const char* nb = nptr + b * nsb + h * nsh;
-      for (int64_t p = L; p < std::min<int64_t>(c.sinks, end); ++p)
-        std::memcpy(s.sink.at(b, h, p), nb + (p - L) * nst, row_bytes);
-      if (mptr != nullptr)
-        for (int64_t j = 0; j < std::min(T, memo_len - L); ++j)
-          std::memcpy(mptr + b * msb + h * msh + (L + j) * mst, nb + j * nst, row_bytes);
-      for (int64_t k = 0; k < written; ++k)
-        store_group(c, s.data_dtype, pt + (bh * n_enc + k) * group_floats, slot_at(b, h, k), buf);
-      char* tail = s.tail.at(b, h);
-      for (int64_t i = 0; i < new_rows; ++i) {
-        const int64_t src = shift + i;
-        if (shift == 0 && start + src - L < 0) continue;  // the row stays where it is
-        std::memmove(tail + i * s.tail.sn, work(b, h, src), row_bytes);
-      }
-      for (int64_t i = std::max<int64_t>(new_rows, 0); i < c.tail_cap; ++i) std::memset(tail + i * s.tail.sn, 0, row_bytes);
+  const int64_t head_work = written * group_floats * quant_passes(c) + T * D;
+  std::vector<Buffers> bufs(threads_for(B * H * head_work, kMinAppendWorkPerThread));  // one per slot
+  for_heads(B * H, head_work, [&](int64_t bh, int slot) {
+    Buffers& buf = bufs[slot];
+    const int64_t b = bh / H, h = bh % H;
+    const char* nb = nptr + b * nsb + h * nsh;
+    for (int64_t p = L; p < std::min<int64_t>(c.sinks, end); ++p)
+      std::memcpy(s.sink.at(b, h, p), nb + (p - L) * nst, row_bytes);
+    if (mptr != nullptr)
+      for (int64_t j = 0; j < std::min(T, memo_len - L); ++j)
+        std::memcpy(mptr + b * msb + h * msh + (L + j) * mst, nb + j * nst, row_bytes);
+    for (int64_t k = 0; k < written; ++k)
+      store_group(c, s.data_dtype, pt + (bh * n_enc + k) * group_floats, slot_at(b, h, k), buf);
+    char* tail = s.tail.at(b, h);
+    for (int64_t i = 0; i < new_rows; ++i) {
+      const int64_t src = shift + i;
+      if (shift == 0 && start + src - L < 0) continue;  // the row stays where it is
+      std::memmove(tail + i * s.tail.sn, work(b, h, src), row_bytes);
     }
+    for (int64_t i = std::max<int64_t>(new_rows, 0); i < c.tail_cap; ++i) std::memset(tail + i * s.tail.sn, 0, row_bytes);
   });
   if (mptr != nullptr && written > 0) {
     const at::Tensor decoded = decode_groups(c, mx, s.data_dtype, B, H, n_enc, written, slot_at).contiguous();
     const float* pd = decoded.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for_heads(B * H, written * c.group * D, [&](int64_t bh, int) {
       std::vector<float> row(D);
-      for (int64_t bh = i0; bh < i1; ++bh) {
-        const int64_t b = bh / H, h = bh % H;
-        const float* mean = c.center ? s.mean.at(b, h) : nullptr;
-        for (int64_t p = 0; p < written * c.group; ++p) {
-          const float* src = pd + (bh * n_enc * c.group + p) * D;
-          for (int64_t d = 0; d < D; ++d) row[d] = mean != nullptr ? src[d] + mean[d] : src[d];
-          from_float(row.data(), s.dtype, mptr + b * msb + h * msh + (c.sinks + first_slot * c.group + p) * mst,
-                     static_cast<int>(D));
-        }
+      const int64_t b = bh / H, h = bh % H;
+      const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+      for (int64_t p = 0; p < written * c.group; ++p) {
+        const float* src = pd + (bh * n_enc * c.group + p) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = mean != nullptr ? src[d] + mean[d] : src[d];
+        from_float(row.data(), s.dtype, mptr + b * msb + h * msh + (c.sinks + first_slot * c.group + p) * mst,
+                   static_cast<int>(D));
       }
     });
   }

@@ -1,6 +1,7 @@
 // flashcodec::codec_attention on the CPU: flash-decoding over the stored form (see ops/attention.py for the spec).
 //
-// Work items are (batch, kv head, query tile, split). A tile holds up to kLanes query rows (the GQA heads x tokens
+// Work items are (batch, kv head, query tile, split), run by pool.h's fork-join (one region per call, only when the
+// work gives each thread kMinWorkPerThread). A tile holds up to kLanes query rows (the GQA heads x tokens
 // of one kv head) side by side in SIMD lanes, so every loaded block serves all of them and no dot product needs a
 // horizontal reduction: scores are stored [position][lane]. A split walks its chunks of positions in order; for a
 // chunk, key scores of every position come from the key stream's own layout (sinks, archive blocks, tail, the call's
@@ -17,43 +18,8 @@ namespace fc {
 
 constexpr int kChunk = 256;      // positions per chunk (rounded up to a multiple of the key codec's group)
 constexpr int kItemsPerThread = 8;
+constexpr int64_t kMinWorkPerThread = 8192;  // stored positions x tiles per extra thread (~0.5 ms of int8 blocks)
 constexpr int kRawBatch = 64;    // raw rows converted at a time (sinks, tail, new tokens)
-
-struct MaskView {
-  const char* ptr = nullptr;
-  at::ScalarType dtype = at::kBool;
-  int64_t sb = 0, sh = 0, st = 0, sl = 0, len = 0;  // strides in elements (0 on broadcast dims)
-  int64_t elem = 1;
-
-  // out[i * stride] += bias of position p0 + i, i < n, for query (b, head, t)
-  void apply(int64_t b, int64_t head, int64_t t, int64_t p0, int n, float* out, int stride) const {
-    const char* base = ptr + (b * sb + head * sh + t * st) * elem;
-    for (int i = 0; i < n; ++i) {
-      const int64_t p = std::min<int64_t>(p0 + i, len - 1);
-      const char* cell = base + p * sl * elem;
-      float& o = out[i * stride];
-      switch (dtype) {
-        case at::kBool: if (!*reinterpret_cast<const bool*>(cell)) o = kNegInf; break;
-        case at::kFloat: o += *reinterpret_cast<const float*>(cell); break;
-        case at::kDouble: o += static_cast<float>(*reinterpret_cast<const double*>(cell)); break;
-        case at::kHalf: o += static_cast<float>(*reinterpret_cast<const at::Half*>(cell)); break;
-        default: o += static_cast<float>(*reinterpret_cast<const at::BFloat16*>(cell)); break;
-      }
-    }
-  }
-};
-
-// Raw rows (B, H, N, D) with arbitrary strides, last dim contiguous (q, k_new, v_new).
-struct Rows {
-  const char* ptr = nullptr;
-  at::ScalarType dtype = at::kFloat;
-  int64_t sb = 0, sh = 0, sn = 0;  // bytes
-  Rows() = default;
-  explicit Rows(const at::Tensor& t)
-      : ptr(static_cast<const char*>(t.data_ptr())), dtype(t.scalar_type()), sb(t.stride(0) * t.element_size()),
-        sh(t.stride(1) * t.element_size()), sn(t.stride(2) * t.element_size()) {}
-  const char* at(int64_t b, int64_t h, int64_t n) const { return ptr + b * sb + h * sh + n * sn; }
-};
 
 // Per-thread scratch (floats), sized from the shapes only.
 struct Scratch {
@@ -624,13 +590,16 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
                            const std::vector<at::Tensor>& v_in, const std::vector<at::Tensor>& k_plan,
                            const std::vector<at::Tensor>& v_plan, const c10::optional<at::Tensor>& k_new,
                            const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& mask,
-                           double scale) {
+                           double scale, bool simd) {
   const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
   const std::vector<at::Tensor> k_state = readable_state(k_in), v_state = readable_state(v_in);
   const at::Tensor q = readable_rows(q_in);
   at::Tensor kn, vn;
   if (k_new.has_value()) { kn = readable_rows(*k_new); vn = readable_rows(*v_new); }
   const Stream ks(kc, k_state), vs(vc, v_state);
+  if (per_token(kc) && per_token(vc))
+    return token_codec_attention(q, k_state[6].size(1), ks, vs, k_new.has_value() ? &kn : nullptr,
+                                 k_new.has_value() ? &vn : nullptr, mask, scale, simd);
   Attention A;
   A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
   A.Hkv = k_state[6].size(1); A.GT = (A.Hq / A.Hkv) * A.Tq;
@@ -639,17 +608,7 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   A.q = Rows(q);
   if (k_new.has_value()) { A.knew = Rows(kn); A.vnew = Rows(vn); }
   A.has_mask = mask.has_value();
-  if (A.has_mask) {
-    const at::Tensor& mk = *mask;
-    A.mask.ptr = static_cast<const char*>(mk.data_ptr());
-    A.mask.dtype = mk.scalar_type();
-    A.mask.elem = mk.element_size();
-    A.mask.sb = mk.size(0) == 1 ? 0 : mk.stride(0);
-    A.mask.sh = mk.size(1) == 1 ? 0 : mk.stride(1);
-    A.mask.st = mk.size(2) == 1 ? 0 : mk.stride(2);
-    A.mask.sl = mk.stride(3);
-    A.mask.len = mk.size(3);
-  }
+  if (A.has_mask) A.mask = MaskView(*mask);
   A.scale = static_cast<float>(scale);
   A.out_dtype = q.scalar_type();
   const int64_t threads = at::get_num_threads();
@@ -658,37 +617,36 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   float* base = ws.data_ptr<float>();
   A.part = base;
   float* scratch = base + lay.part_floats;
-  A.tiles = lay.tiles; A.splits = lay.splits; A.chunk = lay.chunk; A.lds = lay.lds;
   const int64_t L = ks.length;
+  const int64_t use = threads_for(A.B * A.Hkv * lay.tiles * L, kMinWorkPerThread);
+  A.tiles = lay.tiles; A.splits = use == 1 ? 1 : lay.splits; A.chunk = lay.chunk; A.lds = lay.lds;
   A.n_chunks = L <= kc.sinks ? 1 : (L - kc.sinks + A.chunk - 1) / A.chunk;
   at::Tensor out = at::empty(q.sizes(), q.options());
   const bool rot = vc.rotate;
   const int D = A.D;
-  at::parallel_for(0, lay.items, 1, [&](int64_t i0, int64_t i1) {
-    float* mine = scratch + at::get_thread_num() * lay.scratch_floats;
+  std::vector<int64_t> prepared(use, -1);  // per slot: the tile whose queries its scratch holds
+  Pool::get().run(A.B * A.Hkv * A.tiles * A.splits, static_cast<int>(use - 1), [&](int64_t item, int slot) {
+    float* mine = scratch + slot * lay.scratch_floats;
     Scratch w(mine, A.lds, D);
     float* query_base = mine + Scratch::floats(A.lds, D);
     TileQueries tq(query_base, D, kc.rotate);
-    int64_t prepared = -1;  // the tile whose queries tq holds (a thread's items are consecutive: mostly one tile)
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t split = item % A.splits, it = item / A.splits;
-      const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
-      if (it != prepared) {
-        prepare_queries(A, ks, b, h, tile, tq, query_base + TileQueries::floats(D));
-        prepared = it;
-      }
-      const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
-      Partial p(A.part + item * Partial::floats(D), D, rot);
-      std::fill(p.mx, p.mx + kLanes, kNegInf);
-      std::fill(p.l, p.l + 2 * kLanes + 2 * kLanes * D, 0.0f);
-      const int64_t c0 = A.n_chunks * split / A.splits, c1 = A.n_chunks * (split + 1) / A.splits;
-      for (int64_t ch = c0; ch < c1; ++ch) {
-        const int64_t p0 = A.chunk_begin(ch), p1 = A.chunk_end(ch);
-        if (p0 >= p1) continue;
-        key_chunk(A, b, h, tile, tq, mt, p0, p1, w);
-        softmax_step(w.scores, static_cast<int>(p1 - p0), mt, D, p, rot, vc.center);
-        value_chunk(A, b, h, mt, p0, p1, p, w);
-      }
+    const int64_t split = item % A.splits, it = item / A.splits;
+    const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
+    if (it != prepared[slot]) {
+      prepare_queries(A, ks, b, h, tile, tq, query_base + TileQueries::floats(D));
+      prepared[slot] = it;
+    }
+    const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
+    Partial p(A.part + item * Partial::floats(D), D, rot);
+    std::fill(p.mx, p.mx + kLanes, kNegInf);
+    std::fill(p.l, p.l + 2 * kLanes + 2 * kLanes * D, 0.0f);
+    const int64_t c0 = A.n_chunks * split / A.splits, c1 = A.n_chunks * (split + 1) / A.splits;
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      const int64_t p0 = A.chunk_begin(ch), p1 = A.chunk_end(ch);
+      if (p0 >= p1) continue;
+      key_chunk(A, b, h, tile, tq, mt, p0, p1, w);
+      softmax_step(w.scores, static_cast<int>(p1 - p0), mt, D, p, rot, vc.center);
+      value_chunk(A, b, h, mt, p0, p1, p, w);
     }
   });
   combine(A, vs, out);
@@ -697,9 +655,20 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
 
 // Floats of the workspace one call allocates besides its output: a function of the shapes and the thread count,
 // never of the stored length.
-int64_t attention_workspace(const std::vector<at::Tensor>& k_plan, int64_t B, int64_t Hkv, int64_t GT, int64_t D) {
-  const Codec kc = Codec::parse(k_plan);
+int64_t attention_workspace(const std::vector<at::Tensor>& k_plan, const std::vector<at::Tensor>& v_plan, int64_t B,
+                            int64_t Hkv, int64_t GT, int64_t D) {
+  const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
+  if (per_token(kc) && per_token(vc))
+    return token_layout(B, Hkv, GT, static_cast<int>(D), at::get_num_threads()).total();
   return attention_layout(kc, B, Hkv, GT, static_cast<int>(D), at::get_num_threads()).total();
+}
+
+// Which code serves a pair of codecs: "block" (this file), else "token:<keys>/<values>" with how each stream's
+// archive rows are read ("avx2", "portable" or "raw").
+std::string attention_path(const std::vector<at::Tensor>& k_plan, const std::vector<at::Tensor>& v_plan, bool simd) {
+  const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
+  if (!(per_token(kc) && per_token(vc))) return "block";
+  return std::string("token:") + row_codes_name(row_codes(kc, simd)) + "/" + row_codes_name(row_codes(vc, simd));
 }
 
 }  // namespace fc

@@ -86,17 +86,19 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     d = q.shape[3]
     softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
-                                  mask, softmax_scale)
+                                  mask, softmax_scale, True)
 
 
 def cpu_append(state, new, spec, memo=None) -> None:
     """CPU kernel of ``flashcodec::append`` (same contract as ``append_reference``).
 
-    Bitwise the reference's: the products (centering, rotation, DCT; the memo's decode) run through the reference's
-    own ATen expressions on its shapes, and the quantizer's float sums (Lloyd RMS scales, search errors) follow
-    torch's summation order (``sum_width``). Where that order is not reproduced (no probed width matches), an fp16
-    scale may land one step away at a rounding tie and a code move by one step; tests/ops/test_cpu_append.py measures
-    and bounds that rate.
+    Bitwise the reference's run with one BLAS thread: the products (centering, rotation, DCT; the memo's decode) run
+    through the reference's own ATen expressions on its shapes, on the calling thread (a BLAS thread team for a
+    decode step's few rows stalls on a busy machine; MKL rounds some small shapes differently with more threads, so
+    the reference itself changes with the thread count there), and the quantizer's float sums (Lloyd RMS scales,
+    search errors) follow torch's summation order (``sum_width``). Where that order is not reproduced (no probed
+    width matches), an fp16 scale may land one step away at a rounding tie and a code move by one step;
+    tests/ops/test_cpu_append.py measures and bounds that rate.
     """
     module = EXTENSION.module()
     if module is None or new.dtype not in KERNEL_DTYPES or not fast_kernels_serve(spec):

@@ -1,0 +1,276 @@
+// The SIMD inner loops of the per-token attention kernel (token_attention.cpp): scores and value sums straight from
+// packed codes, the levels expanded in registers, never in a row in memory.
+//
+// A query tile of M rows (GQA heads x query tokens of one kv head) shares every code load: 8 codes of a stored row
+// (channels 8j .. 8j + 7) become 8 unscaled levels in one 8-lane register: the bit slices of codecs/pack.py are
+// shifted into dword lanes and the level table (at most 16 fp32 values for 1-4 bits) is held in one or two
+// registers and read with a cross-lane permute (`vpermps`, the float form of a byte shuffle); 8-bit codes (affine
+// levels: code + offset) convert directly. Then M FMAs use those levels. Dot products accumulate per lane over the
+// row and are reduced 8 rows at a time by one transposing horizontal sum. The value loop keeps M x C accumulator
+// registers (C chunks of 8 channels) over a run of tokens and expands each code chunk once.
+//
+// Build-time selection: the compiler's own macros say what -march=native enabled (build.py). AVX2 + FMA + F16C: the code
+// below; anything else (including AArch64, where no NEON intrinsics are written yet): the portable path of
+// token_attention.cpp. simd_isa() names the compiled choice.
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FC_TOKEN_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace fc {
+
+inline const char* simd_isa() {
+#ifdef FC_TOKEN_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+#ifdef FC_TOKEN_AVX2
+namespace avx2 {
+
+constexpr int kLanes = 8;  // fp32 lanes of a register: one chunk of 8 channels
+
+// The codes of channels 8j .. 8j + 7 of one W-bit slice (channel d in byte d * W / 8, at bit d * W % 8) as dwords.
+template <int W>
+inline __m256i slice_codes(const uint8_t* slice, int j);
+
+template <>
+inline __m256i slice_codes<8>(const uint8_t* slice, int j) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(slice + 8 * j)));
+}
+
+template <>
+inline __m256i slice_codes<4>(const uint8_t* slice, int j) {
+  uint32_t word;
+  std::memcpy(&word, slice + 4 * j, sizeof(word));
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), _mm256_set1_epi32(15));
+}
+
+template <>
+inline __m256i slice_codes<2>(const uint8_t* slice, int j) {
+  uint16_t word;
+  std::memcpy(&word, slice + 2 * j, sizeof(word));
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(3));
+}
+
+template <>
+inline __m256i slice_codes<1>(const uint8_t* slice, int j) {
+  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(slice[j]), shifts), _mm256_set1_epi32(1));
+}
+
+// Unscaled levels of BITS-bit codes (2: one 2-bit slice; 3: a 2-bit then a 1-bit slice; 4: one 4-bit slice; 8: one
+// byte per code, affine levels) from a level table of 2**BITS entries (8-bit: code + offset).
+template <int BITS>
+struct Codes {
+  __m256 lo, hi;        // table entries 0..7 and 8..15 (zero past the table)
+  __m256 offset;        // 8-bit: level = code + offset
+  int64_t high_slice;   // 3-bit: byte offset of the 1-bit slice (D / 4)
+
+  Codes(const float* table, float level_offset, int D) {
+    alignas(32) float t[16] = {};
+    if (BITS < 8)
+      for (int e = 0; e < (1 << BITS); ++e) t[e] = table[e];
+    lo = _mm256_load_ps(t);
+    hi = _mm256_load_ps(t + 8);
+    offset = _mm256_set1_ps(level_offset);
+    high_slice = D / 4;
+  }
+
+  __m256 operator()(const uint8_t* row, int j) const {
+    if constexpr (BITS == 8) {
+      return _mm256_add_ps(_mm256_cvtepi32_ps(slice_codes<8>(row, j)), offset);
+    } else if constexpr (BITS == 4) {
+      const __m256i c = slice_codes<4>(row, j);
+      const __m256 low = _mm256_permutevar8x32_ps(lo, c), high = _mm256_permutevar8x32_ps(hi, c);
+      return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));  // bit 3 selects
+    } else if constexpr (BITS == 3) {
+      const __m256i c = _mm256_or_si256(slice_codes<2>(row, j), _mm256_slli_epi32(slice_codes<1>(row + high_slice, j), 2));
+      return _mm256_permutevar8x32_ps(lo, c);
+    } else {
+      static_assert(BITS == 2, "SIMD code widths: 2, 3, 4, 8");
+      return _mm256_permutevar8x32_ps(lo, slice_codes<2>(row, j));
+    }
+  }
+};
+
+// [sum(v[0]), ..., sum(v[7])]: eight horizontal sums in one register.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// Dot products of one token's levels with the M query rows, added into acc[u][m] for u < U tokens.
+template <int M, int U, class Dec>
+inline void token_dots(const float* q, int D, const uint8_t* row, int64_t stride, const Dec& dec, __m256 (&acc)[U][M]) {
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
+  const int chunks = D / kLanes;
+#pragma GCC unroll 8
+  for (int j = 0; j < chunks; ++j) {
+    __m256 lev[U];
+    for (int u = 0; u < U; ++u) lev[u] = dec(row + u * stride, j);
+    for (int m = 0; m < M; ++m) {
+      const __m256 qv = _mm256_loadu_ps(q + m * D + kLanes * j);
+      for (int u = 0; u < U; ++u) acc[u][m] = _mm256_fmadd_ps(qv, lev[u], acc[u][m]);
+    }
+  }
+}
+
+// out[m * out_stride + i] = q[m] . levels(row i) for i < n: M query rows (q: M x D), rows `stride` bytes apart.
+template <int M, class Dec>
+void code_dots(const float* q, int D, const uint8_t* first, int64_t stride, int64_t n, const Dec& dec, float* out,
+               int64_t out_stride) {
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int count = static_cast<int>(std::min<int64_t>(kLanes, n - i0));
+    __m256 parts[M][kLanes];
+    const uint8_t* row = first + i0 * stride;
+    int t = 0;
+    for (; t + 2 <= count; t += 2) {
+      __m256 acc[2][M];
+      token_dots<M, 2>(q, D, row + t * stride, stride, dec, acc);
+      for (int m = 0; m < M; ++m) { parts[m][t] = acc[0][m]; parts[m][t + 1] = acc[1][m]; }
+    }
+    if (t < count) {
+      __m256 acc[1][M];
+      token_dots<M, 1>(q, D, row + t * stride, stride, dec, acc);
+      for (int m = 0; m < M; ++m) parts[m][t] = acc[0][m];
+      ++t;
+    }
+    for (; t < kLanes; ++t)
+      for (int m = 0; m < M; ++m) parts[m][t] = _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m) {
+      const __m256 sums = hsum8(parts[m]);
+      if (count == kLanes) {
+        _mm256_storeu_ps(out + m * out_stride + i0, sums);
+      } else {
+        alignas(32) float s[kLanes];
+        _mm256_store_ps(s, sums);
+        for (int k = 0; k < count; ++k) out[m * out_stride + i0 + k] = s[k];
+      }
+    }
+  }
+}
+
+// acc[m * D + d] += sum_i w[m * w_stride + i] * levels(row i)[d] over channels of chunks j0 .. j0 + C - 1.
+template <int M, int C, class Dec>
+inline void code_axpys_chunks(const float* w, int64_t w_stride, int D, const uint8_t* first, int64_t stride, int64_t n,
+                              const Dec& dec, float* acc, int j0) {
+  __m256 a[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) a[c][m] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = first + i * stride;
+    __m256 wm[M];
+    for (int m = 0; m < M; ++m) wm[m] = _mm256_broadcast_ss(w + m * w_stride + i);
+    for (int c = 0; c < C; ++c) {
+      const __m256 lev = dec(row, j0 + c);
+      for (int m = 0; m < M; ++m) a[c][m] = _mm256_fmadd_ps(wm[m], lev, a[c][m]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) {
+      float* dst = acc + m * D + kLanes * (j0 + c);
+      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a[c][m]));
+    }
+}
+
+constexpr int kValueChunks = 2;  // channel chunks per pass of the value loop: M x 2 accumulators (M <= 4)
+
+template <int M, class Dec>
+void code_axpys(const float* w, int64_t w_stride, int D, const uint8_t* first, int64_t stride, int64_t n,
+                const Dec& dec, float* acc) {
+  const int chunks = D / kLanes;
+  int j = 0;
+  for (; j + kValueChunks <= chunks; j += kValueChunks)
+    code_axpys_chunks<M, kValueChunks>(w, w_stride, D, first, stride, n, dec, acc, j);
+  for (; j < chunks; ++j) code_axpys_chunks<M, 1>(w, w_stride, D, first, stride, n, dec, acc, j);
+}
+
+// --- softmax and scales ------------------------------------------------------------------------------------------
+
+// exp(x) lane by lane: common.h's exp_row (Cephes expf, 0 below -87.3 and for -inf) with the same operations, so
+// the same results.
+inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.33654f);
+  __m256 v = _mm256_min_ps(_mm256_max_ps(x, low), _mm256_set1_ps(88.3762626647949f));
+  const __m256 t = _mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 round = _mm256_set1_ps(12582912.0f);
+  const __m256 fx = _mm256_sub_ps(_mm256_add_ps(t, round), round);
+  __m256 r = _mm256_fmadd_ps(fx, _mm256_set1_ps(-0.693359375f), v);
+  r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), y);
+}
+
+inline float hmax(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+
+inline float hadd(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+// max(init, s[0..n))
+inline float row_max(const float* s, int64_t n, float init) {
+  __m256 m = _mm256_set1_ps(init);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+  float out = hmax(m);
+  for (; i < n; ++i) out = std::max(out, s[i]);
+  return out;
+}
+
+// s[i] = exp(s[i] - shift) for i < n; returns their sum.
+inline float exp_sum(float* s, int64_t n, float shift) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh));
+    _mm256_storeu_ps(s + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (i < n) {
+    alignas(32) float rest[kLanes];
+    for (int k = 0; k < kLanes; ++k) rest[k] = i + k < n ? s[i + k] : kNegInf;
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(rest), sh));
+    _mm256_store_ps(rest, e);
+    for (int k = 0; i + k < n; ++k) s[i + k] = rest[k];
+    total = _mm256_add_ps(total, e);
+  }
+  return hadd(total);
+}
+
+// out[i] = half[i] as fp32, i < n (contiguous halves).
+inline void halves(const at::Half* half, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half + i))));
+  for (; i < n; ++i) out[i] = static_cast<float>(half[i]);
+}
+
+}  // namespace avx2
+#endif  // FC_TOKEN_AVX2
+
+}  // namespace fc
