@@ -47,8 +47,9 @@ def _cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def source_text() -> str:
-    return "\n".join((_HERE / name).read_text() for name in SOURCES)
+def source_text(paths: tuple[Path, ...] | None = None) -> str:
+    """The sources, concatenated: ``paths`` (default: this folder's :data:`SOURCES`)."""
+    return "\n".join(path.read_text() for path in (paths or tuple(_HERE / name for name in SOURCES)))
 
 
 def build_name(source: str) -> str:
@@ -75,12 +76,13 @@ def _ninja_bin() -> Path | None:
     return Path(ninja.BIN_DIR)
 
 
-def compile_extension() -> ModuleType:
-    """Build (or load the cached build of) the kernels; raises when no build is possible."""
+def compile_extension(paths: tuple[Path, ...] | None = None) -> ModuleType:
+    """Build (or load the cached build of) the kernels of ``paths`` (default: :data:`SOURCES`, the cache's ops);
+    raises when no build is possible."""
     from torch.utils.cpp_extension import load_inline
 
     _with_ninja()
-    source = source_text()
+    source = source_text(paths)
     name = build_name(source)
     folder = cache_dir() / "cpu_kernels" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -93,8 +95,10 @@ def compile_extension() -> ModuleType:
 class Extension:
     """The compiled kernels, built on first use; ``module()`` is None (after one warning) when the build failed."""
 
-    def __init__(self, compile_fn: Callable[[], ModuleType] = compile_extension):
+    def __init__(self, compile_fn: Callable[[], ModuleType] = compile_extension,
+                 kernels: str = "codec_attention and append"):
         self._compile = compile_fn
+        self._kernels = kernels
         self._module: ModuleType | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
@@ -114,7 +118,7 @@ class Extension:
                 except Exception as err:  # any build failure: no compiler, no ninja, a compiler error
                     self._error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
                     warnings.warn(f"flashcodec_fx: the CPU kernels could not be built ({self._error}); "
-                                  "codec_attention and append run the reference ops (slower). Install a C++ compiler "
+                                  f"{self._kernels} run the reference ops (slower). Install a C++ compiler "
                                   "and ninja, or set FLASHCODEC_KERNELS=reference to silence this.", RuntimeWarning,
                                   stacklevel=3)
         return self._module
