@@ -100,7 +100,9 @@ def run_job(job: dict, env: dict[str, str], python: str = sys.executable, timeou
                           timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_JOB ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM engine job failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+        raise RuntimeError(f"vLLM engine job failed ({done.returncode}); error lines:\n" + "\n".join(errors[-20:])
+                           + f"\n... log tail:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("ENGINE_JOB "))
 
 

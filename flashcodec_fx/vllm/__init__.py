@@ -40,6 +40,9 @@ def register() -> None:
                          f"{current_platform.device_type}): unset {ENV_PRESET}")
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     _registered = True
+    from .kernels import build_kernels
+
+    build_kernels()  # now (once per machine, about 30 s), not inside the engine's first step
 
 
 __all__ = ["BACKEND_PATH", "ENV_PRESET", "SUPPORTED_VLLM", "VLLM_PRESETS", "PageFormat", "PluginConfig",

@@ -37,6 +37,13 @@ def _module(*tensors: torch.Tensor):
     return module
 
 
+def build_kernels() -> None:
+    """Build (or load) the C++ kernels now unless ``FLASHCODEC_KERNELS=reference``; ``fast`` raises if they cannot
+    be built, ``auto`` warns once (and the reference serves)."""
+    if kernel_mode() != "reference":
+        _module(torch.empty(0))
+
+
 @functools.lru_cache(maxsize=512)
 def kernel_args(fmt: PageFormat, width: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """``(page meta, key plan, value plan)`` the C++ kernels take for ``fmt`` (plans empty for a raw format)."""
