@@ -128,5 +128,6 @@ class FlashCodecCPUImpl(CPUAttentionBackendImpl):
         n = attn_metadata.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
         paged_attention(fmt, query[:n], key[:n], value[:n], kv_cache, attn_metadata.block_table,
-                        attn_metadata.seq_lens, attn_metadata.query_start_loc, self.scale, self.sinks, out)
+                        attn_metadata.seq_lens, attn_metadata.query_start_loc, self.scale, self.sinks, out,
+                        attn_metadata.max_query_len)
         return output

@@ -78,7 +78,7 @@ def batch_cases(draw) -> dict:
         "heads": draw(st.integers(1, 3)), "group": draw(st.integers(1, 4)), "head_dim": draw(st.sampled_from([16, 64, 128])),
         "block_size": draw(st.sampled_from([16, 32])), "anchors": draw(st.sampled_from([None, 0, 1, 4])),
         "contexts": draw(st.lists(st.integers(0, 90), min_size=requests, max_size=requests)),
-        "queries": draw(st.lists(st.sampled_from([1, 1, 2, 5, 16, 23]), min_size=requests, max_size=requests)),
+        "queries": draw(st.lists(st.sampled_from([1, 1, 2, 5, 16, 23, 33, 70]), min_size=requests, max_size=requests)),
         "padding": draw(st.integers(0, 3)), "seed": draw(st.integers(0, 10**6)),
     }
 

@@ -48,7 +48,7 @@ def test_store_is_bitwise_the_reference(paged_kernels, case):
 @given(case=batch_cases())
 def test_attention_matches_the_reference(paged_kernels, case):
     """Decodes and prefill chunks of different lengths in one batch (a request with no history, chunks longer than
-    a page), GQA groups 1-4, scattered block tables."""
+    a page, chunks longer than FUSED_TOKENS: the dense path), GQA groups 1-4, scattered block tables."""
     batch = make_batch(case)
     cache = batch.filled_cache(case["seed"])
     scale = batch.query.shape[-1] ** -0.5
@@ -58,10 +58,13 @@ def test_attention_matches_the_reference(paged_kernels, case):
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[batch.query.dtype])
 
 
-def test_attention_with_sinks_matches_the_reference(paged_kernels):
+@pytest.mark.parametrize("queries", [[1, 9, 4], [1, 40, 35]], ids=["fused", "dense"])
+def test_attention_with_sinks_matches_the_reference(paged_kernels, queries):
+    """Sink logits on both paths: the fused kernel's, and the dense one of chunks longer than FUSED_TOKENS."""
     batch = make_batch({"format": "3bit", "dtype": torch.float32, "heads": 2, "group": 3, "head_dim": 64,
-                        "block_size": 16, "anchors": None, "contexts": [70, 0, 33], "queries": [1, 9, 4],
+                        "block_size": 16, "anchors": None, "contexts": [70, 20, 33], "queries": queries,
                         "padding": 1, "seed": 11})
+    assert (max(queries) > kernels.FUSED_TOKENS) == (queries[1] == 40)
     cache = batch.filled_cache(11)
     s_aux = torch.linspace(-2, 3, 6)
     ref = attention_reference(batch.fmt, *batch.attention_args(cache), 0.2, s_aux)

@@ -9,7 +9,7 @@
 // values: raw rows into a plain accumulator, code levels weighted by p * scale into a rotated one, rotated back once
 // at the end (R_v^T). The call's own tokens come last, raw and causal per lane (a tile stops at its last token).
 // Optional sink logits (s_aux, per query head) join the softmax's denominator. Everything is fp32; `scale` is
-// folded into q.
+// folded into q. Requests with more than `max_tokens` tokens in this call are left to the launcher (kernels.py).
 
 namespace fc {
 
@@ -119,7 +119,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      const at::Tensor& page_meta, const std::vector<at::Tensor>& kplan,
                      const std::vector<at::Tensor>& vplan, double softmax_scale, const c10::optional<at::Tensor>& s_aux,
-                     const at::Tensor& out) {
+                     int64_t max_tokens, const at::Tensor& out) {
   const TokenRows q(query), k(key), v(value), o(out);
   const int D = static_cast<int>(query.size(2));
   const int64_t Hq = query.size(1);
@@ -141,6 +141,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const float scale = static_cast<float>(softmax_scale);
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
+    if (qsl[r + 1] - qsl[r] > max_tokens) continue;  // the launcher's dense path serves this request
     const int64_t tiles = ((qsl[r + 1] - qsl[r]) * G + kLanes - 1) / kLanes;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = 0; t < tiles; t += kTileGroup) items.push_back({r, h, t, std::min<int64_t>(kTileGroup, tiles - t)});
