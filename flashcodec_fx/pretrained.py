@@ -150,6 +150,14 @@ def _converted(gguf: Path) -> Path:
     return target
 
 
+def model_folder(name: str = DEFAULT_MODEL) -> Path:
+    """The local Hugging Face folder (safetensors, tokenizer) of packaged model ``name``, converted once from its
+    GGUF: what serving engines load (``vllm serve <folder>``)."""
+    if name not in _PACKAGED:
+        raise ValueError(f"name must be one of {sorted(_PACKAGED)}, got {name!r}")
+    return _converted(_PACKAGED[name]())
+
+
 def _looks_like_path(name: str) -> bool:
     """Hub ids are ``name`` or ``owner/name``; anything else is meant as a local path."""
     return name.startswith((".", "~", "/")) or name.endswith(".gguf") or name.count("/") > 1 or "\\" in name

@@ -96,8 +96,9 @@ def _compiler_version(cxx: str) -> str:
     return f"{version.strip().splitlines()[0] if version.strip() else ''} {target.strip()}"
 
 
-def source_text() -> str:
-    return "\n".join((_HERE / name).read_text() for name in SOURCES)
+def source_text(paths: tuple[Path, ...] | None = None) -> str:
+    """The sources, concatenated: ``paths`` (default: this folder's :data:`SOURCES`)."""
+    return "\n".join(path.read_text() for path in (paths or tuple(_HERE / name for name in SOURCES)))
 
 
 def build_key(source: str) -> dict[str, str]:
@@ -175,9 +176,11 @@ def compile_sources(name: str, source: str, folder: Path) -> tuple[ModuleType, P
     return module, folder / f"{name}.so"
 
 
-def compile_extension(compile_fn: Callable[[str, str, Path], tuple[ModuleType, Path]] = compile_sources) -> ModuleType:
-    """The kernels: the cached binary when there is one, else a build (locked, announced, published atomically)."""
-    source = source_text()
+def compile_extension(compile_fn: Callable[[str, str, Path], tuple[ModuleType, Path]] = compile_sources,
+                      paths: tuple[Path, ...] | None = None) -> ModuleType:
+    """The kernels of ``paths`` (default: :data:`SOURCES`, the cache's ops): the cached binary when there is one, else
+    a build (locked, announced, published atomically)."""
+    source = source_text(paths)
     name = build_name(source)
     folder = cache_dir() / "cpu_kernels" / name
     binary = folder / f"{name}.so"
@@ -203,8 +206,10 @@ def compile_extension(compile_fn: Callable[[str, str, Path], tuple[ModuleType, P
 class Extension:
     """The compiled kernels, built on first use; ``module()`` is None (after one warning) when the build failed."""
 
-    def __init__(self, compile_fn: Callable[[], ModuleType] = compile_extension):
+    def __init__(self, compile_fn: Callable[[], ModuleType] = compile_extension,
+                 kernels: str = "codec_attention and append"):
         self._compile = compile_fn
+        self._kernels = kernels
         self._module: ModuleType | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
@@ -224,7 +229,7 @@ class Extension:
                 except Exception as err:  # any build failure: no compiler, no ninja, a compiler error
                     self._error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
                     warnings.warn(f"flashcodec_fx: the CPU kernels could not be built ({self._error}); "
-                                  "codec_attention and append run the reference ops (slower). Install a C++ compiler "
+                                  f"{self._kernels} run the reference ops (slower). Install a C++ compiler "
                                   "and ninja, or set FLASHCODEC_KERNELS=reference to silence this.", RuntimeWarning,
                                   stacklevel=3)
         return self._module

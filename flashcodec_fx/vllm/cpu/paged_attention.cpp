@@ -1,0 +1,228 @@
+// Attention on vLLM pages on the CPU (the spec: vllm/reference.py attention_reference).
+//
+// Work items are (request, KV head, group of up to kTileGroup query tiles); a tile holds up to kLanes query rows
+// (the GQA heads x this call's tokens of the request) side by side in SIMD lanes (common.h's lane kernels). The
+// history is walked page by page through the block table, and each page is read once per item: its raw rows
+// converted to fp32, its code slots unpacked into unscaled levels (an L1 scratch of one page, never a dequantized
+// copy of the cache), then every tile of the item dots them with its queries: raw rows with q, code levels with q
+// rotated once (R_k q), the fp16 scale applied per (row, lane). One online-softmax step per page and tile, then the
+// values: raw rows into a plain accumulator, code levels weighted by p * scale into a rotated one, rotated back once
+// at the end (R_v^T). The call's own tokens come last, raw and causal per lane (a tile stops at its last token).
+// Optional sink logits (s_aux, per query head) join the softmax's denominator. Everything is fp32; `scale` is
+// folded into q. Requests with more than `max_tokens` tokens in this call are left to the launcher (kernels.py).
+
+namespace fc {
+
+namespace {
+
+constexpr int kTileGroup = 8;
+
+struct Item {
+  int64_t req, head, first_tile, tiles;
+};
+struct Lanes {
+  int n = 0;                                             // lanes in use
+  int64_t q_row[kLanes], q_head[kLanes], token[kLanes];  // query row (N axis), query head, token index in the call
+};
+
+inline float half_at(const uint8_t* p) { return static_cast<float>(*reinterpret_cast<const at::Half*>(p)); }
+
+// (D x kLanes) lane-major transposes of the tile's queries, times `scale`: plain and rotated by R (D x D, or null).
+void load_queries(const TokenRows& q, const Lanes& lanes, int D, float scale, const float* rot, float* qt, float* qt_rot,
+                  float* row) {
+  std::fill(qt, qt + D * kLanes, 0.0f);
+  std::fill(qt_rot, qt_rot + D * kLanes, 0.0f);
+  for (int l = 0; l < lanes.n; ++l) {
+    to_float(q.at(lanes.q_row[l], lanes.q_head[l]), q.dtype, row, D);
+    for (int d = 0; d < D; ++d) qt[d * kLanes + l] = row[d] * scale;
+    for (int e = 0; e < D; ++e) qt_rot[e * kLanes + l] = rot == nullptr ? qt[e * kLanes + l] : dot(rot + e * D, row, D) * scale;
+  }
+}
+
+// One tile: its lanes, queries (plain and rotated), the online softmax (running max and sum per lane), the raw and
+// the rotated value accumulators (lanes x D) and the rotated accumulator's zero-point mass.
+struct Tile {
+  int D;
+  Lanes lanes;
+  std::vector<float> qt, qt_rot, acc_raw, acc_rot;
+  float m[kLanes], s[kLanes], zacc[kLanes], qsum[kLanes];
+
+  explicit Tile(int d) : D(d), qt(d * kLanes), qt_rot(d * kLanes), acc_raw(kLanes * d), acc_rot(kLanes * d) {}
+
+  // Tile `index` of a request's rows (token-major: row idx is token idx / G, query head head * G + idx % G).
+  void reset(int64_t index, int64_t head, int64_t qs, int64_t t_len, int64_t G) {
+    lanes.n = 0;
+    for (int64_t idx = index * kLanes; idx < std::min<int64_t>(t_len * G, (index + 1) * kLanes); ++idx) {
+      lanes.token[lanes.n] = idx / G;
+      lanes.q_row[lanes.n] = qs + idx / G;
+      lanes.q_head[lanes.n] = head * G + idx % G;
+      ++lanes.n;
+    }
+    for (int l = 0; l < kLanes; ++l) { m[l] = kNegInf; s[l] = 0.0f; zacc[l] = 0.0f; }
+    std::fill(acc_raw.begin(), acc_raw.end(), 0.0f);
+    std::fill(acc_rot.begin(), acc_rot.end(), 0.0f);
+  }
+
+  void rescale(int l, float alpha) {
+    scale_row(acc_raw.data() + l * D, alpha, D);
+    scale_row(acc_rot.data() + l * D, alpha, D);
+    zacc[l] *= alpha;
+  }
+
+  // scores (n x kLanes) -> probabilities in place, the running max and sum updated, the accumulators rescaled.
+  void step(float* scores, int n, float* column) {
+    for (int l = 0; l < lanes.n; ++l) {
+      float mx = m[l];
+      for (int j = 0; j < n; ++j) mx = std::max(mx, scores[j * kLanes + l]);
+      if (mx == kNegInf) {  // nothing visible to this lane yet
+        for (int j = 0; j < n; ++j) scores[j * kLanes + l] = 0.0f;
+        continue;
+      }
+      const float alpha = m[l] == kNegInf ? 0.0f : exp_one(m[l] - mx);
+      for (int j = 0; j < n; ++j) column[j] = scores[j * kLanes + l] - mx;
+      exp_row(column, column, n);
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        scores[j * kLanes + l] = column[j];
+        sum += column[j];
+      }
+      if (alpha != 1.0f) rescale(l, alpha);
+      s[l] = s[l] * alpha + sum;
+      m[l] = mx;
+    }
+  }
+
+  // Sinks, normalization, the rotated accumulator rotated back (R_v^T), the output rows written.
+  void finish(const float* sink, const float* rot_v, bool coded, float* row, const TokenRows& o) {
+    for (int l = 0; l < lanes.n; ++l) {
+      float total = s[l];
+      if (sink != nullptr) {
+        const float logit = sink[lanes.q_head[l]], mx = std::max(m[l], logit);
+        const float alpha = exp_one(m[l] - mx);
+        total = total * alpha + exp_one(logit - mx);
+        rescale(l, alpha);
+      }
+      float* ar = acc_rot.data() + l * D;
+      for (int d = 0; d < D; ++d) ar[d] += zacc[l];
+      for (int d = 0; d < D; ++d) row[d] = acc_raw[l * D + d] + (coded && rot_v == nullptr ? ar[d] : 0.0f);
+      if (coded && rot_v != nullptr)
+        for (int e = 0; e < D; ++e) axpy(row, ar[e], rot_v + e * D, D);
+      scale_row(row, 1.0f / total, D);
+      from_float(row, o.dtype, o.at(lanes.q_row[l], lanes.q_head[l]), D);
+    }
+  }
+};
+
+}  // namespace
+
+void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const at::Tensor& page_meta, const std::vector<at::Tensor>& kplan,
+                     const std::vector<at::Tensor>& vplan, double softmax_scale, const c10::optional<at::Tensor>& s_aux,
+                     int64_t max_tokens, const at::Tensor& out) {
+  const TokenRows q(query), k(key), v(value), o(out);
+  const int D = static_cast<int>(query.size(2));
+  const int64_t Hq = query.size(1);
+  const PageLayout p = PageLayout::parse(page_meta, cache, key.scalar_type(), D);
+  const int64_t H = p.heads, G = Hq / H, R = seq_lens.size(0);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_table, seq_lens, query_start_loc: int32");
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const float* sink = s_aux.has_value() ? s_aux->data_ptr<float>() : nullptr;
+  const bool coded = !p.raw;
+  Codec ck, cv;
+  if (coded) { ck = Codec::parse(kplan); cv = Codec::parse(vplan); }
+  const float* rot_k = coded && ck.rotate ? ck.rot : nullptr;
+  const float* rot_v = coded && cv.rotate ? cv.rot : nullptr;
+  const float scale = static_cast<float>(softmax_scale);
+  std::vector<Item> items;
+  for (int64_t r = 0; r < R; ++r) {
+    if (qsl[r + 1] - qsl[r] > max_tokens) continue;  // the launcher's dense path serves this request
+    const int64_t tiles = ((qsl[r + 1] - qsl[r]) * G + kLanes - 1) / kLanes;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < tiles; t += kTileGroup) items.push_back({r, h, t, std::min<int64_t>(kTileGroup, tiles - t)});
+  }
+  uint8_t* base = cache.data_ptr<uint8_t>();
+  const int64_t bs = p.bs, raw_rows = p.raw_rows(), half = p.row_bytes();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<Tile> tiles(kTileGroup, Tile(D));
+    std::vector<float> kraw(bs * D), vraw(bs * D), klev(bs * D), vlev(bs * D), kscale(bs), kzero(bs), vscale(bs);
+    std::vector<float> vzero(bs), scores(bs * kLanes), w(bs * kLanes), column(bs), row(D);
+    std::vector<int32_t> codes(D);
+    for (int64_t it = i0; it < i1; ++it) {
+      const Item& item = items[it];
+      const int64_t qs = qsl[item.req], t_len = qsl[item.req + 1] - qs, ctx = lens[item.req] - t_len;
+      for (int64_t t = 0; t < item.tiles; ++t) {
+        Tile& tile = tiles[t];
+        tile.reset(item.first_tile + t, item.head, qs, t_len, G);
+        load_queries(q, tile.lanes, D, scale, rot_k, tile.qt.data(), tile.qt_rot.data(), row.data());
+        for (int l = 0; l < kLanes; ++l) {
+          tile.qsum[l] = 0.0f;
+          for (int d = 0; d < D; ++d) tile.qsum[l] += tile.qt_rot[d * kLanes + l];
+        }
+      }
+      // --- the history, page by page: read once, used by every tile
+      for (int64_t start = 0; start < ctx; start += bs) {
+        const int64_t n = std::min(bs, ctx - start), na = std::min(n, raw_rows), nc = n - na;
+        const uint8_t* page = p.page(base, bt[item.req * bt_stride + start / bs], item.head);
+        for (int64_t j = 0; j < na; ++j) {
+          to_float(page + p.raw_at(j), p.dtype, kraw.data() + j * D, D);
+          to_float(page + p.raw_at(j) + half, p.dtype, vraw.data() + j * D, D);
+        }
+        for (int64_t j = 0; j < nc; ++j) {
+          const uint8_t* slot = page + p.slot_at(na + j);
+          row_levels(ck, slot + p.k_code, 0, codes.data(), klev.data() + j * D);
+          row_levels(cv, slot + p.v_code, 0, codes.data(), vlev.data() + j * D);
+          kscale[j] = half_at(slot + p.k_scale);
+          kzero[j] = ck.zero_classes ? half_at(slot + p.k_zero) : 0.0f;
+          vscale[j] = half_at(slot + p.v_scale);
+          vzero[j] = cv.zero_classes ? half_at(slot + p.v_zero) : 0.0f;
+        }
+        for (int64_t t = 0; t < item.tiles; ++t) {
+          Tile& tile = tiles[t];
+          lane_dots_n(tile.qt.data(), kraw.data(), D, static_cast<int>(na), D, scores.data());
+          float* sc = scores.data() + na * kLanes;
+          if (nc > 0) lane_dots_n(tile.qt_rot.data(), klev.data(), D, static_cast<int>(nc), D, sc);
+          for (int64_t j = 0; j < nc; ++j)
+            for (int l = 0; l < kLanes; ++l) sc[j * kLanes + l] = sc[j * kLanes + l] * kscale[j] + kzero[j] * tile.qsum[l];
+          tile.step(scores.data(), static_cast<int>(n), column.data());
+          lane_axpys(scores.data(), static_cast<int>(na), vraw.data(), D, D, tile.acc_raw.data(), tile.lanes.n);
+          for (int64_t j = 0; j < nc; ++j)
+            for (int l = 0; l < kLanes; ++l) {
+              const float pr = sc[j * kLanes + l];
+              w[j * kLanes + l] = pr * vscale[j];
+              tile.zacc[l] += pr * vzero[j];
+            }
+          if (nc > 0) lane_axpys(w.data(), static_cast<int>(nc), vlev.data(), D, D, tile.acc_rot.data(), tile.lanes.n);
+        }
+      }
+      // --- this call's own tokens, exact and causal (the lane of token i sees tokens 0..i of the call)
+      const int64_t last = tiles[item.tiles - 1].lanes.token[tiles[item.tiles - 1].lanes.n - 1];
+      for (int64_t start = 0; start <= last; start += bs) {
+        const int64_t n = std::min(bs, last + 1 - start);
+        for (int64_t j = 0; j < n; ++j) {
+          to_float(k.at(qs + start + j, item.head), k.dtype, kraw.data() + j * D, D);
+          to_float(v.at(qs + start + j, item.head), v.dtype, vraw.data() + j * D, D);
+        }
+        for (int64_t t = 0; t < item.tiles; ++t) {
+          Tile& tile = tiles[t];
+          const int64_t seen = std::min(n, tile.lanes.token[tile.lanes.n - 1] + 1 - start);
+          if (seen <= 0) continue;
+          lane_dots_n(tile.qt.data(), kraw.data(), D, static_cast<int>(seen), D, scores.data());
+          for (int64_t j = 0; j < seen; ++j)
+            for (int l = 0; l < kLanes; ++l)
+              if (l >= tile.lanes.n || start + j > tile.lanes.token[l]) scores[j * kLanes + l] = kNegInf;
+          tile.step(scores.data(), static_cast<int>(seen), column.data());
+          lane_axpys(scores.data(), static_cast<int>(seen), vraw.data(), D, D, tile.acc_raw.data(), tile.lanes.n);
+        }
+      }
+      for (int64_t t = 0; t < item.tiles; ++t) tiles[t].finish(sink, rot_v, coded, row.data(), o);
+    }
+  });
+}
+
+}  // namespace fc
