@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import JPEG, Codec, JPEGCodec
+from ..codecs import Codec, JPEGCodec
 from ..codecs.pack import check_head_dim
 from ..presets import preset_codecs
 
@@ -37,7 +37,7 @@ def paged_codec(codec: Codec, where: str) -> JPEGCodec:
     """The per-token codec a page slot stores for preset stream ``codec``: its quantizer and rotation, not centered,
     no sinks or window (the page holds those, or not). ValueError for a codec that is not per-token codes."""
     q = codec.quantizer
-    if codec.mode != JPEG or codec.block_size != 1 or q is None or q.axis != "token":
+    if not isinstance(codec, JPEGCodec) or codec.block_size != 1 or q is None or q.axis != "token":
         raise ValueError(f"{where}: a vLLM page slot holds per-token codes (jpeg, block_size=1, quant_bits set, "
                          f"scale_axis='token'); got {codec.spec}")
     return JPEGCodec(block_size=1, quant_bits=q.bits, levels=q.levels, scale_axis="token", scale_search=q.search,
