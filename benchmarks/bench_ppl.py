@@ -3,17 +3,21 @@
     python benchmarks/bench_ppl.py                       # both models, 6 windows x 1024 tokens, every tier and peer
     python benchmarks/bench_ppl.py --quick               # SmolLM2, 2 windows x 256 tokens: smoke run, about a minute
     python benchmarks/bench_ppl.py --model smollm2 --tiers KIVI-2 --tier-json '{"name": "try", "options": {...}}'
+    python benchmarks/bench_ppl.py --model smollm2 --windows 4 --texts dialogue code --out PATH  # other kinds of text
     python benchmarks/bench_ppl.py --plot-only           # redraw results/frontier.png from results/ppl.json
     python benchmarks/bench_ppl.py --merge A.json B.json # one ppl.json from single-model runs (e.g. run in parallel)
     python benchmarks/bench_ppl.py --model smollm2 --windows 2 --tiers --tier-file benchmarks/data/preset_search.json \
         --out benchmarks/results/preset_search.json      # the ablations that chose the presets
 
 Protocol (issue 9): non-overlapping windows of real text (``corpus.py``: Alice in Wonderland and the Library of
-Congress' Workshop on Electronic Texts, alternately), all windows of a model in one batch. Per window the first
-``--prefill`` (128) tokens go through prefill (exact), then the rest is fed in chunks of ``--chunk`` (16) tokens
-through the cache: a chunk's queries read the history through the cache, and every token after the prefill is
-scored (``flashcodec_fx.evaluate.streaming``). Every tier runs in lockstep with the raw ``DynamicCache`` on the same
-calls, so KL(raw || tier) is taken per scored token and averaged over all of them; perplexity over the same tokens.
+Congress' Workshop on Electronic Texts, alternately; ``--texts dialogue code``: Pride and Prejudice's conversation
+chapters and CPython's difflib.py source, other kinds of text in the same run), all windows of a model in one
+batch. Per window the first ``--prefill`` (128) tokens go through prefill (exact), then the rest is fed in chunks
+of ``--chunk`` (16) tokens through the cache: a chunk's queries read the history through the cache, and every token
+after the prefill is scored (``flashcodec_fx.evaluate.streaming``); the KL is also kept per text and per bin of
+64 positions (``kl_per_position``: how the error grows with the length read). Every tier runs in lockstep with
+the raw ``DynamicCache`` on the same calls, so KL(raw || tier) is taken per scored token and averaged over all of
+them; perplexity over the same tokens.
 
 The model runs in fp32 (``--dtype``): in bf16 any change of the K/V states, even the lossless jpeg K=8 round trip,
 moves SmolLM2's next-token distributions about as much as the 8-bit tier (bf16 rounding through 30 layers).
@@ -45,7 +49,7 @@ from typing import Any
 
 import torch
 from common import RESULTS_DIR, write_result
-from corpus import STREAMING_TEXTS, TEXTS, leading_tokens, load_tokens, windows
+from corpus import KINDS, TEXTS, kind_texts, leading_tokens, load_tokens, windows
 from peers import peer_tiers
 
 import flashcodec_fx
@@ -63,12 +67,14 @@ from flashcodec_fx.evaluate import (
     token_kl,
     token_nll,
 )
+from flashcodec_fx.evaluate.outliers import add_outlier_channels
 
 FLASHCODEC = "flashcodec"
 CUSTOM = "flashcodec (--tier-json)"
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
 STORED_DTYPE = torch.bfloat16  # bits are counted as a bf16 cache keeps them (raw = 16 bits/value)
 WORST_SPAN = 128  # lengths L-127..L: one period of the longest grouping in use (128-token groups / raw windows)
+POSITION_BIN = 64  # kl_per_position: mean KL over bins of this many scored positions
 FULL = {"windows": 6, "window_tokens": 1024}
 QUICK = {"windows": 2, "window_tokens": 256}
 COLUMNS = [("tier", "tier", "s"), ("family", "family", "s"), ("bits end", "bits_end", ".2f"),
@@ -129,12 +135,16 @@ def runnable(model: Any, tiers: list[Candidate]) -> tuple[list[Candidate], list[
     return ok, skipped
 
 
-def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill: int, chunk: int) -> list[dict]:
-    """Run the raw cache and every tier in lockstep over ``batch (W, L)``; one row per tier (raw first)."""
+def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill: int, chunk: int,
+               window_texts: list[str] | None = None) -> list[dict]:
+    """Run the raw cache and every tier in lockstep over ``batch (W, L)``; one row per tier (raw first), with the
+    mean KL per window, per text (``window_texts``: the text of each window) and per bin of ``POSITION_BIN``
+    scored positions (``kl_per_position``: how the error grows along the window)."""
     tiers = [Candidate("raw", RAW)] + tiers
     caches = [make_cache(model, c.tier) for c in tiers]
     streams = [streaming(model, batch, cache, prefill, chunk) for cache in caches]
     kl = torch.zeros(len(tiers), batch.shape[0], dtype=torch.float64)
+    kl_pos = torch.zeros(len(tiers), batch.shape[1] - prefill, dtype=torch.float64)
     nll = torch.zeros(len(tiers), batch.shape[0], dtype=torch.float64)
     seconds = [0.0] * len(tiers)
     for ref_step in _timed(streams[0], seconds, 0, model, RAW):
@@ -142,12 +152,15 @@ def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill:
         nll[0] += token_nll(ref_step.logprobs, targets).sum(-1).double()
         for i in range(1, len(tiers)):
             step = _timed_next(streams[i], seconds, i, model, tiers[i].tier)
-            kl[i] += token_kl(ref_step.logprobs, step.logprobs).sum(-1).double()
+            token = token_kl(ref_step.logprobs, step.logprobs).double()
+            kl[i] += token.sum(-1)
+            kl_pos[i, ref_step.targets.start - prefill: ref_step.targets.stop - prefill] += token.sum(0)
             nll[i] += token_nll(step.logprobs, targets).sum(-1).double()
     scored = batch.shape[1] - prefill
     values = cached_values(caches[0])
     rows = []
-    for cand, cache, k, n, s in zip(tiers, caches, kl, nll, seconds, strict=True):
+    texts = window_texts or ["?"] * batch.shape[0]
+    for cand, cache, k, kp, n, s in zip(tiers, caches, kl, kl_pos, nll, seconds, strict=True):
         kv = cache_bytes(cache)["kv"]
         reported = getattr(cache, "bits_per_value", None)
         rows.append({
@@ -156,11 +169,22 @@ def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill:
             "run_bits_end": bits_per_value(kv, values),
             "reported_bits_per_value": reported() if callable(reported) else None,
             "kl": float(k.sum() / (scored * batch.shape[0])), "kl_per_window": (k / scored).tolist(),
+            "kl_per_text": {t: float(sum(float(k[w]) for w in range(len(texts)) if texts[w] == t)
+                                     / (scored * texts.count(t))) for t in dict.fromkeys(texts)},
+            "kl_per_position": position_bins(kp / batch.shape[0], prefill),
             "nll": float(n.sum() / (scored * batch.shape[0])), "seconds": s,
         })
         rows[-1]["ppl"] = math.exp(rows[-1]["nll"])
         rows[-1]["delta_ppl"] = rows[-1]["ppl"] - rows[0]["ppl"]
     return rows
+
+
+def position_bins(kl: torch.Tensor, prefill: int, width: int = POSITION_BIN) -> dict[str, Any]:
+    """``kl (L - prefill,)``: the mean KL at each scored position -> ``{"start": [first position of each bin],
+    "width": width, "kl": [mean KL over the bin]}`` (the last bin may be shorter)."""
+    starts = list(range(0, kl.numel(), width))
+    return {"start": [prefill + s for s in starts], "width": width,
+            "kl": [float(kl[s: s + width].mean()) for s in starts]}
 
 
 def _timed(stream, seconds: list[float], i: int, model: Any, tier: Tier):
@@ -236,12 +260,15 @@ def stored_bits(model: Any, tier: Tier, batch: int, length: int, prefill: int, c
 
 
 def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefill: int, chunk: int,
-              dtype: torch.dtype) -> dict:
+              dtype: torch.dtype, text_names: tuple[str, ...] = KINDS["prose"], outliers: float | None = None) -> dict:
     from flashcodec_fx.pretrained import load_pretrained
 
     model, tokenizer = load_pretrained(name, dtype=dtype)
-    texts = load_tokens(tokenizer, STREAMING_TEXTS)
+    if outliers is not None:
+        add_outlier_channels(model, outliers)
+    texts = load_tokens(tokenizer, text_names)
     batch = windows(texts, count, length, leading_tokens(tokenizer))
+    window_texts = [text_names[i % len(text_names)] for i in range(count)]
     ok, skipped = runnable(model, tiers)
     layers, heads, head_dim = _kv_shape(model.config)
     print(f"\n{name}: {layers} layers, {heads} KV heads, head_dim {head_dim}, {dtype}; {count} windows x {length} "
@@ -250,15 +277,17 @@ def run_model(name: str, tiers: list[Candidate], count: int, length: int, prefil
     for s in skipped:
         print(f"  skipped {s['tier']}: {s['reason']}", flush=True)
     start = time.perf_counter()
-    rows = stream_all(model, batch, ok, prefill, chunk)
+    rows = stream_all(model, batch, ok, prefill, chunk, window_texts)
     print(f"  streamed {len(rows)} caches in lockstep: {time.perf_counter() - start:.0f} s", flush=True)
     for row, cand in zip(rows, [Candidate("raw", RAW)] + ok, strict=True):
         row.update(stored_bits(model, cand.tier, count, length, prefill, chunk, min(WORST_SPAN, length - 1)))
     print(markdown_table(rows, COLUMNS), flush=True)
     return {"layers": layers, "kv_heads": heads, "head_dim": head_dim,
             "layer_types": list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []),
-            "texts": {t: str(TEXTS[t].relative_to(TEXTS[t].parents[1])) for t in STREAMING_TEXTS},
-            "text_tokens": [int(t.numel()) for t in texts], "rows": rows, "skipped": skipped}
+            "texts": {t: str(TEXTS[t].relative_to(TEXTS[t].parents[1])) for t in text_names},
+            "text_kinds": {t: kind for kind, names in KINDS.items() for t in names if t in text_names},
+            "window_texts": window_texts, "text_tokens": [int(t.numel()) for t in texts], "rows": rows,
+            "skipped": skipped}
 
 
 def plot(result: Mapping[str, Any], path: Path) -> Path:
@@ -294,6 +323,40 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_positions(result: Mapping[str, Any], path: Path) -> Path | None:
+    """KL vs position in the window (bins of ``kl_per_position``, log scale), one curve per tier, one panel per
+    model: how the error grows with the length read. None when no row has per-position figures."""
+    models = {m: [r for r in d["rows"] if r.get("kl_per_position") and r["family"] != "raw" and r["kl"] > 1e-7]
+              for m, d in result["models"].items()}
+    models = {m: rows for m, rows in models.items() if rows}
+    if not models:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.8), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], models.items(), strict=True):
+        for r in rows:
+            bins = r["kl_per_position"]
+            ax.plot([s + bins["width"] / 2 for s in bins["start"]], bins["kl"], label=r["tier"],
+                    linewidth=1.6 if r["family"].startswith(FLASHCODEC) else 0.9,
+                    linestyle="-" if r["family"].startswith(FLASHCODEC) else "--")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"position in the window (mean over bins of {rows[0]['kl_per_position']['width']} tokens)")
+        ax.set_ylabel("KL(raw || tier), nats/token")
+        p = result["models"][model].get("protocol") or result["protocol"]
+        ax.set_title(f"{model}: {p['windows']} x {p['window_tokens']} tokens, texts {p.get('texts', ['prose'])}",
+                     fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -357,6 +420,11 @@ def main(argv: list[str] | None = None) -> None:
                         help='extra tier: \'{"name": ..., "options": {FlashCodecCache options}}\' (repeatable)')
     parser.add_argument("--tier-file", type=Path, default=None, metavar="JSON",
                         help="extra tiers: a JSON list of tier-json objects (e.g. data/preset_search.json)")
+    parser.add_argument("--texts", nargs="+", choices=sorted(KINDS), default=["prose"], metavar="KIND",
+                        help=f"kinds of text the windows come from, in turn (default prose; {KINDS})")
+    parser.add_argument("--outliers", type=float, default=None, metavar="FACTOR",
+                        help="make a few key and value channels FACTOR times larger first, the model's function "
+                             "unchanged (flashcodec_fx.evaluate.outliers; Llama-family models)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model dtype for the quality run (default float32: in bf16 even a lossless round "
                              "trip of the K/V states moves the outputs about as much as the 8-bit tier); bits are "
@@ -376,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     count, length = args.windows or shape["windows"], args.window_tokens or shape["window_tokens"]
     default_run = not (args.quick or args.tiers is not None or args.tier_json or args.tier_file or args.model
                        or args.windows or args.window_tokens or args.prefill != 128 or args.chunk != 16
-                       or args.dtype != "float32")
+                       or args.dtype != "float32" or args.texts != ["prose"] or args.outliers is not None)
     whole = default_run or args.plot_only or args.merge or args.recount_bits
     out = Path(args.out) if args.out else RESULTS_DIR / ("ppl.json" if whole else "ppl_experiment.json")
     plot_path = Path(args.plot) if args.plot else out.with_name("frontier.png" if out.name == "ppl.json" else f"{out.stem}.png")
@@ -410,11 +478,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     start = time.perf_counter()
-    results = {MODELS[m]: run_model(MODELS[m], tiers, count, length, args.prefill, args.chunk, dtype) for m in models}
+    text_names = kind_texts(args.texts)
+    results = {MODELS[m]: run_model(MODELS[m], tiers, count, length, args.prefill, args.chunk, dtype, text_names,
+                                    args.outliers) for m in models}
     payload = {
         "dtype": args.dtype, "stored_dtype": "bfloat16", "raw_bits_per_value": 16, "quick": args.quick,
         "protocol": {"windows": count, "window_tokens": length, "prefill": args.prefill, "chunk": args.chunk,
-                     "scored_tokens_per_window": length - args.prefill, "worst_span": min(WORST_SPAN, length - 1)},
+                     "scored_tokens_per_window": length - args.prefill, "worst_span": min(WORST_SPAN, length - 1),
+                     "texts": args.texts, "outliers": args.outliers},
         "method": "windows batched; prefill exact, then chunks through the cache (a call attends to its own new "
                   "states exactly in every peer; flashcodec tiers as the package does); KL(raw || tier) per scored "
                   "token, mean over all; bits = 8 * bytes kept / values the raw cache keeps, counted on a bf16 "
@@ -424,7 +495,9 @@ def main(argv: list[str] | None = None) -> None:
         "total_seconds": time.perf_counter() - start, "models": results,
     }
     path = write_result("ppl", payload, out=out)
-    print(f"\nwrote {path} and {plot(json.loads(path.read_text()), plot_path)}", file=sys.stderr)
+    written = json.loads(path.read_text())
+    print(f"\nwrote {path}, {plot(written, plot_path)} and "
+          f"{plot_positions(written, plot_path.with_name(f'{plot_path.stem}_positions.png'))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

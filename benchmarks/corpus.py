@@ -18,18 +18,32 @@ TEXTS = {
     "alice29": DATA / "alice29.txt",  # Lewis Carroll, Alice's Adventures in Wonderland (1865)
     "lcet10": DATA / "lcet10.txt",  # Library of Congress, Workshop on Electronic Texts, proceedings (1992)
     "pride": DATA / "corpus.txt",  # Jane Austen, Pride and Prejudice (1813), chapters 1-3
+    "difflib": DATA / "difflib_py311.txt",  # CPython 3.11.7's Lib/difflib.py (source code with docstrings)
 }
+VERBATIM = frozenset({"difflib"})  # source code: read as it is (line breaks and indentation are part of the text)
 STREAMING_TEXTS = ("alice29", "lcet10")  # bench_ppl's streaming protocol: ~38k + ~100k tokens
+KINDS = {"prose": STREAMING_TEXTS, "dialogue": ("pride",), "code": ("difflib",)}  # bench_ppl --texts
 
 
 def read_text(name: str) -> str:
     """The text ``name`` (a key of :data:`TEXTS`) with hard line wraps undone: paragraphs (separated by blank lines)
-    become single lines, runs of spaces one space, CRLF plain newlines."""
+    become single lines, runs of spaces one space, CRLF plain newlines. Source code (:data:`VERBATIM`) is read as
+    it is, CRLF plain newlines."""
     if name not in TEXTS:
         raise ValueError(f"name must be one of {sorted(TEXTS)}, got {name!r}")
     raw = TEXTS[name].read_text(encoding="utf-8").replace("\r\n", "\n")
+    if name in VERBATIM:
+        return raw
     paragraphs = (re.sub(r"\s+", " ", block).strip() for block in re.split(r"\n\s*\n", raw))
     return "\n\n".join(p for p in paragraphs if p)
+
+
+def kind_texts(kinds: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The texts of the kinds ``kinds`` (keys of :data:`KINDS`), in order, each once."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise ValueError(f"kinds must be a non-empty list of {sorted(KINDS)}, got {list(kinds)!r}")
+    return tuple(dict.fromkeys(name for kind in kinds for name in KINDS[kind]))
 
 
 def load_tokens(tokenizer: Any, names: tuple[str, ...] | list[str]) -> list[torch.Tensor]:

@@ -6,19 +6,20 @@ import hashlib
 
 import pytest
 import torch
-from corpus import DATA, STREAMING_TEXTS, TEXTS, read_text, windows
+from corpus import DATA, KINDS, TEXTS, kind_texts, read_text, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 SHA256 = {"alice29": "7467306ee0feed4971260f3c87421154a05be571d944e9cb021a5713700c38f0",
-          "lcet10": "5314ba1dbb03f471df88bec6cd120a938ef60d0fd3511c5c1dce61bf7463245f"}
+          "lcet10": "5314ba1dbb03f471df88bec6cd120a938ef60d0fd3511c5c1dce61bf7463245f",
+          "difflib": "0c6afc23568d55b3e9ac914f9c5361e3033e778aa5b58d3cc82835fc5c638679"}
 
 
-@pytest.mark.parametrize("name", STREAMING_TEXTS)
-def test_texts_are_the_canterbury_files_named_in_sources(name):
+@pytest.mark.parametrize("name", sorted(SHA256))
+def test_texts_are_the_files_named_in_sources(name):
     assert hashlib.sha256(TEXTS[name].read_bytes()).hexdigest() == SHA256[name]
     sources = (DATA / "SOURCES.md").read_text()
-    assert f"`{name}.txt`" in sources and SHA256[name][:8] in sources and SHA256[name][-4:] in sources
+    assert f"`{TEXTS[name].name}`" in sources and SHA256[name][:8] in sources and SHA256[name][-4:] in sources
 
 
 def test_read_text_joins_wrapped_lines_into_paragraphs():
@@ -27,6 +28,14 @@ def test_read_text_joins_wrapped_lines_into_paragraphs():
     assert "\r" not in text and "  " not in text
     with pytest.raises(ValueError, match="name must be one of"):
         read_text("moby")
+
+
+def test_source_code_is_read_verbatim_and_kinds_name_their_texts():
+    assert read_text("difflib") == TEXTS["difflib"].read_text(encoding="utf-8")
+    assert "\n    def " in read_text("difflib")
+    assert kind_texts(["dialogue", "prose", "dialogue"]) == ("pride", *KINDS["prose"])
+    with pytest.raises(ValueError, match="kinds must be a non-empty list"):
+        kind_texts(["poetry"])
 
 
 @settings(max_examples=50, deadline=None)
