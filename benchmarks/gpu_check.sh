@@ -96,7 +96,7 @@ else
        --configs raw,codec_pass --out "$OUT/e2e_cuda.json")
   OFFLOAD=(--device cuda --out "$OUT/offload_cuda.json")
 fi
-step gpu_tests 220 "$PY" -m pytest -q -p no:cacheprovider -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
+step gpu_tests 220 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
 step bench_attention 110 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
 step bench_e2e 120 "$PY" benchmarks/bench_e2e.py "${E2E[@]}"
 step bench_offload 45 "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}"
