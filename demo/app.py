@@ -272,9 +272,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--port", type=int, default=7860, help="HTTP port (default 7860)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    return parser.parse_args(argv)
+    parser.add_argument("--port", type=int, default=None,
+                        help="HTTP port (default: $GRADIO_SERVER_PORT, else 7860)")
+    parser.add_argument("--host", default=None,
+                        help="address to listen on (0.0.0.0: every interface; default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
+    args = parser.parse_args(argv)
+    if args.port is None:
+        port = os.environ.get("GRADIO_SERVER_PORT", "7860")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"GRADIO_SERVER_PORT must be a port number (1-65535), got {port!r}")
+        args.port = int(port)
+    if args.host is None:
+        args.host = os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
+    return args
 
 
 class StartError(Exception):

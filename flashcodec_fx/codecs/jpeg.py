@@ -166,7 +166,8 @@ class JPEGCodec(Codec):
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.quantizer is not None:
-            check_head_dim(head_dim)
+            for bits in sorted(set(self.quantizer.bits)):
+                check_head_dim(head_dim, bits)
 
     def archive_shapes(self, head_dim, stream_dtype):
         q = self.quantizer

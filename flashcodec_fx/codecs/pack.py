@@ -26,15 +26,19 @@ def slices(bits: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def check_head_dim(head_dim: int) -> None:
-    if head_dim % 8:
-        raise ValueError(f"packed codes need a head_dim that is a multiple of 8, got {head_dim}")
+def check_head_dim(head_dim: int, bits: int) -> None:
+    """Each slice of width ``w`` fills whole bytes: ``head_dim`` a multiple of ``8 // w`` (8-bit codes: any)."""
+    for width, _ in slices(bits):
+        if head_dim % (8 // width):
+            raise ValueError(f"{bits}-bit packed codes need a head_dim that is a multiple of {8 // width} (their "
+                             f"{width}-bit slice fills whole bytes), got {head_dim}; 8-bit codes and float rows take "
+                             "any head_dim")
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes (..., D)`` integers in ``0 .. 2**bits - 1`` -> ``(..., bits * D // 8)`` uint8."""
     *lead, dim = codes.shape
-    check_head_dim(dim)
+    check_head_dim(dim, bits)
     codes = codes.to(torch.int32)
     parts = []
     for width, shift in slices(bits):

@@ -31,6 +31,7 @@ import torch
 from ..codecs import Codec, JPEGCodec, PNGCodec, codec_from_spec
 
 KERNEL_CODECS = (JPEGCodec, PNGCodec)  # what the fast kernels (C++, Triton) know; other codecs run the reference
+KERNEL_HEAD_DIM_MULTIPLE = 8  # the fast kernels pack and load channels 8 at a time
 
 
 class StreamState(NamedTuple):
@@ -76,9 +77,12 @@ def advance(codec: Codec, start, end):
 
 
 @functools.lru_cache(maxsize=512)
-def fast_kernels_serve(*specs: str) -> bool:
-    """Whether the fast kernels know every codec of ``specs`` (:data:`KERNEL_CODECS`); a codec registered elsewhere
-    runs the reference ops, which use only the :class:`~flashcodec_fx.codecs.Codec` interface."""
+def fast_kernels_serve(*specs: str, head_dim: int | None = None) -> bool:
+    """Whether the fast kernels know every codec of ``specs`` (:data:`KERNEL_CODECS`) and ``head_dim`` (a multiple of
+    :data:`KERNEL_HEAD_DIM_MULTIPLE`); else the reference ops serve, which use only the
+    :class:`~flashcodec_fx.codecs.Codec` interface and take any head_dim the codec stores."""
+    if head_dim is not None and head_dim % KERNEL_HEAD_DIM_MULTIPLE:
+        return False
     return all(type(codec_from_spec(spec)) in KERNEL_CODECS for spec in specs)
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import Codec, JPEGCodec
-from ..codecs.pack import check_head_dim
 from ..presets import preset_codecs
 
 SCALE_BYTES = 2  # fp16 scales and zero points
@@ -81,8 +80,9 @@ class PageFormat:
             raise ValueError(f"anchors must be an int >= 0, got {self.anchors!r}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16 (the model's), got {self.dtype}")
-        if self.key is not None:
-            check_head_dim(self.head_dim)
+        if self.key is not None and self.head_dim % 8:
+            raise ValueError(f"a vLLM page slot's packed codes need a head_dim that is a multiple of 8 (the plugin's "
+                             f"kernels load channels 8 at a time), got {self.head_dim}")
 
     @property
     def raw(self) -> bool:

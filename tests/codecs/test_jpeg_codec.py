@@ -219,8 +219,12 @@ def test_zero_groups_decode_to_zeros_without_nan():
 
 def test_head_dim_and_group_checks():
     quantized = make_codec("jpeg", block_size=4, quant_bits=4)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        quantized.encode(torch.randn(1, 1, 8, 12))
+    with pytest.raises(ValueError, match="multiple of 2"):
+        quantized.encode(torch.randn(1, 1, 8, 11))
+    x = torch.randn(1, 1, 8, 12)
+    for bits in (4, 8):  # 8-bit codes take any head_dim, 4-bit an even one
+        codec = make_codec("jpeg", block_size=4, quant_bits=bits)
+        assert (codec.decode(codec.encode(x), torch.float32) - x).abs().max() < 2.0 ** (2 - bits) * x.abs().max()
     make_codec("jpeg", block_size=4).encode(torch.randn(1, 1, 8, 3))  # unquantized: any head_dim
     channel = make_codec("jpeg", block_size=4, quant_bits=4, scale_axis="channel", group=8)
     with pytest.raises(ValueError, match="multiple of the archive group"):

@@ -65,8 +65,15 @@ def test_layout_is_the_documented_one(bits):
     assert torch.equal(pack(codes, bits), reference_pack(codes, bits))
 
 
-def test_head_dim_not_a_multiple_of_8_is_rejected():
+def test_head_dim_must_fill_whole_bytes_per_slice():
     with pytest.raises(ValueError, match="multiple of 8"):
-        pack(torch.zeros(2, 12, dtype=torch.int32), 4)
+        pack(torch.zeros(2, 12, dtype=torch.int32), 3)  # its 1-bit slice
+    with pytest.raises(ValueError, match="multiple of 2"):
+        pack(torch.zeros(2, 11, dtype=torch.int32), 4)
+    for dim in (1, 7, 12, 60):  # 8-bit codes: one byte per channel, any head_dim
+        codes = random_codes((2, dim), 8, seed=dim)
+        assert torch.equal(unpack(pack(codes, 8), 8, dim), codes)
+    codes = random_codes((2, 12), 4, seed=4)
+    assert torch.equal(unpack(pack(codes, 4), 4, 12), codes)
     with pytest.raises(ValueError, match="head_dim=16 have 6 bytes"):
         unpack(torch.zeros(2, 5, dtype=torch.uint8), 3, 16)

@@ -110,3 +110,19 @@ def test_out_of_memory_is_a_message_in_the_page(error):
     assert "**failed:** out of memory" in status and "fewer new tokens" in status
     *_, status = list(_handler(blocks, "compare")("hello", 8, False))[-1]
     assert "**failed:** out of memory" in status
+
+
+def test_port_and_host_come_from_gradio_variables_unless_given(monkeypatch):
+    monkeypatch.delenv("GRADIO_SERVER_PORT", raising=False)
+    monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
+    default = app.parse_args([])
+    assert (default.port, default.host) == (7860, "127.0.0.1")
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "8123")
+    monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")
+    from_env = app.parse_args([])
+    assert (from_env.port, from_env.host) == (8123, "0.0.0.0")
+    given = app.parse_args(["--port", "9000", "--host", "::1"])
+    assert (given.port, given.host) == (9000, "::1")
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "http")
+    with pytest.raises(SystemExit):
+        app.parse_args([])

@@ -135,3 +135,25 @@ def test_left_padded_batch_equals_per_sequence_runs(options):
         stream = output_cache(out).layers[0].keys_stream
         assert not stream.state.scale[1, :, 0].any()  # block 0 of row 1: padding only, stored as zeros
         assert not stream.decoded()[1, :, :8].any()
+
+
+def test_8bit_codes_and_float_rows_take_any_head_dim_sub_byte_codes_say_which_layer():
+    """head_dim 12: the int8 preset and float rows store it (the reference ops serve: the fast kernels load 8
+    channels at a time); 3-bit codes' 1-bit slice needs a multiple of 8, refused when the cache is built."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, vocab_size=256, hidden_size=48, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = tiny_prompt()
+    plain = _generate(model, ids)
+    for options in ({"preset": "int8"}, {"preset": "lossless"}):
+        cache = fx.FlashCodecCache(config=model.config, **options)
+        out = _generate(model, ids, past_key_values=cache)
+        assert cache.get_seq_length() == ids.shape[1] + NEW - 1, options
+        if options["preset"] == "lossless":
+            assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match=r"layer 0 \(keys\): 3-bit packed codes need a head_dim that is a multiple "
+                                         r"of 8 .* got 12"):
+        fx.FlashCodecCache(config=model.config, preset="3bit")
