@@ -8,7 +8,7 @@ from .codecs import Codec, JPEGCodec, PNGCodec, make_codec, register_codec
 from .config import CacheConfig, LayerConfig, StreamConfig, cache_config
 from .presets import DEFAULT_PRESET, PRESETS
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _HF_NAMES = ("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
              "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec")

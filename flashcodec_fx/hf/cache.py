@@ -27,7 +27,6 @@ from transformers.cache_utils import (
     STATIC_LAYER_TYPE_MAPPING,
     Cache,
     CacheLayerMixin,
-    get_layer_types_and_kwargs,
 )
 
 from .. import _compat
@@ -563,7 +562,7 @@ class FlashCodecCache(Cache):
         if config is not None and num_layers is not None:
             raise ValueError("pass either config or num_layers, not both")
         if config is not None:
-            layer_types, native_kwargs = _layer_types(config)
+            layer_types, native_kwargs = _compat.layer_types_and_kwargs(config)
         elif num_layers is not None:
             if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
                 raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -609,7 +608,7 @@ class FlashCodecCache(Cache):
         of ``config`` runs; a cache built without a layer count grows to any model."""
         if self.layer_class_to_replicate is not None:
             return
-        want = len(_layer_types(config)[0])
+        want = len(_compat.layer_types_and_kwargs(config)[0])
         if want != len(self.layers):
             raise ValueError(f"this FlashCodecCache holds {len(self.layers)} layers, the model runs {want}: build the "
                              f"cache from this model's config (FlashCodecCache.from_config(model.config, ...))")
@@ -820,14 +819,6 @@ def _head_dim(config: Any) -> int | None:
     if head_dim is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
         head_dim = text.hidden_size // text.num_attention_heads
     return head_dim if isinstance(head_dim, int) else None
-
-
-def _layer_types(config: Any) -> tuple[list[str], list[dict]]:
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layer_types, kwargs = get_layer_types_and_kwargs(text)
-    if isinstance(kwargs, dict):  # transformers < 5.2x: one kwargs dict shared by all layers
-        kwargs = [kwargs] * len(layer_types)
-    return list(layer_types), list(kwargs)
 
 
 __all__ = ["CODEC_LAYER_TYPES", "CodecOverflowError", "FlashCodecCache", "FlashCodecLayer", "FlashCodecSlidingLayer",

@@ -59,7 +59,6 @@ from .triton_common import (
     fdiv,
     float_rows,
     io_dtype,
-    lcm,
     level_values,
     mdot,
     pow2,
@@ -620,7 +619,7 @@ def tile_plan(ck, cv) -> TilePlan:
     at the constant offset ``(sinks_k - sinks_v) mod r_v``), large enough for ``tl.dot`` (>= 16 per dimension),
     preferring tiles inside one scale group of each channel-axis stream (the scale fold), then about 64 positions."""
     rk, rv = ck.block_size, cv.block_size
-    step = lcm(rk, rv)
+    step = math.lcm(rk, rv)
     if step > MAX_TILE_POSITIONS:
         raise ValueError(f"the Triton kernels need lcm(block_size of k, block_size of v) <= {MAX_TILE_POSITIONS}, "
                          f"got lcm({rk}, {rv}) = {step}")

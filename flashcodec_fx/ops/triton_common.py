@@ -12,7 +12,6 @@ dot); ``lloyd`` levels come from a small per-row level table.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import astuple, dataclass
 
 import torch
@@ -228,10 +227,6 @@ def io_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16:
         return tl.bfloat16
     raise TypeError(f"the Triton kernels take float16, bfloat16 or float32 streams, got {dtype}")
-
-
-def lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
 
 
 # --- device helpers ---------------------------------------------------------------------------------------------
