@@ -65,3 +65,20 @@ def _check_calls(layers: list[FlashCodecLayer]) -> None:
                     assert torch.equal(view[:, :, : held - t], stored[:, :, : held - t]), f"call {i}: history != stored"
             seen += t
         assert layer.get_seq_length() == seen
+
+
+@pytest.mark.parametrize("preset", ["4bit", "int8"])
+def test_a_compiled_update_returns_the_same_views(preset):
+    """What a compiled graph the pass did not rewrite attends on: the static layer's update traced by Dynamo
+    (aot_eager: the same ops, no code generation) returns the eager update's views bitwise, its own rows exact."""
+    static = dict(layout="static", max_cache_len=CAPACITY)
+    eager, compiled = (_layers("llama", preset=preset, **static)[0] for _ in range(2))
+    step = torch.compile(lambda k, v: compiled.update(k, v), backend="aot_eager", fullgraph=False)
+    for i, t in enumerate(CALLS[:4]):
+        k, v = _states(eager, t, seed=i)
+        want = eager.update(k, v)
+        got = step(k, v)
+        held = eager.keys_stream.get_seq_length()
+        for w, g, new in zip(want, got, (k, v), strict=True):
+            assert torch.equal(g, w), f"call {i}: compiled view != eager view"
+            assert torch.equal(g[:, :, held - t: held], new), f"call {i}: the compiled view lost this call's states"
