@@ -15,7 +15,7 @@ from flashcodec_fx.presets import PRESETS, RECIPES, preset_options  # noqa: E402
 
 # Stored bits per value of each preset on SmolLM2-135M's shape (30 layers x 3 KV heads x head_dim 64, bf16), after
 # the streaming protocol's 1024 tokens (prefill 128, chunks of 16); the README's figures come from the same count.
-BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.495, "3bit": 3.231, "2.5bit": 2.642}
+BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.495, "3bit": 3.231, "2.5bit": 2.642, "2bit": 1.929}
 
 
 def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk: int = 16) -> float:
@@ -83,6 +83,6 @@ def test_presets_are_configs_whose_spec_round_trips():
 
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match="preset must be one of"):
-        preset_options("2bit")
+        preset_options("1bit")
     with pytest.raises(TypeError, match="preset must be a preset name"):
         preset_options(3)

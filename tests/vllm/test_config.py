@@ -38,7 +38,7 @@ def test_register_is_a_no_op_when_off(monkeypatch):
 
 
 def test_vllm_presets_are_the_per_token_ones():
-    assert VLLM_PRESETS == ("int8", "4bit", "3bit", "2.5bit")
+    assert VLLM_PRESETS == ("int8", "4bit", "3bit", "2.5bit", "2bit")
 
 
 @pytest.mark.parametrize("environ, match", [
