@@ -25,7 +25,7 @@ from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
     (dict(quant_bits=2, scale_axis="channel", group=12), "group must be a multiple"),
     (dict(quant_bits=None, levels="lloyd"), "set quant_bits too"),
     (dict(sinks=-1), "sinks must be >= 0"),
-    (dict(preset="2bit"), "preset must be one of"),
+    (dict(preset="1bit"), "preset must be one of"),
     (dict(memoize=True), "memoize=True keeps a decoded view"),
     (dict(crop="lossy"), "crop must be one of"),
     (dict(mode="png", keep_ratio=0.0), "keep_ratio"),
