@@ -1,0 +1,2 @@
+def triton_paged_attention(*a, **k):
+    raise NotImplementedError
