@@ -62,15 +62,15 @@ def attention_tiles(fmt: PageFormat, block_size: int, group: int, max_query_len:
 
 
 @triton.jit
-def _update(s, ok, m, l, acc, acc_rot):
-    """One online-softmax step on scores ``s (BM, BN)`` (base 2) masked by ``ok``: ``(p, m, l, acc, acc_rot)`` with
+def _update(s, ok, m, mass, acc, acc_rot):
+    """One online-softmax step on scores ``s (BM, BN)`` (base 2) masked by ``ok``: ``(p, m, mass, acc, acc_rot)`` with
     the accumulators rescaled (``p`` still to be multiplied by the tile's values)."""
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_safe)
     p = tl.where(ok, tl.exp2(s - m_safe[:, None]), 0.0)
-    return p, m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None], acc_rot * alpha[:, None]
+    return p, m_new, mass * alpha + tl.sum(p, 1), acc * alpha[:, None], acc_rot * alpha[:, None]
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
         if KROT:  # scores on rotated keys: (R q) . (R k)
             qk = tl.dot(q, rotation_tile(rot_k, D, DP, True), input_precision="ieee")
         m = tl.full((BM,), float("-inf"), tl.float32)
-        l = tl.zeros((BM,), tl.float32)
+        mass = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DP), tl.float32)
         acc_rot = tl.zeros((BM, DP), tl.float32)  # values' rotated space (VROT)
         dtype_ptr = tl.pointer_type(key.dtype.element_ty)
@@ -127,7 +127,7 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
                 kr = tl.load(row[:, None] + d[None, :], mask=okd, other=0.0).to(tl.float32)
                 vr = tl.load(row[:, None] + D + d[None, :], mask=okd, other=0.0).to(tl.float32)
                 s = tl.dot(q, tl.trans(kr), input_precision="ieee")
-                p, m, l, acc, acc_rot = _update(s, row_ok[:, None] & ok[None, :], m, l, acc, acc_rot)
+                p, m, mass, acc, acc_rot = _update(s, row_ok[:, None] & ok[None, :], m, mass, acc, acc_rot)
                 acc += tl.dot(p, vr, input_precision="ieee")
             if not P[P_RAW]:
                 jc = tl.arange(0, BNC)
@@ -136,7 +136,7 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
                 kc = slot_rows(slot, ok, levels_k, KS, P)
                 vc = slot_rows(slot, ok, levels_v, VS, P)
                 s = tl.dot(qk, tl.trans(kc), input_precision="ieee")
-                p, m, l, acc, acc_rot = _update(s, row_ok[:, None] & ok[None, :], m, l, acc, acc_rot)
+                p, m, mass, acc, acc_rot = _update(s, row_ok[:, None] & ok[None, :], m, mass, acc, acc_rot)
                 if VROT:
                     acc_rot += tl.dot(p, vc, input_precision="ieee")
                 else:
@@ -150,7 +150,7 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
             vo = tl.load(value + (qs + jo)[:, None] * sv0 + h * sv1 + d[None, :], mask=okd, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(ko), input_precision="ieee")
             visible = row_ok[:, None] & ok[None, :] & (jo[None, :] <= tok[:, None])
-            p, m, l, acc, acc_rot = _update(s, visible, m, l, acc, acc_rot)
+            p, m, mass, acc, acc_rot = _update(s, visible, m, mass, acc, acc_rot)
             acc += tl.dot(p, vo, input_precision="ieee")
         if VROT:  # back from the values' rotated space: v = v_rot @ R
             acc += tl.dot(acc_rot, rotation_tile(rot_v, D, DP, False), input_precision="ieee")
@@ -158,9 +158,9 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
             sk = tl.load(sinks + qh, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
             m_new = tl.maximum(m, sk)
             alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.exp2(sk - m_new)
+            mass = mass * alpha + tl.exp2(sk - m_new)
             acc = acc * alpha[:, None]
-        res = acc / tl.where(l > 0, l, 1.0)[:, None]
+        res = acc / tl.where(mass > 0, mass, 1.0)[:, None]
         tl.store(out + (qs + tok)[:, None] * so0 + qh[:, None] * so1 + d[None, :], res.to(out.dtype.element_ty),
                  mask=row_ok[:, None] & dok)
 
