@@ -114,6 +114,17 @@ def rotation_tile(rot, D: tl.constexpr, DP: tl.constexpr, TRANSPOSE: tl.constexp
 
 
 @triton.jit
+def _code_slice(base, d, okd, BITS: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr):
+    """The bits the ``WIDTH``-bit slice holds of each code, shifted into place (zeros where the code has no such
+    slice); ``base`` the byte pointers of the codes' first slice."""
+    SHIFT: tl.constexpr = BITS - (BITS & (2 * WIDTH - 1))  # the bits the wider slices hold
+    if (BITS & WIDTH) != 0:
+        byte = tl.load(base + SHIFT * (D // 8) + (d * WIDTH) // 8, mask=okd, other=0).to(tl.int32)
+        return ((byte >> ((d * WIDTH) % 8)) & ((1 << WIDTH) - 1)) << SHIFT
+    return tl.zeros(okd.shape, tl.int32)
+
+
+@triton.jit
 def slot_rows(slot, ok, levels, S: tl.constexpr, P: tl.constexpr):
     """Decoded rows ``(N, DP)`` fp32 (in the codec's rotated space) of the code slots at byte pointers ``slot (N,)``,
     zero where not ``ok``: ``level[code] * scale`` (packing: ``codecs/pack.py``, widest slice first)."""
@@ -124,13 +135,8 @@ def slot_rows(slot, ok, levels, S: tl.constexpr, P: tl.constexpr):
     okd = ok[:, None] & (d < D)
     scale = tl.load((slot + S[S_SCALE]).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
     base = slot[:, None] + S[S_CODE]
-    code = tl.zeros(okd.shape, tl.int32)
-    for w in tl.static_range(4):
-        width: tl.constexpr = 8 >> w
-        shift: tl.constexpr = BITS - (BITS & (2 * width - 1))  # the bits the wider slices hold
-        if (BITS & width) != 0:
-            byte = tl.load(base + shift * (D // 8) + (d * width) // 8, mask=okd, other=0).to(tl.int32)
-            code |= ((byte >> ((d * width) % 8)) & ((1 << width) - 1)) << shift
+    code = _code_slice(base, d, okd, BITS, 8, D) | _code_slice(base, d, okd, BITS, 4, D)
+    code |= _code_slice(base, d, okd, BITS, 2, D) | _code_slice(base, d, okd, BITS, 1, D)
     if S[S_KIND] == LLOYD_KIND:
         level = tl.load(levels + code, mask=okd, other=0.0)
     else:  # affine levels: level[c] = c + level[0]

@@ -60,17 +60,25 @@ def _encode_slots(x, row_ok, slot, rot, levels, factors, F: tl.constexpr, S: tl.
     s, z = _search(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, S[S_SEARCH])
     code = tl.where(ok, _nearest(x, s[:, None], z[:, None], bits2, kind2, j2, levels, F), 0)
     tl.store((slot + S[S_SCALE]).to(tl.pointer_type(tl.float16)), s.to(tl.float16), mask=row_ok)
-    for w in tl.static_range(4):  # codecs/pack.py: power-of-two slices, widest first (it holds the low bits)
-        width: tl.constexpr = 8 >> w
-        shift: tl.constexpr = BITS - (BITS & (2 * width - 1))
-        if (BITS & width) != 0:
-            PB: tl.constexpr = 8 // width
-            part = (code >> shift) & ((1 << width) - 1)
-            weight = (tl.arange(0, PB) * width)[None, None, :]
-            packed = tl.sum(tl.reshape(part, (BT, DP // PB, PB)) << weight, axis=2)
-            byte = tl.arange(0, DP // PB)
-            ptr = slot[:, None] + S[S_CODE] + shift * (D // 8) + byte[None, :]
-            tl.store(ptr, packed.to(tl.uint8), mask=row_ok[:, None] & (byte[None, :] < D // PB))
+    base = slot + S[S_CODE]  # codecs/pack.py: power-of-two slices, widest first (it holds the low bits)
+    _store_slice(base, code, row_ok, BITS, 8, D, DP)
+    _store_slice(base, code, row_ok, BITS, 4, D, DP)
+    _store_slice(base, code, row_ok, BITS, 2, D, DP)
+    _store_slice(base, code, row_ok, BITS, 1, D, DP)
+
+
+@triton.jit
+def _store_slice(base, code, row_ok, BITS: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Pack the ``WIDTH``-bit slice of codes ``(BT, DP)`` (if their width has one) at byte pointers ``base (BT,)``."""
+    SHIFT: tl.constexpr = BITS - (BITS & (2 * WIDTH - 1))
+    if (BITS & WIDTH) != 0:
+        PB: tl.constexpr = 8 // WIDTH
+        part = (code >> SHIFT) & ((1 << WIDTH) - 1)
+        weight = (tl.arange(0, PB) * WIDTH)[None, None, :]
+        packed = tl.sum(tl.reshape(part, (code.shape[0], DP // PB, PB)) << weight, axis=2)
+        byte = tl.arange(0, DP // PB)
+        tl.store(base[:, None] + SHIFT * (D // 8) + byte[None, :], packed.to(tl.uint8),
+                 mask=row_ok[:, None] & (byte[None, :] < D // PB))
 
 
 @triton.jit
