@@ -56,13 +56,13 @@ def test_store_matches_the_reference_bytewise(case):
 
 
 # Decode batches, prefill chunks (a chunk longer than a page, a request with no history, a chunk spread over two q
-# tiles: G=4 gives 16 tokens per tile), GQA 1-4, fp32 and fp16.
+# tiles: G=4 gives 4 tokens per tile), GQA 1-4, fp32 and fp16.
 ATTENTION_CASES = {
     "decode raw fp16": _case("raw", torch.float16, group=2),
     "decode 4bit fp32 G=4": _case("4bit", torch.float32, group=4, contexts=(20, 37, 3), queries=(1, 1, 1)),
     "decode int8 fp16 anchors=0": _case("int8", torch.float16, anchors=0, head_dim=32),
     "prefill 3bit fp32 G=3": _case("3bit", torch.float32, group=3, contexts=(0, 33), queries=(5, 18)),
-    "prefill 2.5bit fp16 G=4 two tiles": _case("2.5bit", torch.float16, group=4, contexts=(17, 2), queries=(20, 1)),
+    "prefill 2.5bit fp16 G=4 several tiles": _case("2.5bit", torch.float16, group=4, contexts=(17, 2), queries=(20, 1)),
     "mixed 4bit fp32 bs=32 anchors=1": _case("4bit", torch.float32, block_size=32, anchors=1, contexts=(40, 0, 9),
                                              queries=(1, 7, 2), heads=1, group=2, head_dim=64),
 }

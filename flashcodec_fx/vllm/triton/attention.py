@@ -11,7 +11,7 @@ values' weighted sum stays rotated and is rotated back once at the end), then th
 Every dot is fp32 ``ieee``; rows of one request's tokens beyond the tile, heads ``>= G``, are masked.
 
 Untuned first choices (never run on a GPU): ``TQ`` from the longest request's tokens in the call, at most
-``64 / pow2(G)``; ``num_warps`` 4; no split over the history (one program walks all of a request's pages).
+``16 / pow2(G)``; ``num_warps`` 4; no split over the history (one program walks all of a request's pages).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .common import (
 )
 
 LOG2E = 1.4426950408889634
-MAX_ROWS = 64  # query rows (tokens x GQA heads) of one program
+MAX_ROWS = 16  # query rows (tokens x GQA heads) of one program (64 spilled 91 KB at sm_90)
 
 # Indices into the launch tuple (``attention_tiles``):
 T_G: tl.constexpr = tl.constexpr(0)
