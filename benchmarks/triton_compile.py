@@ -41,6 +41,9 @@ from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.triton_append import triton_append  # noqa: E402
 from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E402
 from flashcodec_fx.presets import preset_codecs  # noqa: E402
+from flashcodec_fx.vllm.config import VLLM_PRESETS  # noqa: E402
+from flashcodec_fx.vllm.page import RAW, page_format  # noqa: E402
+from flashcodec_fx.vllm.triton import triton_paged_attention, triton_paged_store  # noqa: E402
 
 # Stored forms beyond the presets (every code path of the kernels): float jpeg with dropped coefficients, pruned png
 # (r=8 and its limit r=16), channel-axis codes whose scale group is one block (no fold: dequantized in registers),
@@ -72,6 +75,12 @@ QUICK = {
     "dct_keys/channel_v": (torch.float16, None, False),
     "mixed_rotated/mixed_rotated": (torch.bfloat16, None, True),
 }
+# The vLLM plugin's paged kernels (flashcodec_fx/vllm/triton): (format, dtype, GQA group, tokens per request, sinks),
+# one per code path: raw pages (no codes), midrise codes without search and no raw rows (int8), lloyd codes with the
+# search, rotation and raw anchors (4bit; 3bit: 3-bit keys as 2+1-bit slices), decode and prefill tiles, sink logits
+PAGED_QUICK = (("raw", torch.bfloat16, 1, 1, False), ("int8", torch.float16, 4, 1, False),
+               ("4bit", torch.bfloat16, 8, 1, True), ("3bit", torch.bfloat16, 4, 16, False),
+               ("2.5bit", torch.float32, 1, 16, True))
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # Shared memory one block may use (opt-in maximum, bytes): a kernel that needs more compiles but fails to launch
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -151,12 +160,28 @@ def _append(codec, dtype, d, t, memo: bool) -> None:
     triton_append(state, x, codec.spec, torch.zeros(1, 2, cap, d, dtype=dtype) if memo else None)
 
 
+def _paged(name: str, dtype: torch.dtype, d: int, g: int, tokens: int, sinks: bool, block_size: int = 16) -> None:
+    """The vLLM plugin's store and attention on a 2-request batch of ``tokens`` tokens each (shapes only)."""
+    fmt = page_format(name, 1, d, dtype)
+    heads, requests = 2, 2
+    cache = torch.zeros(8, heads, block_size, fmt.state_content_bytes(block_size), dtype=torch.uint8)
+    n = requests * tokens
+    key = torch.zeros(n, heads, d, dtype=dtype)
+    triton_paged_store(fmt, key, key, cache, torch.zeros(n, dtype=torch.int64))
+    query = torch.zeros(n, heads * g, d, dtype=dtype)
+    starts = torch.arange(requests + 1, dtype=torch.int32) * tokens
+    triton_paged_attention(fmt, query, key, key, cache, torch.zeros(requests, 4, dtype=torch.int32),
+                           torch.full((requests,), 40, dtype=torch.int32), starts, 0.125,
+                           torch.zeros(heads * g) if sinks else None, torch.empty_like(query), tokens)
+
+
 def launch_everything(quick: bool, recorder: Recorder) -> None:
     """Call every launcher over the configuration grid (CPU tensors; the recorder catches the launches). Quick: the
     pairs of ``QUICK`` at D=128 (attention with their dtype / mask / new tokens; append of each codec once, with a
-    memo);
+    memo; the vLLM plugin's paged store and attention of ``PAGED_QUICK``);
     full: every pair x bf16/fp16/fp32 x D=64/128 x GQA 1/4/8 x T=1/4 x every mask kind, append with and without a
-    memo, one token and a chunk."""
+    memo, one token and a chunk; the paged kernels of every vLLM format x dtype x D x GQA x decode / chunk x
+    block size 16 / 32."""
     all_pairs = pairs()
     if quick:
         appended = set()  # each codec's append once (in the first pair's dtype): its code path does not change
@@ -169,7 +194,14 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
                     appended.add(codec.spec)
                     recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
                     _append(codec, dtype, 128, 1, memo=True)
+        for name, dtype, g, tokens, sinks in PAGED_QUICK:
+            recorder.label = f"vllm {name} {str(dtype)[6:]} D=128 G={g} tokens={tokens} sinks={sinks}"
+            _paged(name, dtype, 128, g, tokens, sinks)
         return
+    for name, dtype, d, g, tokens, bs in itertools.product((*VLLM_PRESETS, RAW), [torch.bfloat16, torch.float16,
+                                                           torch.float32], [128, 64], [1, 4, 8], [1, 16], [16, 32]):
+        recorder.label = f"vllm {name} {str(dtype)[6:]} D={d} G={g} tokens={tokens} block_size={bs}"
+        _paged(name, dtype, d, g, tokens, False, bs)
     for (name, (ck, cv)), dtype, d in itertools.product(all_pairs.items(),
                                                         [torch.bfloat16, torch.float16, torch.float32], [128, 64]):
         for g, t, mask_kind in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"]):

@@ -2,7 +2,11 @@
 
 ``FLASHCODEC_KERNELS`` chooses, as for the cache's ops (``flashcodec_fx.ops.cpu``): ``auto`` (default) the C++
 kernels for CPU tensors, the reference after one warning when they cannot be built; ``reference`` always the
-reference (the spec); ``fast`` the C++ kernels or an error. Tensors on other devices run the reference.
+reference (the spec); ``fast`` the C++ kernels or an error. CUDA tensors run the Triton kernels (``triton/``) the
+same way: ``auto`` takes the reference after one warning when triton does not import or the format exceeds the
+Triton limits (``triton.common.check_paged_limits``), ``fast`` raises instead. Tensors on other devices run the
+reference. The Triton kernels are tested on the interpreter and compiled for sm_90, never run on a GPU
+(docs/vllm.md, "CUDA kernels").
 
 Attention of a request with at most ``FUSED_TOKENS`` tokens in the call (decode steps, short chunks) runs in the
 fused kernel, on the codes. A longer prefill chunk has many queries per page: its history is decoded once per layer
@@ -19,6 +23,7 @@ folded into q, a polynomial exp), and within one rounding of the output for bf16
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -42,6 +47,28 @@ def _module(*tensors: torch.Tensor):
         raise RuntimeError(f"FLASHCODEC_KERNELS=fast but the vLLM plugin's CPU kernels could not be built: "
                            f"{EXTENSION.error}")
     return module
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _triton(fmt: PageFormat, cache: torch.Tensor, *tensors: torch.Tensor):
+    """The Triton kernels' package for CUDA tensors (None: the reference serves them; see the module docstring)."""
+    if cache.device.type != "cuda" or any(t.device.type != "cuda" for t in tensors) or kernel_mode() == "reference":
+        return None
+    try:
+        from . import triton as paged_triton
+
+        paged_triton.check_paged_limits(fmt, cache.shape[2])
+    except (ImportError, ValueError) as exc:
+        if kernel_mode() == "fast":
+            raise RuntimeError(f"FLASHCODEC_KERNELS=fast but the vLLM plugin's Triton kernels cannot serve this "
+                               f"call: {exc}") from exc
+        _warn_once(f"flashcodec vLLM plugin: the reference store / attention serves CUDA tensors ({exc})")
+        return None
+    return paged_triton
 
 
 def build_kernels() -> None:
@@ -79,6 +106,10 @@ def paged_store(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache: 
     if key.shape[:2] != value.shape[:2] or key.shape[1] != cache.shape[1] or slot_mapping.shape != key.shape[:1]:
         raise ValueError(f"key, value must be (N, H_kv={cache.shape[1]}, D) with slot_mapping (N,), got key "
                          f"{tuple(key.shape)}, value {tuple(value.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+    paged_triton = _triton(fmt, cache, key, value, slot_mapping)
+    if paged_triton is not None:
+        paged_triton.triton_paged_store(fmt, key, value, cache, slot_mapping)
+        return
     module = _module(key, value, cache) if key.dtype in KERNEL_DTYPES else None
     if module is None:
         store_reference(fmt, key, value, cache, slot_mapping)
@@ -130,6 +161,11 @@ def paged_attention(fmt: PageFormat, query: torch.Tensor, key: torch.Tensor, val
     if query.dim() != 3 or query.shape[2] != fmt.head_dim or query.shape[1] % cache.shape[1] or out.shape != query.shape:
         raise ValueError(f"query must be (N, H_q, {fmt.head_dim}) with H_q a multiple of H_kv={cache.shape[1]}, and "
                          f"out its shape; got query {tuple(query.shape)}, out {tuple(out.shape)}")
+    paged_triton = _triton(fmt, cache, query, key, value, out)
+    if paged_triton is not None:
+        paged_triton.triton_paged_attention(fmt, query, key, value, cache, block_table, seq_lens, query_start_loc,
+                                            scale, s_aux, out, max_query_len)
+        return
     module = _module(query, cache) if query.dtype in KERNEL_DTYPES else None
     if module is None:
         out.copy_(attention_reference(fmt, query, key, value, cache, block_table, seq_lens, query_start_loc, scale,

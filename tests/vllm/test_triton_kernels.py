@@ -1,0 +1,107 @@
+"""The vLLM plugin's Triton kernels (``flashcodec_fx/vllm/triton``) against the reference (the spec) on random paged
+layouts, under ``TRITON_INTERPRET=1`` on CPU tensors (tiny sizes: the interpreter runs every program in numpy).
+Never run on a GPU: the compiled kernels are only compiled for sm_90 (benchmarks/triton_compile.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the paged Triton kernels are tested on CPU tensors under TRITON_INTERPRET=1", allow_module_level=True)
+
+from _paged_cases import make_batch  # noqa: E402
+
+from flashcodec_fx.vllm.page import page_format  # noqa: E402
+from flashcodec_fx.vllm.reference import attention_reference  # noqa: E402
+from flashcodec_fx.vllm.triton import check_paged_limits, triton_paged_attention, triton_paged_store  # noqa: E402
+
+# Attention, fp32: both accumulate in fp32 in different orders (the kernel folds the scale and log2(e) into q and
+# takes exp2, the reference softmaxes), unit-scale data: within 2e-5 (measured: <= 5e-7). fp16: both round an fp32
+# result once, so at most one fp16 ulp of the output apart (an ulp is <= 2**-10 of either value: rtol 2**-9).
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.float16: {"atol": 1e-5, "rtol": 2.0**-9}}
+
+
+def _case(fmt, dtype, heads=2, group=1, head_dim=16, block_size=16, anchors=None, contexts=(20, 37),
+          queries=(1, 1), padding=1, seed=3):
+    return {"format": fmt, "dtype": dtype, "heads": heads, "group": group, "head_dim": head_dim,
+            "block_size": block_size, "anchors": anchors, "contexts": list(contexts), "queries": list(queries),
+            "padding": padding, "seed": seed}
+
+
+# Every format (raw; int8: midrise, no search; 4bit / 2.5bit: lloyd with the search; 3bit: 3-bit keys in a 2-bit and
+# a 1-bit slice, 2-bit values), anchors 0 / 1 / the preset's 4, pages of 16 and 32 slots, padding slots.
+STORE_CASES = {
+    "raw fp16": _case("raw", torch.float16),
+    "int8 fp32 anchors=0": _case("int8", torch.float32, anchors=0, head_dim=32),
+    "4bit fp16": _case("4bit", torch.float16, contexts=(5, 40), queries=(2, 1), padding=3),
+    "3bit fp32 D=64": _case("3bit", torch.float32, head_dim=64, heads=1, contexts=(18,), queries=(3,)),
+    "2.5bit fp16 bs=32 anchors=1": _case("2.5bit", torch.float16, block_size=32, anchors=1, seed=8),
+}
+
+
+@pytest.mark.parametrize("case", STORE_CASES.values(), ids=STORE_CASES.keys())
+def test_store_matches_the_reference_bytewise(case):
+    """History and this call's tokens scattered over random pages of a cache of random bytes, padding slots skipped:
+    the caches the Triton store and the reference store leave are equal byte for byte. (Raw rows are copies; the codes
+    come from sums in another order than torch's, which could flip one code at an exact rounding tie: none of these
+    cases has one. On a GPU, where the rotation is a tensor-core-free fp32 dot of another order, expect the same
+    caveat, untested.)"""
+    batch = make_batch(case)
+    ours, ref = batch.filled_cache(case["seed"], triton_paged_store), batch.filled_cache(case["seed"])
+    assert torch.equal(ours, ref), f"{int((ours != ref).sum())} of {ours.numel()} bytes differ"
+
+
+# Decode batches, prefill chunks (a chunk longer than a page, a request with no history, a chunk spread over two q
+# tiles: G=4 gives 4 tokens per tile), GQA 1-4, fp32 and fp16.
+ATTENTION_CASES = {
+    "decode raw fp16": _case("raw", torch.float16, group=2),
+    "decode 4bit fp32 G=4": _case("4bit", torch.float32, group=4, contexts=(20, 37, 3), queries=(1, 1, 1)),
+    "decode int8 fp16 anchors=0": _case("int8", torch.float16, anchors=0, head_dim=32),
+    "prefill 3bit fp32 G=3": _case("3bit", torch.float32, group=3, contexts=(0, 33), queries=(5, 18)),
+    "prefill 2.5bit fp16 G=4 several tiles": _case("2.5bit", torch.float16, group=4, contexts=(17, 2), queries=(20, 1)),
+    "mixed 4bit fp32 bs=32 anchors=1": _case("4bit", torch.float32, block_size=32, anchors=1, contexts=(40, 0, 9),
+                                             queries=(1, 7, 2), heads=1, group=2, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
+def test_attention_matches_the_reference(case):
+    batch = make_batch(case)
+    cache = batch.filled_cache(case["seed"])
+    scale = batch.query.shape[-1] ** -0.5
+    ref = attention_reference(batch.fmt, *batch.attention_args(cache), scale)
+    out = torch.full_like(batch.query, float("nan"))
+    triton_paged_attention(batch.fmt, *batch.attention_args(cache), scale, None, out)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[batch.query.dtype])
+
+
+def test_attention_with_sinks_and_strided_rows():
+    """Sink logits; query / key / value as column slices of one qkv buffer (vLLM's), ``out`` a view of a larger
+    buffer whose other rows stay untouched; ``max_query_len`` left for the launcher to compute."""
+    batch = make_batch(_case("4bit", torch.float32, heads=2, group=2, contexts=(30, 4), queries=(3, 1), padding=0))
+    n, h, d = batch.key.shape
+    qkv = torch.cat([batch.query.reshape(n, -1), batch.key.reshape(n, -1), batch.value.reshape(n, -1)], dim=1)
+    q, k, v = qkv.split([2 * h * d, h * d, h * d], dim=1)
+    q, k, v = q.view(n, 2 * h, d), k.view(n, h, d), v.view(n, h, d)
+    assert not k.is_contiguous()
+    cache = batch.filled_cache(3)
+    s_aux = torch.linspace(-2, 3, 2 * h)
+    ref = attention_reference(batch.fmt, *batch.attention_args(cache), 0.2, s_aux)
+    buffer = torch.zeros(n + 2, 2 * h * d)
+    out = buffer[:n].view(n, 2 * h, d)
+    triton_paged_attention(batch.fmt, q, k, v, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                           0.2, s_aux, out)
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+    assert torch.equal(buffer[n:], torch.zeros(2, 2 * h * d))
+
+
+def test_limits_are_named():
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        check_paged_limits(page_format("4bit", 0, 256, torch.float16), 16)
+    with pytest.raises(ValueError, match="block_size <= 128"):
+        check_paged_limits(page_format("int8", 0, 64, torch.float16), 256)
+    check_paged_limits(page_format("3bit", 0, 128, torch.float16), 16)  # within the limits: no error
