@@ -178,21 +178,27 @@ TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", 
                 ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f")]
 
 
-def serving_markdown(result: dict[str, Any]) -> str:
+def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
     rows = []
     for row in result["serving"]:
         longest = max(row["concurrent"], key=int)
         same = ", ".join(f"{g['same_tokens']}/{g['of']}" for g in row["greedy_vs_stock"])
         rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": row["throughput"]["tokens_per_s"],
                      "greedy": same})
-    return markdown_table(rows, SERVING_COLUMNS)
+    return table(rows, SERVING_COLUMNS)
 
 
-def quality_markdown(result: dict[str, Any]) -> str:
+def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
+    """The quality part's two tables; ``table(rows, columns)`` renders each (default: ``markdown_table`` with KL
+    clamped at 0, as readme_tables' ``markdown`` does)."""
     q = result["quality"]
     vllm = [{**r, "bits": r["bits_per_value_bf16"]} for r in q["vllm"]]
     twins = [{"bits_end": RAW_BITS, **r} for r in q["flashcodec"]]
-    return markdown_table(vllm, QUALITY_COLUMNS) + "\n\n" + markdown_table(twins, TWIN_COLUMNS)
+    if table is None:
+        twins = [{**r, "kl": "0" if max(float(r["kl"]), 0.0) == 0.0 else f"{float(r['kl']):.2e}"} for r in twins]
+        columns = [(h, k, "s" if k == "kl" else s) for h, k, s in TWIN_COLUMNS]
+        return markdown_table(vllm, QUALITY_COLUMNS) + "\n\n" + markdown_table(twins, columns)
+    return table(vllm, QUALITY_COLUMNS) + "\n\n" + table(twins, TWIN_COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -250,14 +250,14 @@ def vllm_table() -> str:
     """The vLLM plugin vs stock vLLM (bench_vllm.py): capacity, bits, concurrency, throughput, greedy tokens."""
     import bench_vllm
 
-    return bench_vllm.serving_markdown(load("vllm")) + "\n\n" + provenance("vllm")
+    return bench_vllm.serving_markdown(load("vllm"), markdown) + "\n\n" + provenance("vllm")
 
 
 def vllm_quality_table() -> str:
     """Perplexity through vLLM (chunks of 16) per configuration, then the FlashCodecCache twins (same protocol)."""
     import bench_vllm
 
-    return bench_vllm.quality_markdown(load("vllm")) + "\n\n" + provenance("vllm")
+    return bench_vllm.quality_markdown(load("vllm"), markdown) + "\n\n" + provenance("vllm")
 
 
 TABLES: dict[str, Callable[[], str]] = {
