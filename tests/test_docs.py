@@ -4,14 +4,17 @@ A block runs alone, in a fresh namespace. A block that needs objects from its su
 on the line before its fence, ``<!-- doctest: NAMES -->``; the names this test understands are in ``PROVIDED``
 (a tiny random-init Llama as ``model``, its prompt as ``ids``, a toy decoder over static caches as ``module``).
 Code is changed only by ``SUBSTITUTIONS`` (each must apply where listed) and, on transformers < 5.24, by the cache
-keyword (``cache=`` -> ``past_key_values=``, the only name those releases take).
+keyword (``cache=`` -> ``past_key_values=``, the only name those releases take). A block importing vLLM
+(docs/vllm.md) runs only where vLLM is installed (its own venv); every block's changes to ``os.environ`` are undone.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -97,8 +100,10 @@ def test_block_runs_without_warnings(rel, code, names, tmp_path, monkeypatch):
     namespace = {"__name__": f"doc_block_{rel}", **provided(names)}
     monkeypatch.chdir(tmp_path)  # a block writing files (debug dumps) writes them here
     torch._dynamo.reset()  # each block runs as a program of its own: no code compiled by an earlier block
+    if re.search(r"^\s*(from|import) vllm\b", code, re.M):
+        pytest.importorskip("vllm.entrypoints.llm", reason="needs vLLM (its own venv: docs/vllm.md)")
     known = [(warning, why) for path, where, warning, why in KNOWN if path == rel and where in code]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), mock.patch.dict(os.environ):
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=TORCH_INTERNAL, category=DeprecationWarning)
         if known:
