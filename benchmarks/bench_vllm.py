@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                 merged[name] = part[name]
                 merged["config"][name] = part["config"]
                 merged["runs"][name] = {k: part[k] for k in ("date", "machine", "versions") if k in part}
+        if "machine" in merged["runs"].get("serving", {}):  # the timed part's machine and load, not the merge's
+            merged["machine"] = merged["runs"]["serving"]["machine"]
         path = write_result("vllm", merged, out=args.out)
         print(f"wrote {path}", file=sys.stderr)
         return
