@@ -257,7 +257,10 @@ def vllm_quality_table() -> str:
     """Perplexity through vLLM (chunks of 16) per configuration, then the FlashCodecCache twins (same protocol)."""
     import bench_vllm
 
-    return bench_vllm.quality_markdown(load("vllm"), markdown) + "\n\n" + provenance("vllm")
+    result = load("vllm")
+    if "quality" not in result:
+        return "Not measured in this vllm.json (its quality part did not run).\n\n" + provenance("vllm")
+    return bench_vllm.quality_markdown(result, markdown) + "\n\n" + provenance("vllm")
 
 
 TABLES: dict[str, Callable[[], str]] = {
