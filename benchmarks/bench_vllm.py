@@ -100,7 +100,7 @@ def serving(args, tokenizer, texts) -> list[dict[str, Any]]:
     prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
     llm = {"max_model_len": max(lengths) + args.gen_tokens}
     rows = []
-    for config in configurations(args.presets, options=False):
+    for config in selected(configurations(args.presets, options=False), args.only):
         job = {"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": GREEDY_TOKENS,
                "throughput": {"prompts": prompts, "tokens": args.gen_tokens}}
         print(f"== serving: {config['name']}", flush=True)
@@ -116,6 +116,16 @@ def serving(args, tokenizer, texts) -> list[dict[str, Any]]:
                                                                                + tput["generated_tokens"])
                                                               / tput["seconds"]},
                      "start_seconds": out["start_seconds"]})
+    return compare_serving(rows) if rows and rows[0]["preset"] is None else rows
+
+
+def selected(configs: list[dict[str, Any]], only: list[str] | None) -> list[dict[str, Any]]:
+    """The configurations named in ``only`` (all of them without it)."""
+    return configs if only is None else [c for c in configs if c["name"] in only]
+
+
+def compare_serving(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each serving row against the first (stock): capacity, throughput, greedy tokens."""
     stock = rows[0]
     for row in rows:
         row["capacity_vs_stock"] = row["kv_tokens"] / stock["kv_tokens"]
@@ -154,7 +164,7 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
            "max_num_seqs": 1, "enable_prefix_caching": False, "enable_chunked_prefill": True}
     scored = args.window_tokens - CHUNK
     rows = []
-    for config in configurations(args.presets, options=True):
+    for config in selected(configurations(args.presets, options=True), args.only):
         print(f"== quality (vLLM): {config['name']}", flush=True)
         out = run_job({"model": str(model_folder()), "llm": llm, "ppl": {"windows": batch.tolist(),
                                                                           "score_from": CHUNK}},
@@ -164,8 +174,12 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
         rows.append({"config": config["name"], "preset": config["preset"], "anchors": config.get("anchors"),
                      "nll": nll, "ppl": math.exp(nll), "nll_per_window": [s / scored for s in out["ppl"]["nll_sums"]],
                      "bits_per_value_bf16": bits, "block_size": out["block_size"]})
-    for row in rows:
-        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+    if rows and rows[0]["preset"] is None:
+        compare_quality(rows)
+    protocol = {"windows": args.windows, "window_tokens": args.window_tokens, "chunk": CHUNK, "scored_from": CHUNK,
+                "dtype": "float32", "texts": list(STREAMING_TEXTS)}
+    if args.only is not None and "twins" not in args.only:
+        return {"vllm": rows, "flashcodec": [], **protocol}
     print("== quality (FlashCodecCache, same protocol)", flush=True)
     from bench_ppl import stored_bits, stream_all
 
@@ -177,8 +191,13 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
     for row, cand in zip(twins, [None, *tiers], strict=True):
         if cand is not None:
             row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, CHUNK, CHUNK))
-    return {"vllm": rows, "flashcodec": twins, "windows": args.windows, "window_tokens": args.window_tokens,
-            "chunk": CHUNK, "scored_from": CHUNK, "dtype": "float32", "texts": list(STREAMING_TEXTS)}
+    return {"vllm": rows, "flashcodec": twins, **protocol}
+
+
+def compare_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for row in rows:
+        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+    return rows
 
 
 SERVING_COLUMNS = [("config", "config", "s"), ("bits/value", "bits_per_value", ".2f"), ("KV tokens", "kv_tokens", ",d"),
@@ -228,19 +247,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default results/vllm.json (every part) or "
                         "results/vllm_experiment.json")
     parser.add_argument("--markdown", action="store_true", help="print the tables of --out (or results/vllm.json)")
+    parser.add_argument("--only", default=None, help="comma-separated configuration names to run (e.g. 'stock vLLM,"
+                        "int8'; 'twins': the FlashCodecCache part), to split a run over processes (--merge)")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="JSONs of parts run apart: one result "
                         "(each part's date, machine, load and versions kept under runs) to --out or results/vllm.json")
     args = parser.parse_args(argv)
     if args.merge:
         merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}, "runs": {}}
+        serving_rows, quality_rows, twins = [], [], []
         for path in args.merge:
             part = json.loads(path.read_text())
-            for name in set(PARTS) & set(part):
-                merged[name] = part[name]
-                merged["config"][name] = part["config"]
-                merged["runs"][name] = {k: part[k] for k in ("date", "machine", "versions") if k in part}
-        if "machine" in merged["runs"].get("serving", {}):  # the timed part's machine and load, not the merge's
-            merged["machine"] = merged["runs"]["serving"]["machine"]
+            run = {k: part[k] for k in ("date", "machine", "versions") if k in part}
+            merged["runs"][path.stem] = {**run, "config": part["config"]}
+            serving_rows += part.get("serving", [])
+            if "quality" in part:
+                quality_rows += part["quality"]["vllm"]
+                twins += part["quality"]["flashcodec"]
+                merged["quality"] = {**part["quality"], "vllm": [], "flashcodec": []}
+        stock_first = lambda rows: sorted(rows, key=lambda r: r["preset"] is not None)  # noqa: E731
+        if serving_rows:
+            merged["serving"] = compare_serving(stock_first(serving_rows))
+        if "quality" in merged:
+            merged["quality"].update(vllm=compare_quality(stock_first(quality_rows)), flashcodec=twins)
+        loads = [r["machine"] for r in merged["runs"].values() if "machine" in r]
+        if loads:  # the busiest run's machine and load, not the merge's
+            merged["machine"] = max(loads, key=lambda m: (m.get("load_avg_1_5_15m") or [0.0])[0])
         path = write_result("vllm", merged, out=args.out)
         print(f"wrote {path}", file=sys.stderr)
         return
@@ -251,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     args.parts = args.parts.split(",")
     args.presets = args.presets.split(",")
     args.seq_lens = [int(n) for n in args.seq_lens.split(",")]
+    args.only = None if args.only is None else args.only.split(",")
     unknown = sorted(set(args.parts) - set(PARTS)) + sorted(set(args.presets) - set(VLLM_PRESETS))
     if unknown:
         raise SystemExit(f"unknown parts or presets: {unknown} (parts {PARTS}, presets {VLLM_PRESETS})")
