@@ -226,6 +226,12 @@ def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
     q = result["quality"]
     vllm = [{**r, "bits": r["bits_per_value_bf16"]} for r in q["vllm"]]
     twins = [{"bits_end": RAW_BITS, **r} for r in q["flashcodec"]]
+    if not vllm:  # only the FlashCodecCache part ran (--only twins)
+        head = "Through vLLM: not measured in this run.\n\n"
+        if table is None:
+            twins = [{**r, "kl": "0" if max(float(r["kl"]), 0.0) == 0.0 else f"{float(r['kl']):.2e}"} for r in twins]
+            return head + markdown_table(twins, [(h, k, "s" if k == "kl" else s) for h, k, s in TWIN_COLUMNS])
+        return head + table(twins, TWIN_COLUMNS)
     if table is None:
         twins = [{**r, "kl": "0" if max(float(r["kl"]), 0.0) == 0.0 else f"{float(r['kl']):.2e}"} for r in twins]
         columns = [(h, k, "s" if k == "kl" else s) for h, k, s in TWIN_COLUMNS]
