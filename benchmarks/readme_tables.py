@@ -250,7 +250,10 @@ def vllm_table() -> str:
     """The vLLM plugin vs stock vLLM (bench_vllm.py): capacity, bits, concurrency, throughput, greedy tokens."""
     import bench_vllm
 
-    return bench_vllm.serving_markdown(load("vllm"), markdown) + "\n\n" + provenance("vllm")
+    result = load("vllm")
+    if not result.get("serving"):
+        return "Not measured in this vllm.json (its serving part did not finish).\n\n" + provenance("vllm")
+    return bench_vllm.serving_markdown(result, markdown) + "\n\n" + provenance("vllm")
 
 
 def vllm_quality_table() -> str:
