@@ -80,10 +80,14 @@ def advance(codec: Codec, start, end):
 def fast_kernels_serve(*specs: str, head_dim: int | None = None) -> bool:
     """Whether the fast kernels know every codec of ``specs`` (:data:`KERNEL_CODECS`) and ``head_dim`` (a multiple of
     :data:`KERNEL_HEAD_DIM_MULTIPLE`); else the reference ops serve, which use only the
-    :class:`~flashcodec_fx.codecs.Codec` interface and take any head_dim the codec stores."""
+    :class:`~flashcodec_fx.codecs.Codec` interface and take any head_dim the codec stores (and reject a bad spec,
+    naming the argument)."""
     if head_dim is not None and head_dim % KERNEL_HEAD_DIM_MULTIPLE:
         return False
-    return all(type(codec_from_spec(spec)) in KERNEL_CODECS for spec in specs)
+    try:
+        return all(type(codec_from_spec(spec)) in KERNEL_CODECS for spec in specs)
+    except (TypeError, ValueError):  # a bad spec: the reference op validates it and names the argument
+        return False
 
 
 def spec_codec(name: str, spec: str) -> Codec:

@@ -61,7 +61,8 @@ def gated(triton_fn: Callable, reference_fn: Callable) -> Callable:
         device = next(a.device if isinstance(a, torch.Tensor) else a[0].device for a in args
                       if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
                                                          and isinstance(a[0], torch.Tensor)))
-        head_dim = next(a.shape[-1] for a in args if isinstance(a, torch.Tensor))  # q or the new tokens
+        first = next(a for a in args if isinstance(a, torch.Tensor))  # q or the new tokens
+        head_dim = first.shape[3] if first.dim() == 4 else 1  # another rank: the reference validates and raises
         known = fast_kernels_serve(*(a for a in args if isinstance(a, str)), head_dim=head_dim)
         fn = triton_fn if known and kernel_choice(torch.device(device)) == "triton" else reference_fn
         return fn(*args, **kwargs)

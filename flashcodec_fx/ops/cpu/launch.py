@@ -78,7 +78,8 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     one rounding of that fp32 result, so within one ulp of the output (2**-8 / 2**-5 at magnitudes 4..8).
     """
     module = EXTENSION.module()
-    if module is None or q.dtype not in KERNEL_DTYPES or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3]):
+    if (module is None or q.dtype not in KERNEL_DTYPES or q.dim() != 4
+            or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3])):  # the reference validates the rest
         return codec_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale)
     key = ("attention", spec_k, spec_v, _layout(q), _state_layout(k_state), _state_layout(v_state), _layout(k_new),
            _layout(v_new), _layout(mask))
@@ -101,7 +102,8 @@ def cpu_append(state, new, spec, memo=None) -> None:
     tests/ops/test_cpu_append.py measures and bounds that rate.
     """
     module = EXTENSION.module()
-    if module is None or new.dtype not in KERNEL_DTYPES or not fast_kernels_serve(spec, head_dim=new.shape[3]):
+    if (module is None or new.dtype not in KERNEL_DTYPES or new.dim() != 4
+            or not fast_kernels_serve(spec, head_dim=new.shape[3])):  # the reference validates the rest
         append_reference(state, new, spec, memo)
         return
     key = ("append", spec, _state_layout(state), _layout(new), _layout(memo))
