@@ -42,7 +42,7 @@ def test_vllm_presets_are_the_per_token_ones():
 
 
 @pytest.mark.parametrize("environ, match", [
-    ({ENV_PRESET: "lossless"}, f"{ENV_PRESET} must be one of \\['int8', '4bit', '3bit', '2.5bit'\\], got 'lossless'"),
+    ({ENV_PRESET: "lossless"}, f"{ENV_PRESET} must be one of \\['int8', '4bit', '3bit', '2.5bit', '2bit'\\], got 'lossless'"),
     ({ENV_PRESET: "4bits"}, f"{ENV_PRESET} must be one of"),
     ({ENV_PRESET: "4bit", ENV_LAYER_PRESETS: "0=5bit"}, f"{ENV_LAYER_PRESETS} must be one of .*'raw'"),
     ({ENV_PRESET: "4bit", ENV_LAYER_PRESETS: "0:int8"}, "entries must be LAYERS=PRESET"),
