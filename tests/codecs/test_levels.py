@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from _codec_data import FAST
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import LEVELS, level_table, qmax
-from flashcodec_fx.codecs.levels import LLOYD_MAX_BITS, MAX_BITS, base_scale, code_range
+from flashcodec_fx.codecs.levels import LLOYD_MAX_BITS, MAX_BITS, base_scale, code_range, rms_sqrt
 
 BITS = range(1, MAX_BITS + 1)
 # Max (1960), "Quantizing for minimum distortion", Table I: the positive output levels for N(0, 1).
@@ -121,3 +122,16 @@ def test_base_scale_spans_the_slice(levels, bits, seed, offset):
         torch.testing.assert_close(table[-1] * scale, amax)
     else:  # midrise: amax sits half a step past the last level, so every value is within half a step of one
         torch.testing.assert_close((table[-1] + 0.5) * scale, amax)
+
+
+def test_lloyd_rms_root_is_correctly_rounded():
+    """The RMS's square root is the IEEE one (what C++ ``std::sqrt`` and Triton's ``sqrt_rn`` give the fast kernels),
+    also where torch's CPU ``sqrt`` rounds the other way (a mean square a vLLM page store once coded one fp16 step
+    apart from the reference)."""
+    mean_square = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 4
+    mean_square[0] = 11.682511329650879 / 16
+    exact = torch.from_numpy(np.sqrt(mean_square.numpy()))
+    assert torch.equal(rms_sqrt(mean_square), exact)
+    x = mean_square.sqrt()[:, None].expand(-1, 4)  # rows whose mean square is mean_square (to fp32 rounding)
+    scale, _ = base_scale("lloyd", 3, x, (-1,))
+    assert torch.equal(scale[:, 0], torch.from_numpy(np.sqrt(x.square().mean(-1).numpy())))
