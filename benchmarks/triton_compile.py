@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import re
 import subprocess
@@ -65,11 +66,11 @@ FORMS = {
                                "center": True}),
 }
 # (key, value) pairs the quick set compiles, with (dtype, mask kind, new tokens) each: one configuration per code path
+# (the 4bit, 2.5bit and 2bit presets take the 3bit preset's: lloyd token codes, centered or not, sinks, a window)
 QUICK = {
     "preset 3bit": (torch.bfloat16, "bool", True),
-    "preset 4bit": (torch.bfloat16, "additive", False),
     "preset int8": (torch.float32, None, False),
-    "preset lossless": (torch.bfloat16, "bool", False),
+    "preset lossless": (torch.bfloat16, "additive", False),
     "jpeg_k3/png_pruned": (torch.bfloat16, None, False),
     "channel_unfolded/token_offset": (torch.bfloat16, "bool", False),
     "dct_keys/channel_v": (torch.float16, None, False),
@@ -78,9 +79,9 @@ QUICK = {
 # The vLLM plugin's paged kernels (flashcodec_fx/vllm/triton): (format, dtype, GQA group, tokens per request, sinks),
 # one per code path: raw pages (no codes), midrise codes without search and no raw rows (int8), lloyd codes with the
 # search, rotation and raw anchors (4bit; 3bit: 3-bit keys as 2+1-bit slices), decode and prefill tiles, sink logits
+# on both, every dtype
 PAGED_QUICK = (("raw", torch.bfloat16, 1, 1, False), ("int8", torch.float16, 4, 1, False),
-               ("4bit", torch.bfloat16, 8, 1, True), ("3bit", torch.bfloat16, 4, 16, False),
-               ("2.5bit", torch.float32, 1, 16, True))
+               ("4bit", torch.float32, 8, 1, True), ("3bit", torch.bfloat16, 4, 16, True))
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # Shared memory one block may use (opt-in maximum, bytes): a kernel that needs more compiles but fails to launch
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -230,43 +231,58 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None}
 
 
-def compile_all(launches: dict, labels: dict, arch: int) -> list[dict]:
-    target = GPUTarget("cuda", arch, 32)
-    rows = []
-    for key, (fn, signature, constexprs, options) in launches.items():
-        row = {"kernel": fn.__name__, "for": labels[key], **options,
-               "constexprs": {k: str(v) for k, v in constexprs.items()},
-               "pointers": {k: v for k, v in signature.items() if v.startswith("*")}}
-        start = time.perf_counter()
-        try:
-            src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-            kernel = triton.compile(src, target=target, options=options)
-            shared = kernel.metadata.shared
-            limit = SHARED_LIMIT.get(arch)
-            row.update(ok=limit is None or shared <= limit, shared_bytes=shared, **_ptxas_report(kernel.asm["ptx"], arch))
-            if not row["ok"]:
-                row["error"] = f"needs {shared} B of shared memory, sm_{arch} has {limit}"
-        except Exception as err:  # recorded and counted: a failure here is what this check exists to find
-            row.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-        row["compile_s"] = round(time.perf_counter() - start, 2)
-        rows.append(row)
-        status = "ok" if row["ok"] else "FAILED " + row["error"]
-        print(f"{fn.__name__:16s} {row.get('registers')} regs, {row.get('spill_store_bytes')} B spilled, "
-              f"{row.get('shared_bytes')} B shared, {row['compile_s']} s: {status}  [{row['for']}]", flush=True)
-    return rows
+_JOB: tuple = ()  # (launches, labels, arch) of a compile_all run, inherited by its forked workers
+
+
+def _compile_one(key: str) -> dict:
+    """Compile launch ``key`` of ``_JOB`` for its target: the row of the JSON (ok, shared memory, ptxas' report)."""
+    launches, labels, arch = _JOB
+    fn, signature, constexprs, options = launches[key]
+    row = {"kernel": fn.__name__, "for": labels[key], **options,
+           "constexprs": {k: str(v) for k, v in constexprs.items()},
+           "pointers": {k: v for k, v in signature.items() if v.startswith("*")}}
+    start = time.perf_counter()
+    try:
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        shared = kernel.metadata.shared
+        limit = SHARED_LIMIT.get(arch)
+        row.update(ok=limit is None or shared <= limit, shared_bytes=shared, **_ptxas_report(kernel.asm["ptx"], arch))
+        if not row["ok"]:
+            row["error"] = f"needs {shared} B of shared memory, sm_{arch} has {limit}"
+    except Exception as err:  # recorded and counted: a failure here is what this check exists to find
+        row.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    row["compile_s"] = round(time.perf_counter() - start, 2)
+    status = "ok" if row["ok"] else "FAILED " + row["error"]
+    print(f"{fn.__name__:16s} {row.get('registers')} regs, {row.get('spill_store_bytes')} B spilled, "
+          f"{row.get('shared_bytes')} B shared, {row['compile_s']} s: {status}  [{row['for']}]", flush=True)
+    return row
+
+
+def compile_all(launches: dict, labels: dict, arch: int, jobs: int) -> list[dict]:
+    """Every launch compiled, ``jobs`` at a time (forked workers: a compile is one core's work); rows in launch
+    order."""
+    global _JOB
+    _JOB = (launches, labels, arch)
+    keys = list(launches)
+    if jobs == 1:
+        return [_compile_one(key) for key in keys]
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return pool.map(_compile_one, keys, chunksize=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one configuration per code path (see launch_everything)")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles at once (default: every core)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/triton_compile_<triton version>.json)")
     args = parser.parse_args()
     with Recorder() as recorder:
         launch_everything(args.quick, recorder)
     print(f"{len(recorder.launches)} distinct kernel configurations, compiling for sm_{args.arch} "
           f"with triton {triton.__version__}", flush=True)
-    rows = compile_all(recorder.launches, recorder.labels, args.arch)
+    rows = compile_all(recorder.launches, recorder.labels, args.arch, max(1, args.jobs))
     failed = [r for r in rows if not r["ok"]]
     from common import write_result
 

@@ -17,7 +17,7 @@ from flashcodec_fx.ops.triton_append import triton_append
 from flashcodec_fx.ops.triton_attention import triton_codec_attention
 
 # (capacity tokens, stored tokens): a short fill of a large static cache, and a nearly full one
-SIZES = {"cuda": [(65536 + 8192, 1000), (131072, 4093), (131072, 131072 - 5)], "cpu": [(2048, 100), (256, 253)]}
+SIZES = {"cuda": [(65536 + 8192, 1000), (131072, 4093), (131072, 131072 - 5)], "cpu": [(1024, 100), (128, 125)]}
 PRESET = {"cuda": "3bit", "cpu": "int8"}
 SHAPE = {"cuda": dict(hkv=8, group=4, d=128, dtype=torch.bfloat16), "cpu": dict(hkv=2, group=2, d=16, dtype=torch.float32)}
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2.5e-2}
