@@ -7,7 +7,7 @@ the stored form, or nothing on the decoded view), ``crop`` (negative and positiv
 ``batch_select_indices`` (indices and bool masks), ``batch_repeat_interleave``, ``reset`` (then another batch size),
 ``early_initialization``, deepcopy, and calls that must be refused. Each example draws the layers' tiers (png, lossy
 tiers with the quantization stage: per-frequency bit tables, channel / token scales, Lloyd-Max levels, sinks, windows),
-the dtype, the crop mode, the attention path and (dynamic) offloading.
+the dtype, the crop mode, the attention path and offloading (both layouts).
 
 Invariants after every step:
 
@@ -475,15 +475,16 @@ class DynamicContract(CacheContract):
 
 
 class StaticContract(CacheContract):
-    """The static layout next to a StaticCache (the calls transformers makes on a static cache)."""
+    """The static layout next to a StaticCache (the calls transformers makes on a static cache), with offloading on
+    or off."""
 
     layout = "static"
 
     @initialize(tiers=_TIER_PAIRS, dtype=_DTYPES, crop=st.sampled_from(["exact", "decode"]), stored_form=st.booleans(),
-                batch=st.integers(1, 3), max_len=st.integers(24, 120), early=st.booleans())
-    def start(self, tiers, dtype, crop, stored_form, batch, max_len, early):
+                batch=st.integers(1, 3), max_len=st.integers(24, 120), early=st.booleans(), offloading=st.booleans())
+    def start(self, tiers, dtype, crop, stored_form, batch, max_len, early, offloading):
         self.max_len = max_len
-        self.build(tiers, dtype, crop, stored_form, batch)
+        self.build(tiers, dtype, crop, stored_form, batch, offloading)
         if early:  # transformers' chunked-prefill / export path
             for cache in (self.cache, self.native):
                 cache.early_initialization(batch_size=batch, num_heads=H, head_dim=D, dtype=dtype, device="cpu")
