@@ -34,6 +34,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _moved(t: torch.Tensor, device: torch.device | str, keep: int, size: int) -> torch.Tensor:
+    """A new ``t`` on ``device`` holding ``size`` positions along dim 2, the first ``keep`` copied from ``t`` (one
+    transfer of ``keep`` positions; zeros past them)."""
+    out = torch.zeros((*t.shape[:2], size, *t.shape[3:]), dtype=t.dtype, device=device)
+    out[:, :, :keep].copy_(t[:, :, :keep], non_blocking=True)
+    return out
+
+
 class CodecOverflowError(IndexError, ValueError):
     """More tokens than a static layout holds (an ``IndexError`` as transformers' StaticCache raises, and a
     ``ValueError`` as every other rejected argument here)."""
@@ -96,6 +104,21 @@ class CodecStream:
         """Tokens held by the sinks and the archive (host mirror)."""
         n = self.get_seq_length()
         return min(n, self._host_start)
+
+    @property
+    def filled_groups(self) -> int:
+        """Archive groups holding tokens (host mirror)."""
+        return max(0, self.archived_tokens - self.codec.sinks) // self.codec.group
+
+    @property
+    def allocated_groups(self) -> int:
+        """Archive groups the state holds (0 before the first append)."""
+        return 0 if self.state is None else self.state.data.shape[2]
+
+    @property
+    def covering_groups(self) -> int:
+        """The fewest archive groups whose positions cover the stored tokens (views span the capacity)."""
+        return self._groups_for(self.get_seq_length())
 
     @property
     def exact_crop(self) -> bool:
@@ -301,6 +324,19 @@ class CodecStream:
         st.length.fill_(keep)
         self._host_length = keep
 
+    def move_to(self, device: torch.device | str, groups: int | None = None) -> None:
+        """Move the state (and memo) to ``device``, eager. Only the filled archive groups and the memo's stored
+        positions travel; on arrival the archive holds ``groups`` groups (None: the fewest covering the stored
+        tokens), zeros past the filled ones, and the memo spans the capacity (``FlashCodecLayer.offload``)."""
+        if self.state is None:
+            return
+        st, filled, length = self.state, self.filled_groups, self.get_seq_length()
+        groups = max(filled, self.covering_groups if groups is None else groups)
+        archive = [_moved(t, device, filled, groups) for t in st[:4]]
+        self.state = StreamState(*archive, *(t.to(device, non_blocking=True) for t in st[4:]))
+        if self.memo is not None:
+            self.memo = _moved(self.memo, device, length, self.capacity)
+
     def drop_front(self, tokens: int) -> None:
         """Forget the oldest ``tokens`` positions: whole archive groups (dynamic layout, a codec without sinks; a
         sliding-window layer's ring). Positions renumber from 0; the buffers keep their capacity (one roll per group
@@ -414,9 +450,8 @@ class CodecStream:
                   "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes + st.start.nbytes, "mean": st.mean.nbytes,
                   "memo": 0 if self.memo is None else self.memo.nbytes}
         nbytes["total"] = sum(nbytes.values())
-        groups = max(0, self.archived_tokens - self.codec.sinks) // self.codec.group
         per_group = (st.data.nbytes + nbytes["scales"]) // max(1, st.data.shape[2])
-        nbytes["archive_used"] = groups * per_group
+        nbytes["archive_used"] = self.filled_groups * per_group
         nbytes["stored"] = self.stored_bits() // 8
         return nbytes
 
@@ -433,9 +468,9 @@ class CodecStream:
         d, item = st.tail.shape[3], st.tail.element_size()
         lead = st.tail.shape[0] * st.tail.shape[1]
         archived = self.archived_tokens
-        groups = max(0, archived - codec.sinks) // codec.group
         raw = min(n, codec.sinks) + (n - archived if n > archived else 0)
-        return 8 * (lead * groups * codec.group_bytes(d, st.tail.dtype) + lead * raw * d * item + st.mean.nbytes)
+        return 8 * (lead * self.filled_groups * codec.group_bytes(d, st.tail.dtype) + lead * raw * d * item
+                    + st.mean.nbytes)
 
     def decoded(self) -> torch.Tensor:
         """``(B, H, L, D)``: the stored tokens as attention reads them (one decode; for inspection, never used by a

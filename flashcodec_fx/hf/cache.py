@@ -35,10 +35,10 @@ from ..codecs import CODECS, Codec, codec_options
 from ..config import CacheConfig, cache_config
 from ..presets import PRESETS, preset_config
 from .attention import MaterializationFreeFallback, tag_states
-from .offload import HOST, allocated_groups, move_stream
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 CODEC_KEYWORDS = ("preset", "per_layer", "key_options", "value_options", "mode")  # besides each codec's options
+HOST = torch.device("cpu")  # where transformers offloads a layer to
 CACHE_SWITCHES = ("layout", "max_cache_len", "materialization_free", "strict", "memoize", "crop", "offloading",
                   "offload_only_non_sliding")
 
@@ -356,9 +356,12 @@ class FlashCodecLayer(CacheLayerMixin):
             self._marked_static = False
 
     def offload(self) -> None:
-        """Move the stored form to the CPU (transformers' offloading; see :mod:`flashcodec_fx.hf.offload`): the
-        archive's filled groups, the raw sinks and tail, the mean and lengths (and the memo, where kept). When attention
-        on the stored form has not read this step's state yet, the move waits for it (the attention function calls
+        """Move the stored form to the CPU (transformers' ``Cache(offloading=True)``: ``Cache.offload`` after this
+        layer's update, ``Cache.prefetch`` before its next one; eager only): each stream's filled archive groups
+        (codes, scales, zero points, png indices), raw sinks and tail, mean and lengths (and the memo's filled
+        positions, where kept; :meth:`CodecStream.move_to`). The unused capacity stays behind and is allocated again
+        on arrival: a compressed layer moves its compressed bytes, never a decoded view. When attention on the stored
+        form has not read this step's state yet, the move waits for it (the attention function calls
         :meth:`finish_step`)."""
         if self.handed_out:
             self._offload_pending = True
@@ -366,9 +369,9 @@ class FlashCodecLayer(CacheLayerMixin):
         if self._offloaded is not None or not self.keys_stream.is_initialized:
             return
         streams = (self.keys_stream, self.values_stream)
-        self._offloaded = tuple(allocated_groups(stream) for stream in streams)
+        self._offloaded = tuple(stream.allocated_groups for stream in streams)
         for stream in streams:
-            move_stream(stream, HOST)
+            stream.move_to(HOST)
         self._marked_static = False
 
     def prefetch(self) -> None:
@@ -376,7 +379,7 @@ class FlashCodecLayer(CacheLayerMixin):
         if self._offloaded is None:
             return
         for stream, groups in zip((self.keys_stream, self.values_stream), self._offloaded, strict=True):
-            move_stream(stream, self.device, groups)
+            stream.move_to(self.device, groups)
         self._offloaded = None
 
     def finish_step(self) -> None:

@@ -30,8 +30,7 @@ def export_stream(stream: CodecStream) -> tuple[dict[str, torch.Tensor], dict[st
     described = {"spec": stream.spec, "layout": stream.layout, "initialized": stream.state is not None}
     if stream.state is None:
         return {}, described
-    st, codec = stream.state, stream.codec
-    filled = max(0, stream.archived_tokens - codec.sinks) // codec.group
+    st, filled = stream.state, stream.filled_groups
     tensors = {name: getattr(st, name)[:, :, :filled] for name in ARCHIVE_FIELDS}
     tensors.update({name: getattr(st, name) for name in StreamState._fields[4:]})
     tokens = _archived_tokens(stream, filled)

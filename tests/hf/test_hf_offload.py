@@ -17,7 +17,6 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf import apply_codec_attention, remove_codec_attention  # noqa: E402
 from flashcodec_fx.hf.attention import flashcodec_attention_forward  # noqa: E402
-from flashcodec_fx.hf.offload import covering_groups, filled_groups  # noqa: E402
 
 
 class TransferCounter(TorchFunctionMode):
@@ -62,8 +61,8 @@ def test_offload_moves_the_stored_form_not_a_view(preset):
     assert moved_bytes(layer.offload) == stored_form  # filled groups only: the unused capacity stays behind
     streams = (layer.keys_stream, layer.values_stream)
     # zeros (allocated, not moved) for the positions of the raw tail: the views span the stored length
-    assert all((covering_groups(s) - filled_groups(s)) * s.codec.group <= s.codec.tail_capacity for s in streams)
-    spare = sum(t[:, :, filled_groups(s):].nbytes for s in streams for t in s.state[:4])
+    assert all((s.covering_groups - s.filled_groups) * s.codec.group <= s.codec.tail_capacity for s in streams)
+    spare = sum(t[:, :, s.filled_groups:].nbytes for s in streams for t in s.state[:4])
     assert layer.storage_bytes() == stored_form + spare
     assert torch.equal(layer.keys, views[0]) and torch.equal(layer.values, views[1])  # readable while offloaded
     native = DynamicLayer()
