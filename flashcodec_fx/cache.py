@@ -28,6 +28,7 @@ INITIAL_POSITIONS = 256
 GROWTH_DIVISOR = 16  # a full dynamic archive grows by 1/16 of its capacity (held <= 1.07x stored, amortized O(1) copies)
 GROWTH_MIN_POSITIONS = 64
 STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "memo")
+GROUP_PARTS = ("archive_held", "archive_used")  # archive groups with their scales: allocated, filled (not in total)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -441,17 +442,18 @@ class CodecStream:
     def storage_breakdown(self) -> dict[str, int]:
         """Every byte held, by part: ``archive`` (codes / coefficients, allocated capacity), ``scales`` (scales, zero
         points, png indices), ``sinks``, ``tail`` (raw rows + length), ``mean``, ``memo``, and ``total``.
-        Not added into ``total``: ``archive_used``, the filled groups' archive + scales; ``stored``, what the stored
-        tokens take as stored (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean)."""
+        Not added into ``total``: ``archive_held``, every allocated group's archive + scales; ``archive_used``, the
+        filled groups' archive + scales (at most ``archive_held``); ``stored``, what the stored tokens take as stored
+        (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean)."""
         if self.state is None:
-            return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, "archive_used": 0, "stored": 0}
+            return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, **dict.fromkeys(GROUP_PARTS, 0), "stored": 0}
         st = self.state
         nbytes = {"archive": st.data.nbytes, "scales": st.scale.nbytes + st.zero.nbytes + st.index.nbytes,
                   "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes + st.start.nbytes, "mean": st.mean.nbytes,
                   "memo": 0 if self.memo is None else self.memo.nbytes}
         nbytes["total"] = sum(nbytes.values())
-        per_group = (st.data.nbytes + nbytes["scales"]) // max(1, st.data.shape[2])
-        nbytes["archive_used"] = self.filled_groups * per_group
+        nbytes["archive_held"] = st.data.nbytes + nbytes["scales"]
+        nbytes["archive_used"] = self.filled_groups * nbytes["archive_held"] // max(1, st.data.shape[2])
         nbytes["stored"] = self.stored_bits() // 8
         return nbytes
 

@@ -712,7 +712,8 @@ class FlashCodecCache(Cache):
     def storage_breakdown(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
         """Every byte the cache holds, by part, summed over layers: the codec parts of
         :meth:`flashcodec_fx.CodecStream.storage_breakdown` (``archive``, ``scales``, ``sinks``, ``tail``, ``mean``,
-        ``memo``; not in ``total``: ``archive_used``, filled groups only, and ``stored``, the tokens as stored),
+        ``memo``; not in ``total``: ``archive_held`` / ``archive_used``, allocated / filled groups with their scales,
+        and ``stored``, the tokens as stored),
         ``native``: tensors of the layers without a codec, ``total``. ``raw_equivalent``: what the codec layers'
         stored tokens would take uncompressed (not in ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead."""
         rows = {}
@@ -721,8 +722,8 @@ class FlashCodecCache(Cache):
                 row = dict(layer.storage_breakdown(), native=0, raw_equivalent=layer.raw_equivalent_bytes())
             else:
                 native = _tensor_bytes([v for k, v in vars(layer).items() if k != "device"])
-                row = {**dict.fromkeys(("archive", "archive_used", "stored", "scales", "sinks", "tail", "mean", "memo",
-                                        "raw_equivalent"), 0), "native": native, "total": native}
+                row = {**dict.fromkeys(("archive", "archive_held", "archive_used", "stored", "scales", "sinks", "tail",
+                                        "mean", "memo", "raw_equivalent"), 0), "native": native, "total": native}
             rows[idx] = row
         if per_layer:
             return rows

@@ -19,8 +19,10 @@ Invariants after every step:
 - ``get_seq_length`` / ``get_mask_sizes`` match the native cache (static: the views' capacity), ``is_croppable`` the
   contract (lossless 16-bit png or ``crop="decode"``), ``batch_size`` the rows held;
 - ``storage_bytes()`` is an int equal to the ``storage_breakdown()`` parts and to the bytes of every tensor the layers
-  hold; ``stored`` / ``archive_used`` / ``raw_equivalent`` equal what the reference model holds; an offloaded layer
-  holds only its filled archive groups;
+  hold; ``stored`` / ``archive_used`` / ``raw_equivalent`` equal what the reference model holds (``archive_used`` at
+  most ``archive_held``, the allocated groups with their scales); an offloaded layer holds only its filled groups;
+- a sliding-window ring (``SlidingContract``) drops the whole units no later query sees, as its reference model
+  does, and reads the kept positions; its ``get_mask_sizes`` offset says where they start;
 - a refused call (a crop reopening a lossy group, bad shapes or dtypes, a wrong bool mask, static overflow) raises the
   documented error and changes no state.
 
@@ -53,6 +55,7 @@ from flashcodec_fx import CodecOverflowError  # noqa: E402
 from flashcodec_fx.codecs import Codec  # noqa: E402
 from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
 from flashcodec_fx.hf.attention import MaterializationFreeFallback, flashcodec_attention_forward  # noqa: E402
+from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
 
 H, D, GQA = 2, 16, 2  # kv heads, head dim (a power of two: the rotation is a Walsh-Hadamard transform), q heads per kv
 PROFILES = {
@@ -112,6 +115,11 @@ class StreamModel:
         self.hist = torch.cat([self.hist, x], dim=2)
         behind = n + t - self.start - codec.window  # archive whole groups while the tail would hold window + G
         self.start += max(0, behind) // codec.group * codec.group
+
+    def drop_front(self, tokens: int) -> None:
+        """Forget the oldest ``tokens`` positions (whole archived groups of a ring; positions renumber from 0)."""
+        self.hist = self.hist[:, :, tokens:]
+        self.start -= tokens
 
     def view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """What the stream reads, in ``dtype`` (default: the stream's; the archive decoded straight into it)."""
@@ -173,6 +181,98 @@ class StreamModel:
         return batch * H * groups * codec.group_bytes(D, self.dtype)
 
 
+class LayerModel:
+    """Reference model of one codec layer: its K and V :class:`StreamModel` (iterating gives both), the positions
+    ``seen`` and, for a ring, how many it ``dropped`` at the front (0 for a full layer)."""
+
+    dropped = 0
+
+    def __init__(self, layer: FlashCodecLayer, dtype: torch.dtype):
+        self.streams = (StreamModel(layer.keys_stream.codec, dtype), StreamModel(layer.values_stream.codec, dtype))
+
+    def __iter__(self):
+        return iter(self.streams)
+
+    def reset(self) -> None:
+        """``reset()``: every token forgotten (a ring keeps recording the past once asked to, as transformers' own
+        sliding layers do)."""
+        self.streams = tuple(StreamModel(m.codec, m.dtype) for m in self.streams)
+        self.dropped = 0
+
+    def __getitem__(self, i: int) -> StreamModel:
+        return self.streams[i]
+
+    @property
+    def seen(self) -> int:
+        return self.dropped + self.streams[0].n
+
+    def target(self) -> int:
+        """Positions dropped once the next call's update has slid (``get_mask_sizes``' offset)."""
+        return self.dropped
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for model, new in zip(self.streams, (k, v), strict=True):
+            model.append(new)
+
+    def crop_allowed(self, keep: int, mode: str) -> bool:
+        return keep >= self.dropped and all(m.crop_allowed(keep - self.dropped, mode) for m in self.streams)
+
+    def crop(self, keep: int) -> None:
+        for m in self.streams:
+            m.crop(keep - self.dropped)
+
+    def select(self, rows: torch.Tensor) -> None:
+        for m in self.streams:
+            m.select(rows)
+
+    def repeat(self, repeats: int) -> None:
+        for m in self.streams:
+            m.repeat(repeats)
+
+    def visible(self, past: int, t: int, kv_length: int, offset: int) -> torch.Tensor:
+        """``(T, kv_length)`` bool: key ``offset + j`` visible to query ``past + i`` (causal)."""
+        return (offset + torch.arange(kv_length))[None] <= past + torch.arange(t)[:, None]
+
+
+class RingModel(LayerModel):
+    """A sliding-window codec layer (``FlashCodecSlidingLayer``): before each call it drops the whole units
+    (``lcm`` of both groups) that are archived in both streams and below the first position a later query sees;
+    nothing while recording the past (assisted decoding), until the next crop."""
+
+    def __init__(self, layer: FlashCodecLayer, dtype: torch.dtype, window: int):
+        super().__init__(layer, dtype)
+        self.window, self.dropped, self.record = window, 0, False
+        self.unit = math.lcm(*(m.codec.group for m in self.streams))
+
+    def window_target(self) -> int:
+        visible = max(0, self.seen - self.window + 1)
+        archived = self.dropped + min(min(m.start, m.n) for m in self.streams)
+        return max(self.dropped, min(visible, archived) // self.unit * self.unit)
+
+    def target(self) -> int:
+        return self.dropped if self.record else self.window_target()
+
+    def drop_to(self, target: int) -> None:
+        if target > self.dropped:
+            for m in self.streams:
+                m.drop_front(target - self.dropped)
+            self.dropped = target
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.drop_to(self.target())
+        super().append(k, v)
+
+    def crop(self, keep: int) -> None:
+        super().crop(keep)
+        if self.record:
+            self.drop_to(self.window_target())
+
+    def visible(self, past: int, t: int, kv_length: int, offset: int) -> torch.Tensor:
+        """Causal and inside the window: ``0 <= (past + i) - (offset + j) < window``."""
+        behind = past + torch.arange(t)[:, None] - (offset + torch.arange(kv_length))[None]
+        return (behind >= 0) & (behind < self.window)
+
+
 class _Attention(torch.nn.Module):
     """What transformers' sdpa function reads from an attention module."""
 
@@ -188,12 +288,20 @@ class CacheContract(RuleBasedStateMachine):
               offloading: bool = False) -> None:
         self.tiers, self.dtype, self.crop_mode, self.stored_form, self.batch = tiers, dtype, crop, stored_form, batch
         static = dict(layout="static", max_cache_len=self.max_len) if self.layout == "static" else {}
-        self.cache = fx.FlashCodecCache(num_layers=2, per_layer={i: TIERS[t] for i, t in enumerate(tiers)}, crop=crop,
-                                        materialization_free=stored_form, offloading=offloading, **static)
-        self.models = [(StreamModel(layer.keys_stream.codec, dtype), StreamModel(layer.values_stream.codec, dtype))
-                       for layer in self.cache.layers]
+        self.cache = fx.FlashCodecCache(per_layer={i: TIERS[t] for i, t in enumerate(tiers)}, crop=crop,
+                                        materialization_free=stored_form, offloading=offloading, **static,
+                                        **self.layers_of())
+        self.models = self.new_models()
         self.native = self.new_native()
         self.module = _Attention()
+
+    def layers_of(self) -> dict:
+        """The cache's layer arguments: two full-attention layers."""
+        return {"num_layers": 2}
+
+    def new_models(self) -> list[LayerModel]:
+        return [RingModel(layer, self.dtype, layer.sliding_window) if isinstance(layer, FlashCodecSlidingLayer)
+                else LayerModel(layer, self.dtype) for layer in self.cache.layers]
 
     def new_native(self):
         return DynamicCache()
@@ -202,23 +310,23 @@ class CacheContract(RuleBasedStateMachine):
 
     @property
     def length(self) -> int:
-        return self.models[0][0].n
+        return self.models[0].seen
 
     def states(self, t: int, seed: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch if batch is None else batch
         return grid((b, H, t, D), self.dtype, seed), grid((b, H, t, D), self.dtype, seed + 1)
 
-    def mask(self, past: int, t: int, kv_length: int) -> torch.Tensor:
-        """Causal bool mask (B, 1, T, kv_length) of a call of ``t`` tokens after ``past``."""
-        rows = past + torch.arange(t)[:, None]
-        return (torch.arange(kv_length)[None] <= rows).expand(self.batch, 1, t, kv_length)
+    def mask(self, idx: int, past: int, t: int, kv_length: int, offset: int) -> torch.Tensor:
+        """Layer ``idx``'s bool mask (B, 1, T, kv_length) of a call of ``t`` tokens after ``past``, its keys at
+        positions ``offset ..`` (causal; a ring's within its window)."""
+        return self.models[idx].visible(past, t, kv_length, offset).expand(self.batch, 1, t, kv_length)
 
     def step(self, cache, k: torch.Tensor, v: torch.Tensor, seed: int, past: int, check: bool) -> None:
         """One model step of ``t`` tokens after ``past`` through both layers of ``cache``: update, then attention as the
         model would run it. ``check``: compare with the reference models (already holding these tokens)."""
         t = k.shape[2]
         for idx, layer in enumerate(cache.layers):
-            kv_length = cache.get_mask_sizes(t, idx)[0]
+            kv_length, offset = cache.get_mask_sizes(t, idx)
             first = int(layer.get_seq_length()) == 0
             with warnings.catch_warnings():
                 warnings.simplefilter("error", MaterializationFreeFallback)
@@ -228,10 +336,11 @@ class CacheContract(RuleBasedStateMachine):
                         self.check_returned(idx, out_k, out_v, k, v, first)
                     continue
                 q = grid((self.batch, H * GQA, t, D), self.dtype, seed + 7 + idx) / 16
-                mask = self.mask(past, t, kv_length)
-                attn, _ = flashcodec_attention_forward(self.module, q, out_k, out_v, mask, scaling=0.25)
+                mask = self.mask(idx, past, t, kv_length, offset)
+                window = {"sliding_window": layer.sliding_window} if layer.is_sliding else {}
+                attn, _ = flashcodec_attention_forward(self.module, q, out_k, out_v, mask, scaling=0.25, **window)
             if check:
-                self.check_attention(idx, q, attn, k, v, past)
+                self.check_attention(idx, q, attn, k, v, past, offset)
 
     def check_returned(self, idx: int, out_k, out_v, k, v, first: bool) -> None:
         """The decoded-view path returns the exact prompt on a first fill, else the reference view with the call's own
@@ -243,16 +352,16 @@ class CacheContract(RuleBasedStateMachine):
             assert torch.equal(out[:, :, :n], want), f"layer {idx}: update returned something else than the view"
             assert not out[:, :, n:].any()  # static: zeros past the length
 
-    def check_attention(self, idx: int, q, attn, k, v, past: int) -> None:
-        """Attention on the stored form equals attention over the reference view, the call's own tokens exact (in fp32:
-        the stored form is read without rounding the decoded archive to the stream dtype)."""
+    def check_attention(self, idx: int, q, attn, k, v, past: int, offset: int) -> None:
+        """Attention on the stored form equals attention over the reference view (positions ``offset ..``), the call's
+        own tokens exact (in fp32: the stored form is read without rounding the decoded archive to the stream dtype)."""
         t = k.shape[2]
         views = []
         for model, new in zip(self.models[idx], (k, v), strict=True):
             view = model.view(torch.float32)
-            view[:, :, past:past + t] = new.float()
+            view[:, :, past - offset:past - offset + t] = new.float()
             views.append(view.repeat_interleave(GQA, dim=1))
-        mask = self.mask(past, t, past + t)
+        mask = self.mask(idx, past, t, past + t - offset, offset)
         want = torch.nn.functional.scaled_dot_product_attention(q.float(), *views, attn_mask=mask, scale=0.25)
         tol = 1e-4 if self.dtype == torch.float32 else 2e-2
         torch.testing.assert_close(attn.float(), want.transpose(1, 2), rtol=tol, atol=tol)
@@ -267,9 +376,8 @@ class CacheContract(RuleBasedStateMachine):
                 return
         k, v = self.states(t, seed)
         past = self.length
-        for models in self.models:
-            for model, new in zip(models, (k, v), strict=True):
-                model.append(new)
+        for model in self.models:
+            model.append(k, v)
         self.step(self.cache, k, v, seed, past, check=True)
         self.native_update(k, v)
 
@@ -282,17 +390,16 @@ class CacheContract(RuleBasedStateMachine):
         """``depth < 0`` drops -depth tokens (past the start: empty); ``depth > 0`` keeps ``depth`` tokens; 0: no-op."""
         n = self.length
         keep = max(0, n + depth) if depth < 0 else min(depth or n, n)
-        allowed = all(m.crop_allowed(keep, self.crop_mode) for models in self.models for m in models)
+        allowed = all(m.crop_allowed(keep, self.crop_mode) for m in self.models)
         before = snapshot(self.cache)
         if not allowed:
-            with pytest.raises(ValueError, match="would reopen archived tokens"):
+            with pytest.raises(ValueError, match="would reopen archived tokens|has dropped positions"):
                 self.cache.crop(depth)
             assert same(snapshot(self.cache), before), "a refused crop changed the cache"
             return
         self.cache.crop(depth)
-        for models in self.models:
-            for model in models:
-                model.crop(keep)
+        for model in self.models:
+            model.crop(keep)
         if keep < n:
             self.native_crop(keep - n)
 
@@ -312,9 +419,8 @@ class CacheContract(RuleBasedStateMachine):
                                                 max_size=self.batch)))
         self.cache.reorder_cache(beams)
         self.native.reorder_cache(beams)
-        for models in self.models:
-            for model in models:
-                model.select(beams)
+        for model in self.models:
+            model.select(beams)
 
     @rule(t=st.integers(1, 3), kind=st.sampled_from(["batch", "head_dim", "dtype", "kv", "empty", "int"]),
           seed=st.integers(0, 2**20))
@@ -370,16 +476,16 @@ class CacheContract(RuleBasedStateMachine):
         n = self.length
         assert int(self.cache.get_seq_length()) == n == int(self.native.get_seq_length())
         for idx, (layer, models) in enumerate(zip(self.cache.layers, self.models, strict=True)):
-            assert int(layer.get_seq_length()) == n
+            assert int(layer.get_seq_length()) == n == models.seen
             if models[0].hist is None:
                 assert layer.keys is None or layer.keys.shape[2] == 0
                 continue
             for got, model, name in ((layer.keys, models[0], "keys"), (layer.values, models[1], "values")):
                 assert torch.equal(got, model.view()), f"layer {idx} ({self.tiers[idx]}) {name} differ from the reference"
             if self.tiers[idx] in EXACT_TIERS and n:
-                native = self.native.layers[idx]
-                assert torch.equal(layer.keys, native.keys[:, :, :n]) and torch.equal(layer.values,
-                                                                                     native.values[:, :, :n])
+                native, kept = self.native.layers[idx], slice(models.dropped, n)
+                assert torch.equal(layer.keys, native.keys[:, :, kept]) and torch.equal(layer.values,
+                                                                                       native.values[:, :, kept])
             assert layer.batch_size == self.batch
         if all(layer.keys_stream.is_initialized for layer in self.cache.layers):  # the dtype is known from then on
             croppable = all(self.crop_mode == "decode" or lossless(m.codec, self.dtype) or m.codec.group == 1
@@ -389,8 +495,11 @@ class CacheContract(RuleBasedStateMachine):
         self.check_storage()
 
     def check_mask_sizes(self):
-        for idx in range(2):
-            assert self.cache.get_mask_sizes(3, idx) == self.native.get_mask_sizes(3, idx)
+        for idx, model in enumerate(self.models):
+            if isinstance(model, RingModel):  # the ring holds more than the native window: its offset says where from
+                assert self.cache.get_mask_sizes(3, idx) == (model.seen - model.target() + 3, model.target())
+            else:
+                assert self.cache.get_mask_sizes(3, idx) == self.native.get_mask_sizes(3, idx)
 
     def check_storage(self):
         total = 0
@@ -406,13 +515,15 @@ class CacheContract(RuleBasedStateMachine):
             b = self.batch
             assert layer.stored_bits() == sum(m.stored_bits(b) for m in models)
             assert parts["archive_used"] == sum(m.archive_bytes(b) for m in models)
+            assert parts["archive_used"] <= parts["archive_held"] == parts["archive"] + parts["scales"]
             assert parts["memo"] == 0 if self.stored_form else parts["memo"] > 0
             if layer._offloaded is not None:  # on the host: the groups spanning the length at offload time
                 assert parts["archive"] + parts["scales"] >= sum(m.covering_bytes(b) for m in models)
         breakdown = self.cache.storage_breakdown()
         assert self.cache.storage_bytes() == breakdown["total"] == total
         item = torch.empty((), dtype=self.dtype).element_size()
-        assert breakdown["raw_equivalent"] == (2 * 2 * self.batch * H * self.length * D * item if self.length else 0)
+        held = sum(model[0].n for model in self.models)  # positions the layers hold (a ring: its kept ones)
+        assert breakdown["raw_equivalent"] == 2 * self.batch * H * held * D * item
 
 
 _TIER_PAIRS = st.tuples(st.sampled_from(sorted(TIERS)), st.sampled_from(sorted(TIERS)))
@@ -439,9 +550,8 @@ class DynamicContract(CacheContract):
         self.cache.batch_select_indices(indices)
         self.native.batch_select_indices(indices)
         self.batch = rows.numel()
-        for models in self.models:
-            for model in models:
-                model.select(rows)
+        for model in self.models:
+            model.select(rows)
 
     @precondition(lambda self: self.length > 0 and self.batch <= 2)
     @rule(repeats=st.integers(1, 2))
@@ -449,9 +559,8 @@ class DynamicContract(CacheContract):
         self.cache.batch_repeat_interleave(repeats)
         self.native.batch_repeat_interleave(repeats)
         self.batch *= repeats
-        for models in self.models:
-            for model in models:
-                model.repeat(repeats)
+        for model in self.models:
+            model.repeat(repeats)
 
     @precondition(lambda self: self.length > 0)
     @rule(length=st.integers(1, 3))
@@ -470,8 +579,33 @@ class DynamicContract(CacheContract):
         self.native = self.new_native()  # DynamicCache.reset: 5.2x drops the layers' tensors, 5.17 zeroes them in place
         assert not self.cache.is_initialized and self.cache.storage_bytes() == 0
         self.batch = batch
-        self.models = [(StreamModel(ms[0].codec, self.dtype), StreamModel(ms[1].codec, self.dtype))
-                       for ms in self.models]
+        for model in self.models:
+            model.reset()
+
+
+class SlidingContract(DynamicContract):
+    """A Gemma-3-shaped pair, a sliding-window layer (a codec ring, its tier without sinks) then a full one, next to
+    a DynamicCache of full layers (the ring's kept positions are compared with the native ones they stand for)."""
+
+    @initialize(tiers=_TIER_PAIRS, dtype=_DTYPES, crop=st.sampled_from(["exact", "decode"]), stored_form=st.booleans(),
+                batch=st.integers(1, 3), offloading=st.booleans(), window=st.integers(3, 24))
+    def start(self, tiers, dtype, crop, stored_form, batch, offloading, window):
+        self.window = window
+        self.build(tiers, dtype, crop, stored_form, batch, offloading)
+        assert isinstance(self.models[0], RingModel) and not isinstance(self.models[1], RingModel)
+
+    def layers_of(self) -> dict:
+        from transformers import Gemma3TextConfig
+
+        return {"config": Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                           sliding_window=self.window, num_attention_heads=H * GQA,
+                                           num_key_value_heads=H, head_dim=D, hidden_size=H * GQA * D)}
+
+    @rule()
+    def activate_past_recording(self):
+        """What assisted decoding calls before drafting: the ring keeps every position until the next crop."""
+        self.cache.layers[0].activate_past_recording()
+        self.models[0].record = True
 
 
 class StaticContract(CacheContract):
@@ -516,8 +650,8 @@ class StaticContract(CacheContract):
         """Static reset zeroes in place (stable addresses); the batch stays."""
         self.cache.reset()
         self.native.reset()
-        self.models = [(StreamModel(ms[0].codec, self.dtype), StreamModel(ms[1].codec, self.dtype))
-                       for ms in self.models]
+        for model in self.models:
+            model.reset()
 
 
 def _static_native(max_len: int) -> StaticCache:
@@ -530,5 +664,7 @@ def _static_native(max_len: int) -> StaticCache:
 
 TestDynamicContract = DynamicContract.TestCase
 TestDynamicContract.settings = FUZZ
+TestSlidingContract = SlidingContract.TestCase
+TestSlidingContract.settings = FUZZ
 TestStaticContract = StaticContract.TestCase
 TestStaticContract.settings = FUZZ
