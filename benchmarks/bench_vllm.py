@@ -263,8 +263,11 @@ def main(argv: list[str] | None = None) -> None:
         serving_rows, quality_rows, twins = [], [], []
         for path in args.merge:
             part = json.loads(path.read_text())
-            run = {k: part[k] for k in ("date", "machine", "versions") if k in part}
-            merged["runs"][path.stem] = {**run, "config": part["config"]}
+            if "runs" in part:  # an earlier merge: its runs as they were
+                merged["runs"].update(part["runs"])
+            else:
+                run = {k: part[k] for k in ("date", "machine", "versions") if k in part}
+                merged["runs"][path.stem] = {**run, "config": part["config"]}
             serving_rows += part.get("serving", [])
             if "quality" in part:
                 quality_rows += part["quality"]["vllm"]
