@@ -6,7 +6,8 @@ a 0-dim device length) and, optionally, a memo: the decoded view attention reads
 Layouts:
 - ``dynamic``: the archive starts at up to 256 positions and grows by 1/16 (at least 64 positions) on overflow, never
   past what an uncompressed cache of the same length would hold while the codec compresses (:meth:`CodecStream.
-  raw_budget_groups`); a host-side length mirror drives growth.
+  raw_budget_groups`; below the length where the raw sink and tail rows fit in it, a few dozen tokens for the lossy
+  presets, exactly the groups needed); a host-side length mirror drives growth.
 - ``static``: preallocated for ``max_length`` tokens; ``append`` never branches on tensor values on the host,
   so a decode step compiles to one graph and can be captured in a CUDA graph.
 """
@@ -27,6 +28,7 @@ CROP_MODES = ("exact", "decode")
 INITIAL_POSITIONS = 256
 GROWTH_DIVISOR = 16  # a full dynamic archive grows by 1/16 of its capacity (held <= 1.07x stored, amortized O(1) copies)
 GROWTH_MIN_POSITIONS = 64
+LENGTH_BYTES = 16  # the state's two 0-dim int64 lengths (length, start)
 STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "memo")
 GROUP_PARTS = ("archive_held", "archive_used")  # archive groups with their scales: allocated, filled (not in total)
 
@@ -169,14 +171,17 @@ class CodecStream:
             self.memo = memo
 
     def _grown_groups(self, like: torch.Tensor, need: int) -> int:
-        """Capacity after an overflow: doubled up to 64 positions, then 64 more, then 1/16 more; within the raw budget at
-        the new length when the codec leaves room for a step (a codec that does not compress, such as ``lossless``,
-        takes the step)."""
+        """Capacity after an overflow: doubled up to 64 positions, then 64 more, then 1/16 more; for a codec that
+        compresses, never past the raw budget at the new length (while the raw rows alone exceed it, the first few
+        dozen tokens, exactly what is needed: a group at a time). A codec that does not compress (``lossless``: its
+        budget never leaves room) takes the step, so growth stays amortized."""
         have = self.state.data.shape[2]
         step = max(1, min(_ceil_div(GROWTH_MIN_POSITIONS, self.codec.group), have), have // GROWTH_DIVISOR)
         target = max(need, have + step)
-        budget = self.raw_budget_groups(like, self._host_length + like.shape[2])
-        return max(need, min(target, budget)) if budget - have >= max(1, have // GROWTH_DIVISOR) else target
+        codec, d, item = self.codec, like.shape[3], like.element_size()
+        if codec.group_bytes(d, like.dtype) >= codec.group * d * item:
+            return target
+        return max(need, min(target, self.raw_budget_groups(like, self._host_length + like.shape[2])))
 
     def prepare(self, like: torch.Tensor) -> None:
         """Allocate the storage for tokens shaped like ``like (B, H, T, D)`` if it is not there yet (static: the whole
@@ -191,11 +196,11 @@ class CodecStream:
             self._allocate(like, max(1, self._groups_for(t), min(self._groups_for(INITIAL_POSITIONS), budget)))
 
     def raw_budget_groups(self, like: torch.Tensor, length: int) -> int:
-        """Archive groups whose bytes, with the raw sink and tail rows and the mean, fit in what an uncompressed
-        stream of ``length`` tokens like ``like (B, H, T, D)`` takes per ``(batch, head)`` row (negative when even the
-        raw rows do not); the same for every batch size."""
+        """Archive groups whose bytes, with the raw sink and tail rows, the mean and the two 0-dim lengths, fit in what
+        an uncompressed stream of ``length`` tokens like ``like (B, H, T, D)`` takes per ``(batch, head)`` row
+        (negative when even the raw rows do not); the same for every batch size (the lengths counted in every row)."""
         codec, d, item = self.codec, like.shape[3], like.element_size()
-        fixed = d * ((codec.sinks + codec.tail_capacity) * item + (4 if codec.center else 0))
+        fixed = d * ((codec.sinks + codec.tail_capacity) * item + (4 if codec.center else 0)) + LENGTH_BYTES
         return (d * length * item - fixed) // codec.group_bytes(d, like.dtype)
 
     def check_new(self, x: torch.Tensor) -> None:

@@ -236,6 +236,44 @@ def test_bits_per_value_counts_raw_sinks_tail_and_mean():
     assert cache.bits_per_value() == pytest.approx((key_bits + value_bits) / (2 * 2 * n * d))
 
 
+def _fixed_rows_threshold(key, value, dtype: torch.dtype, d: int) -> int:
+    """The shortest length whose DynamicCache bytes cover what each stream holds however short it is: its raw sink
+    and tail rows (``window + G``), the fp32 mean, the two 0-dim lengths and one archive group."""
+    item = torch.empty((), dtype=dtype).element_size()
+
+    def fits(n: int, c) -> bool:
+        groups = max(1, -(-(n - c.sinks) // c.group))
+        fixed = d * ((c.sinks + c.tail_capacity) * item + (4 if c.center else 0)) + 16
+        return fixed + groups * c.group_bytes(d, dtype) <= n * d * item
+
+    return next(n for n in range(1, 10_000) if fits(n, key) and fits(n, value))
+
+
+@pytest.mark.parametrize("preset", ["int8", "4bit", "3bit", "2.5bit", "2bit"])
+def test_held_bytes_stay_within_a_dynamic_cache_past_the_fixed_raw_rows(preset):
+    """Every lossy preset, bf16 decode steps 1..512 (the first allocation, the doubling and two 1/16 steps) and fp32 /
+    bf16 prefills up to 2048 tokens: from the length where the raw rows fit, the stream never holds more bytes than
+    a DynamicCache of that length; before it, no more than at that length (benchmarks/results/held.json)."""
+    from flashcodec_fx.presets import preset_codecs
+
+    key, value = preset_codecs(preset, layer_idx=1)
+    d, heads = 8, 2
+    for dtype, lengths, decode in ((torch.bfloat16, range(1, 513), True),
+                                   (torch.float32, range(1, 2049, 47), False), (torch.bfloat16, [2048], False)):
+        item = torch.empty((), dtype=dtype).element_size()
+        threshold = _fixed_rows_threshold(key, value, dtype, d)
+        x = grid_data((1, heads, max(lengths), d), dtype, 3)
+        cache = CodecKVCache(key, value)
+        for n in lengths:
+            if decode:
+                cache.append(x[:, :, n - 1: n], x[:, :, n - 1: n])
+            else:
+                cache = CodecKVCache(key, value)
+                cache.append(x[:, :, :n], x[:, :, :n])
+            bound = 2 * heads * max(n, threshold) * d * item
+            assert cache.storage_bytes() <= bound, (preset, dtype, n, threshold, cache.storage_bytes(), bound)
+
+
 # ---------------------------------------------------------------------------------------------------- beams
 
 
