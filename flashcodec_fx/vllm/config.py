@@ -89,18 +89,19 @@ class PluginConfig:
     def layer_format(self, layer_idx: int, head_dim: int, dtype: torch.dtype) -> PageFormat:
         """Layer ``layer_idx``'s page format (ValueError naming ``FLASHCODEC_VLLM_PRESET`` for a head_dim the codes
         cannot hold)."""
-        name = self.preset_of(layer_idx)
+        return self._format(self.preset_of(layer_idx), layer_idx, head_dim, dtype)
+
+    def formats(self, head_dim: int, dtype: torch.dtype) -> list[PageFormat]:
+        """One format per distinct preset in use, the default's included (with layer 0's seeds: sizes do not depend
+        on the seed)."""
+        return [self._format(name, 0, head_dim, dtype) for name in sorted({self.preset, *self.layers.values()})]
+
+    def _format(self, name: str, layer_idx: int, head_dim: int, dtype: torch.dtype) -> PageFormat:
         try:
             return page_format(name, layer_idx, head_dim, dtype, self.anchors)
         except ValueError as err:
             raise ValueError(f"{ENV_PRESET}={self.preset} (layer {layer_idx}: {name}) cannot store this model's "
                              f"KV heads (head_dim={head_dim}, dtype={dtype}): {err}") from err
-
-    def formats(self, head_dim: int, dtype: torch.dtype) -> list[PageFormat]:
-        """One format per distinct preset in use (layer 0's seeds: sizes do not depend on the seed)."""
-        names = {self.preset, *self.layers.values()}
-        return [self.layer_format(next((i for i, n in self.layers.items() if n == name), 0), head_dim, dtype)
-                for name in sorted(names)]
 
     def state_content_bytes(self, head_dim: int, dtype: torch.dtype, block_size: int) -> int:
         """Bytes per (token, KV head) slot of every page: the largest format's."""

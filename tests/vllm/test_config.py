@@ -74,6 +74,8 @@ def test_every_page_is_the_largest_format():
     assert PluginConfig("3bit", {5: "2.5bit"}).state_content_bytes(64, dtype, 128) == alone
     assert PluginConfig("3bit", {5: "int8"}).state_content_bytes(64, dtype, 128) == 132
     assert PluginConfig("3bit", {0: RAW}).state_content_bytes(64, dtype, 128) == 256
+    # the default preset counts even where layer 0 has another: its layers' pages must hold it
+    assert PluginConfig("int8", {0: "3bit", 1: "4bit"}).state_content_bytes(64, dtype, 128) == 132
 
 
 def test_format_errors_name_the_preset():
