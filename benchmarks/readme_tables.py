@@ -187,6 +187,25 @@ def e2e_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*names)
 
 
+BUSY_RESULTS = ("e2e_cpu_busy_1thread", "e2e_cpu_busy")  # the same decode beside CPU-burning neighbours
+
+
+def e2e_busy_table() -> str:
+    """Eager decode beside CPU-burning neighbours (and without), 1 and 2 threads: each config's tok/s, its ratio to
+    the raw cache of the same run, and how much of the quiet run's ratio it keeps."""
+    lines = ["| threads | context | neighbour | config | tok/s | vs raw | ratio kept vs no neighbour |",
+             "|---|---|---|---|---|---|---|"]
+    for name in BUSY_RESULTS:
+        rows = [r for r in load(name)["rows"] if "error" not in r]
+        quiet = {(r["context"], r["config"]): r["tok_per_s_vs_raw"] for r in rows if r["neighbour"] == "none"}
+        for row in rows:
+            kept = row["tok_per_s_vs_raw"] / quiet[(row["context"], row["config"])]
+            lines.append(f"| {row['threads']} | {_context(row['context'])} | {row['neighbour']} | "
+                         f"{e2e_config(row['config'])} | {row['tok_per_s']:.2f} | {row['tok_per_s_vs_raw']:.2f}x | "
+                         f"{kept:.2f} |")
+    return "\n".join(lines) + "\n\n" + provenance(*BUSY_RESULTS)
+
+
 LOSSLESS_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -269,7 +288,7 @@ def vllm_quality_table() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
-    "e2e": e2e_table, "lossless": lossless_table, "disk": disk_table,
+    "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
     "vllm": vllm_table, "vllm-quality": vllm_quality_table,
 }
 
