@@ -26,8 +26,8 @@ def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
 
 
 def test_cuda_kernels_are_triton_exactly_where_triton_has_one():
-    """With Triton, the ops of ``triton_register.KERNELS`` (codec_attention, append) run Triton on CUDA, the others
-    the reference; without Triton, every op runs the reference."""
+    """With Triton, the ops of ``triton_register.KERNELS`` (every op) run Triton on CUDA; without Triton, every op
+    runs the reference."""
     registry = kernels.kernel_registry()
     triton = importlib.util.find_spec("triton") is not None
     on_triton = set()
@@ -35,7 +35,7 @@ def test_cuda_kernels_are_triton_exactly_where_triton_has_one():
         from flashcodec_fx.ops import triton_register
 
         on_triton = set(triton_register.KERNELS)
-        assert on_triton == {"flashcodec::append", "flashcodec::codec_attention"}
+        assert on_triton == set(kernels.OPS)
         for op, fn in triton_register.KERNELS.items():
             assert registry[op]["cuda"] == f"{fn.__module__}.{fn.__qualname__}"
     for op, by_device in registry.items():

@@ -24,9 +24,8 @@ def check_archive(name: str, codec: Codec, enc, head_dim: int, dtype: torch.dtyp
             raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
 
 
-def encode_reference(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor, torch.Tensor]:
-    """Encode ``x (B, H, NG * G, D)`` (tokens of complete groups) into ``(data, scale, zero, index)``."""
+def check_encode_args(x: torch.Tensor, spec: str, mean: torch.Tensor | None) -> Codec:
+    """Validate ``flashcodec::encode`` arguments (every kernel's launcher uses this); returns the codec."""
     codec = spec_codec("spec", spec)
     if x.dim() != 4 or x.shape[2] % codec.group:
         raise ValueError(f"x must be (B, H, S, D) with S a multiple of the group ({codec.group} tokens), got "
@@ -34,6 +33,14 @@ def encode_reference(x: torch.Tensor, spec: str, mean: torch.Tensor | None = Non
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     _check_mean(codec, mean, x.shape[0], x.shape[1], x.shape[3])
+    codec.check_head_dim(x.shape[3])
+    return codec
+
+
+def encode_reference(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor, torch.Tensor]:
+    """Encode ``x (B, H, NG * G, D)`` (tokens of complete groups) into ``(data, scale, zero, index)``."""
+    codec = check_encode_args(x, spec, mean)
     return tuple(t.contiguous() for t in codec.encode(x, mean))
 
 
@@ -52,15 +59,22 @@ def _(x, spec, mean=None):
     return tuple(x.new_empty(b, h, ng, *shape, dtype=dtype) for shape, dtype in codec.archive_shapes(d, x.dtype).values())
 
 
-def decode_reference(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
-           dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
-    """Rebuild ``(B, H, NG * G, D)`` in ``dtype`` from stored groups."""
+def check_decode_args(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
+                      dtype: torch.dtype, mean: torch.Tensor | None) -> tuple[Codec, int]:
+    """Validate ``flashcodec::decode`` arguments (every kernel's launcher uses this); returns the codec and head_dim."""
     codec = spec_codec("spec", spec)
     enc = Encoded(data, scale, zero, index)
     d = codec.head_dim_of(enc)
     check_archive("archive", codec, enc, d, dtype)
     _check_mean(codec, mean, data.shape[0], data.shape[1], d)
-    return codec.decode(enc, dtype, mean).contiguous()
+    return codec, d
+
+
+def decode_reference(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
+           dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild ``(B, H, NG * G, D)`` in ``dtype`` from stored groups."""
+    codec, _ = check_decode_args(data, scale, zero, index, spec, dtype, mean)
+    return codec.decode(Encoded(data, scale, zero, index), dtype, mean).contiguous()
 
 
 @torch.library.custom_op("flashcodec::decode", mutates_args=())

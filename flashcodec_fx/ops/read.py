@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import Encoded
+from ..codecs import Codec, Encoded
 from .state import StreamState, capacity, check_state, spec_codec
 
 
@@ -22,11 +22,17 @@ def check_new(name: str, state, new: torch.Tensor | None) -> None:
                          f"{tuple(new.shape)}")
 
 
-def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
-    """``(B, H, capacity, D)`` in the stream dtype: position ``p`` holds what attention reads there."""
+def check_read_args(state: list[torch.Tensor], spec: str, new: torch.Tensor | None) -> tuple[Codec, StreamState]:
+    """Validate ``flashcodec::read`` arguments (every kernel's launcher uses this); returns the codec and state."""
     codec = spec_codec("spec", spec)
     st = check_state("state", codec, state)
     check_new("new", st, new)
+    return codec, st
+
+
+def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, H, capacity, D)`` in the stream dtype: position ``p`` holds what attention reads there."""
+    codec, st = check_read_args(state, spec, new)
     dev, length = st.tail.device, st.length
     archive = codec.decode(Encoded(*st[:4]), st.tail.dtype, st.mean)
     view = torch.cat([st.sink, archive], dim=2)

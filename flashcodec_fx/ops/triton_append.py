@@ -51,7 +51,6 @@ from .triton_common import (
     KIND_INT,
     KIND_LLOYD,
     KIND_UNIFORM,
-    MAX_GROUP_TOKENS,
     N_LLOYD,
     N_SHRINK,
     PRUNED_ROWS,
@@ -60,6 +59,7 @@ from .triton_common import (
     ROW_KIND,
     ROW_ZERO_SLOT,
     StreamForm,
+    check_group_tokens,
     check_triton_limits,
     float_rows,
     level_values,
@@ -510,11 +510,13 @@ def _intake_kernel(sink, mean, memo, len_ptr, new, sn0, sn1, sn2, sn3, H, T, MEM
 
 
 @triton.jit
-def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3,
-                   rot, rows_t, levels, analysis, factors, H, NG, T, F: tl.constexpr, E: tl.constexpr):
-    """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of group ``k`` of the work buffer (the whole head_dim
-    for token-axis codes, whose scales span it), encoded and stored in its archive slot when the append archives
-    it (:func:`_archives`); else nothing."""
+def encode_group(ST, TB, tail, new, NS, b, h, bh, k, grp, c0, start, length, T, F: tl.constexpr, E: tl.constexpr):
+    """Encode channels ``c0 .. c0 + DC - 1`` of group ``k`` of the work buffer (rows ``start + k * G ..``:
+    :func:`_work_rows` of ``tail`` and the ``T`` tokens of ``new``, strides ``NS``) and store them in linear archive
+    group ``grp``: centered, rotated, DCT or png deltas, quantized and packed. ``ST``: the archive's pointers
+    ``(data, scale, zero, index, mean)``; ``TB``: the tables ``(rotation, rows, levels, analysis, factors)``."""
+    data, scale, zero, index, mean = ST
+    rot, rows_t, levels, analysis, factors = TB
     R: tl.constexpr = F[F_R]
     G: tl.constexpr = R * F[F_GROUP_BLOCKS]
     TAIL: tl.constexpr = F[F_TAIL]
@@ -531,50 +533,56 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
     GB: tl.constexpr = F[F_GROUP_BLOCKS]
     # the DCT block by block (:func:`_analysis_blocks`) when the group's blocks fill the tiles exactly
     BLOCKWISE: tl.constexpr = (GB > 1) & (GB * R == GP) & (GB * F[F_DENSE_P] == E[E_RP])
+    w = tl.arange(0, GP)[:, None]
+    dd = c0 + tl.arange(0, DC)[None, :]
+    row = k * G + w
+    in_group = w < G
+    if ROTATE:
+        # centered then rotated: (x - mean) @ R^T, this chunk's output channels, all input channels by chunks
+        x = tl.zeros((GP, DC), tl.float32)
+        for c in tl.static_range(DP // RC):
+            di = c * RC + tl.arange(0, RC)
+            xc = _work_rows(tail, new, NS, b, h, bh, row, di[None, :], in_group, start, length, T, TAIL, D)
+            if CENTER:
+                xc -= tl.load(mean + bh * D + di, mask=di < D, other=0.0)[None, :]
+            rt = tl.load(rot + dd * D + di[:, None], mask=(di[:, None] < D) & (dd < D), other=0.0)
+            x += tl.dot(tl.where(in_group & (di[None, :] < D), xc, 0.0), rt, input_precision="ieee")
+    else:
+        x = _work_rows(tail, new, NS, b, h, bh, row, dd, in_group, start, length, T, TAIL, D)
+        if CENTER:
+            x = tl.where(in_group & (dd < D), x - tl.load(mean + bh * D + dd, mask=dd < D, other=0.0), 0.0)
+    if IS_JPEG:
+        if R == 1:
+            coef = x
+        elif BLOCKWISE:
+            coef = _analysis_blocks(x, analysis, F, E)
+        else:
+            coef = tl.dot(_block_matrix(analysis, F, E, False), x, input_precision="ieee")
+        if QUANT:
+            _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F, E)
+        else:
+            jr = tl.arange(0, E[E_RP])[:, None]
+            tl.store(data + (grp * K + jr) * D + dd, coef.to(data.dtype.element_ty), mask=(jr < K) & (dd < D))
+    else:
+        prev = _work_rows(tail, new, NS, b, h, bh, row - 1, dd, in_group & (w >= 1), start, length, T, TAIL, D)
+        _png_rows(x, prev, w, dd, c0 + tl.arange(0, DC), data, index, grp, F, E)
+
+
+@triton.jit
+def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3,
+                   rot, rows_t, levels, analysis, factors, H, NG, T, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of group ``k`` of the work buffer (the whole head_dim
+    for token-axis codes, whose scales span it), encoded (:func:`encode_group`) and stored in its archive slot when
+    the append archives it (:func:`_archives`); else nothing."""
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
-    c0 = tl.program_id(2) * DC
-    b = bh // H
-    h = bh % H
     length = tl.load(len_ptr)
     start = tl.load(start_ptr)
     write, slot = _archives(start, length, T, k, NG, F, E)
     if write:
-        grp = bh * NG + slot
-        NS = (sn0, sn1, sn2, sn3)
-        w = tl.arange(0, GP)[:, None]
-        dd = c0 + tl.arange(0, DC)[None, :]
-        row = k * G + w
-        in_group = w < G
-        if ROTATE:
-            # centered then rotated: (x - mean) @ R^T, this chunk's output channels, all input channels by chunks
-            x = tl.zeros((GP, DC), tl.float32)
-            for c in tl.static_range(DP // RC):
-                di = c * RC + tl.arange(0, RC)
-                xc = _work_rows(tail, new, NS, b, h, bh, row, di[None, :], in_group, start, length, T, TAIL, D)
-                if CENTER:
-                    xc -= tl.load(mean + bh * D + di, mask=di < D, other=0.0)[None, :]
-                rt = tl.load(rot + dd * D + di[:, None], mask=(di[:, None] < D) & (dd < D), other=0.0)
-                x += tl.dot(tl.where(in_group & (di[None, :] < D), xc, 0.0), rt, input_precision="ieee")
-        else:
-            x = _work_rows(tail, new, NS, b, h, bh, row, dd, in_group, start, length, T, TAIL, D)
-            if CENTER:
-                x = tl.where(in_group & (dd < D), x - tl.load(mean + bh * D + dd, mask=dd < D, other=0.0), 0.0)
-        if IS_JPEG:
-            if R == 1:
-                coef = x
-            elif BLOCKWISE:
-                coef = _analysis_blocks(x, analysis, F, E)
-            else:
-                coef = tl.dot(_block_matrix(analysis, F, E, False), x, input_precision="ieee")
-            if QUANT:
-                _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F, E)
-            else:
-                jr = tl.arange(0, E[E_RP])[:, None]
-                tl.store(data + (grp * K + jr) * D + dd, coef.to(data.dtype.element_ty), mask=(jr < K) & (dd < D))
-        else:
-            prev = _work_rows(tail, new, NS, b, h, bh, row - 1, dd, in_group & (w >= 1), start, length, T, TAIL, D)
-            _png_rows(x, prev, w, dd, c0 + tl.arange(0, DC), data, index, grp, F, E)
+        encode_group((data, scale, zero, index, mean), (rot, rows_t, levels, analysis, factors), tail, new,
+                     (sn0, sn1, sn2, sn3), bh // H, bh % H, bh, k, bh * NG + slot, tl.program_id(2) * E[E_DC], start,
+                     length, T, F, E)
 
 
 @triton.jit
@@ -656,11 +664,14 @@ def _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, c0, F: tl.const
 
 
 @triton.jit
-def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
-                 MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
-    """Program ``(bh, k, chunk)``: when group ``k`` was archived by this append, output channels ``chunk * RC ..`` of
-    its decoded rows (what ``codec.decode`` rebuilds from the stored form: ``A @ S`` per block, rotated back from
-    every input chunk, mean added) into the memo."""
+def decode_group(ST, TB, bh, grp, chunk, F: tl.constexpr, E: tl.constexpr):
+    """Output channels ``dc = chunk * RC ..`` of linear archive group ``grp`` decoded from its stored form (what
+    ``codec.decode`` rebuilds: ``A @ S`` per block, rotated back from every input chunk, the mean of head ``bh``
+    added). ``ST``: ``(data, scale, zero, index, mean)`` pointers; ``TB``: the tables ``(synthesis, rotation, rows,
+    levels)``. Returns ``(rows (W, RC) fp32, w (W, 1): each row's position in the group (>= G: padding), dc (1,
+    RC))``."""
+    data, scale, zero, index, mean = ST
+    syn, rot, rows_t, levels = TB
     R: tl.constexpr = F[F_R]
     G: tl.constexpr = R * F[F_GROUP_BLOCKS]
     D: tl.constexpr = E[E_D]
@@ -668,39 +679,50 @@ def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, 
     RC: tl.constexpr = E[E_RC]
     # a group of several blocks of R > 1 positions (channel-axis codes only): decoded block by block
     BLOCKWISE: tl.constexpr = (F[F_GROUP_BLOCKS] > 1) & (R > 1)
+    dc = chunk * RC + tl.arange(0, RC)
+    if BLOCKWISE:
+        c = tl.arange(0, E[E_GBP] * E[E_RPP])
+        w = tl.where(c % E[E_RPP] < R, c // E[E_RPP] * R + c % E[E_RPP], G)[:, None]
+    else:
+        w = tl.arange(0, E[E_GP])[:, None]
+    if F[F_ROTATE]:
+        # back in the stream's space: xs @ R, this chunk's output channels, summed over the input chunks
+        out = tl.zeros((w.shape[0], RC), tl.float32)
+        for c in tl.static_range(DP // RC):
+            di = c * RC + tl.arange(0, RC)
+            r = tl.load(rot + di[:, None] * D + dc[None, :], mask=(di[:, None] < D) & (dc[None, :] < D), other=0.0)
+            if BLOCKWISE:
+                xs = _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, c * RC, F, E)
+            else:
+                xs = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c * RC, F, E)
+            out += tl.dot(xs, r, input_precision="ieee")
+    elif BLOCKWISE:
+        out = _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, chunk * RC, F, E)
+    else:
+        out = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, chunk * RC, F, E)
+    if F[F_CENTER]:
+        out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
+    return out, w, dc[None, :]
+
+
+@triton.jit
+def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, rot, rows_t, levels, NG, T,
+                 MEMO_CAP, F: tl.constexpr, E: tl.constexpr):
+    """Program ``(bh, k, chunk)``: when group ``k`` was archived by this append, output channels ``chunk * RC ..`` of
+    its decoded rows (:func:`decode_group`) into the memo."""
+    G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
+    D: tl.constexpr = E[E_D]
     bh = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
-    dc = tl.program_id(2) * RC + tl.arange(0, RC)
     length = tl.load(len_ptr)
     start = tl.load(start_ptr)
     write, slot = _archives(start, length, T, k, NG, F, E)
     if write:
-        grp = bh * NG + slot
-        if BLOCKWISE:
-            c = tl.arange(0, E[E_GBP] * E[E_RPP])
-            w = tl.where(c % E[E_RPP] < R, c // E[E_RPP] * R + c % E[E_RPP], G)[:, None]
-        else:
-            w = tl.arange(0, E[E_GP])[:, None]
-        if F[F_ROTATE]:
-            # back in the stream's space: xs @ R, this chunk's output channels, summed over the input chunks
-            out = tl.zeros((w.shape[0], RC), tl.float32)
-            for c in tl.static_range(DP // RC):
-                di = c * RC + tl.arange(0, RC)
-                r = tl.load(rot + di[:, None] * D + dc[None, :], mask=(di[:, None] < D) & (dc[None, :] < D), other=0.0)
-                if BLOCKWISE:
-                    xs = _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, c * RC, F, E)
-                else:
-                    xs = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c * RC, F, E)
-                out += tl.dot(xs, r, input_precision="ieee")
-        elif BLOCKWISE:
-            out = _decoded_blocks(data, scale, zero, syn, rows_t, levels, grp, tl.program_id(2) * RC, F, E)
-        else:
-            out = _decoded(data, scale, zero, index, syn, rows_t, levels, grp, tl.program_id(2) * RC, F, E)
-        if F[F_CENTER]:
-            out += tl.load(mean + bh * D + dc, mask=dc < D, other=0.0)[None, :]
+        out, w, dc = decode_group((data, scale, zero, index, mean), (syn, rot, rows_t, levels), bh, bh * NG + slot,
+                                  tl.program_id(2), F, E)
         pos = F[F_SINKS] + slot * G + w
-        dst = memo + (bh * MEMO_CAP + pos) * D + dc[None, :]
-        tl.store(dst, out.to(memo.dtype.element_ty), mask=(w < G) & (pos < MEMO_CAP) & (dc[None, :] < D))
+        dst = memo + (bh * MEMO_CAP + pos) * D + dc
+        tl.store(dst, out.to(memo.dtype.element_ty), mask=(w < G) & (pos < MEMO_CAP) & (dc < D))
 
 
 @triton.jit
@@ -750,9 +772,7 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     codec, st = check_append_args(state, new, spec, memo)
     b, h, t, d = new.shape
     check_triton_limits(codec, d)
-    if codec.group > MAX_GROUP_TOKENS:
-        raise ValueError(f"spec: the Triton append encodes groups of <= {MAX_GROUP_TOKENS} tokens (one group per "
-                         f"program), got {codec.group}")
+    check_group_tokens(codec, "append")
     require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
     if t == 0 or b * h == 0:
         return

@@ -26,7 +26,7 @@ MAX_BLOCK_SIZE = 64  # a block's rows and a tile's positions live in registers
 MAX_PRUNED_BLOCK_SIZE = 16  # pruned png scatters its deltas with one unrolled loop per kept delta
 MAX_HEAD_DIM = 256  # one program holds a tile's whole head_dim
 MAX_TILE_POSITIONS = 256  # positions of one attention tile: a multiple of lcm(block_size_k, block_size_v)
-MAX_GROUP_TOKENS = 128  # the append's encode holds one archive group in registers
+MAX_GROUP_TOKENS = 128  # the group encode / decode hold one archive group in registers
 # The scale search's clipping factors (``quant.SHRINK_FACTORS`` / ``LLOYD_FACTORS``): slots a kernel loops over, counts
 FACTOR_SLOTS: tl.constexpr = tl.constexpr(8)
 N_SHRINK: tl.constexpr = tl.constexpr(len(SHRINK_FACTORS))
@@ -92,6 +92,14 @@ def check_triton_limits(codec: Codec, head_dim: int, name: str = "spec") -> None
                          f"{MAX_PRUNED_BLOCK_SIZE}, got {r}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def check_group_tokens(codec: Codec, op: str) -> None:
+    """Raise a ValueError when ``codec``'s archive group exceeds what the group kernels hold in registers
+    (:data:`MAX_GROUP_TOKENS`: one group per program; ``op`` names the launcher's op)."""
+    if codec.group > MAX_GROUP_TOKENS:
+        raise ValueError(f"spec: the Triton {op} takes groups of <= {MAX_GROUP_TOKENS} tokens (one group per "
+                         f"program), got {codec.group}")
 
 
 def form_of(codec: Codec) -> int:

@@ -1,12 +1,14 @@
 """Registers the Triton launchers as the CUDA kernels of the ``torch.ops.flashcodec`` ops they implement, behind a
 capability gate, and makes their device tables when a stream allocates (``ops.warm``).
 
-``KERNELS`` lists the ops with a Triton kernel; the others (and every op on CPU) keep the plain-torch reference,
-which runs on CUDA tensors as well (docs/triton.md says which and why). The launchers themselves can be called on
-CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them against the reference). Every codec
-within the Triton limits (``triton_common``) is served by Triton on CUDA devices of compute capability 8.0 or newer
-(bf16 dots and tf32x3 need it). An older device gets the reference ops, decided per call from the tensor's device
-(cached per device) with one warning per device: never a Triton kernel it cannot run.
+``KERNELS`` lists the ops with a Triton kernel: every op (append, codec_attention, encode, decode, read). CPU tensors
+keep the C++ kernels or the plain-torch reference; CUDA tensors get the reference where the fast kernels do not know
+the codec or the head_dim (``state.fast_kernels_serve``; ``HEAD_DIM`` says where each op's head_dim is). The
+launchers themselves can be called on CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them
+against the reference). Every codec within the Triton limits (``triton_common``) is served by Triton on CUDA devices
+of compute capability 8.0 or newer (bf16 dots and tf32x3 need it). An older device gets the reference ops, decided
+per call from the tensor's device (cached per device) with one warning per device: never a Triton kernel it cannot
+run.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from collections.abc import Callable
 import torch
 
 from .. import _compat
-from .state import fast_kernels_serve
+from ..codecs import Encoded, codec_from_spec
+from .state import StreamState, fast_kernels_serve
 from .triton_append import triton_append
 from .triton_attention import triton_codec_attention
+from .triton_blocks import triton_decode, triton_encode
 from .triton_common import warm_tables
+from .triton_read import triton_read
 from .warm import WARMERS
 
 MIN_CAPABILITY = (8, 0)  # sm_80: bf16 tensor-core dots and tf32x3
@@ -29,6 +34,9 @@ MIN_CAPABILITY = (8, 0)  # sm_80: bf16 tensor-core dots and tf32x3
 KERNELS = {
     "flashcodec::append": triton_append,
     "flashcodec::codec_attention": triton_codec_attention,
+    "flashcodec::encode": triton_encode,
+    "flashcodec::decode": triton_decode,
+    "flashcodec::read": triton_read,
 }
 
 _capability = torch.cuda.get_device_capability  # (major, minor) of a CUDA device index; the tests fake it
@@ -52,18 +60,50 @@ def kernel_choice(device: torch.device) -> str:
     return "reference"
 
 
-def gated(triton_fn: Callable, reference_fn: Callable) -> Callable:
+def leading_head_dim(args: tuple) -> int:
+    """``D`` of the first tensor argument, ``(B, H, T, D)``: q (codec_attention), the new tokens (append), x
+    (encode)."""
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    return first.shape[3] if first.dim() == 4 else 1  # another rank: the reference validates and raises
+
+
+def archive_head_dim(args: tuple) -> int:
+    """``D`` of decode's stored groups ``(data, scale, zero, index, spec, ...)`` (``data (B, H, NG, *group)``: the
+    codec says how its last dimension holds ``D``)."""
+    data, scale, zero, index, spec = args[:5]
+    if data.dim() < 4 or not fast_kernels_serve(spec):  # a bad spec or rank: the reference validates and raises
+        return 1
+    return codec_from_spec(spec).head_dim_of(Encoded(data, scale, zero, index))
+
+
+def state_head_dim(args: tuple) -> int:
+    """``D`` of read's stream state (its tail ``(B, H, window + G, D)``)."""
+    state = args[0]
+    tail = state[StreamState._fields.index("tail")] if len(state) == len(StreamState._fields) else None
+    return tail.shape[3] if tail is not None and tail.dim() == 4 else 1
+
+
+HEAD_DIM = {  # how each op's head_dim is read from its arguments (the fast kernels take multiples of 8)
+    "flashcodec::append": leading_head_dim,
+    "flashcodec::codec_attention": leading_head_dim,
+    "flashcodec::encode": leading_head_dim,
+    "flashcodec::decode": archive_head_dim,
+    "flashcodec::read": state_head_dim,
+}
+
+
+def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple], int] = leading_head_dim
+          ) -> Callable:
     """The CUDA kernel of one op: ``triton_fn`` or ``reference_fn`` by :func:`kernel_choice` of the first tensor
-    argument's device (tensor lists, the stream states, included)."""
+    argument's device (tensor lists, the stream states, included); the reference where the fast kernels do not know
+    the op's specs or its ``head_dim(args)``."""
 
     @functools.wraps(triton_fn)
     def kernel(*args, **kwargs):
         device = next(a.device if isinstance(a, torch.Tensor) else a[0].device for a in args
                       if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
                                                          and isinstance(a[0], torch.Tensor)))
-        first = next(a for a in args if isinstance(a, torch.Tensor))  # q or the new tokens
-        head_dim = first.shape[3] if first.dim() == 4 else 1  # another rank: the reference validates and raises
-        known = fast_kernels_serve(*(a for a in args if isinstance(a, str)), head_dim=head_dim)
+        known = fast_kernels_serve(*(a for a in args if isinstance(a, str)), head_dim=head_dim(args))
         fn = triton_fn if known and kernel_choice(torch.device(device)) == "triton" else reference_fn
         return fn(*args, **kwargs)
 
@@ -72,4 +112,5 @@ def gated(triton_fn: Callable, reference_fn: Callable) -> Callable:
 
 WARMERS.append(warm_tables)
 for _name, _kernel in KERNELS.items():
-    torch.library.register_kernel(_name, "cuda", gated(_kernel, _compat.custom_op_kernels(_name)[None]))
+    torch.library.register_kernel(_name, "cuda", gated(_kernel, _compat.custom_op_kernels(_name)[None],
+                                                       HEAD_DIM[_name]))

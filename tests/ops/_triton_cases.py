@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from flashcodec_fx.codecs import Codec, make_codec  # noqa: E402
+from flashcodec_fx.codecs import Codec, Encoded, PNGCodec, make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.append import append_reference  # noqa: E402
 from flashcodec_fx.presets import preset_codecs as _preset_codecs  # noqa: E402
@@ -90,6 +90,31 @@ def stored_state(codec: Codec, x: torch.Tensor, groups: int, chunks: list[int] |
         append_reference(state, x[:, :, pos: pos + n].contiguous(), codec.spec)
         pos += n
     return state
+
+
+def same_archive(codec: Codec, got, want, d: int, dtype: torch.dtype) -> None:
+    """Two stored forms ``(data, scale, zero, index)`` of the same groups agree as two group encodes may: quantized
+    codes in >= 99% of places, scales likewise (a code may land one step apart where an fp32 sum in another order
+    hits a rounding tie, and the clipping search may pick another factor where two errors tie), every dense stored
+    row within one quantization step; float rows within a rounding of the stream dtype (png deltas exactly; pruned
+    png: its kept deltas compared as sorted magnitudes, since equal magnitudes may keep another position)."""
+    rows_got = codec.stored_rows(Encoded(*got[:4]), d)
+    rows_want = codec.stored_rows(Encoded(*want[:4]), d)
+    q = codec.quantizer
+    if q is None:
+        tol = 0.0 if isinstance(codec, PNGCodec) else {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        if codec.index_rows:  # pruned png: kept deltas in another order; equal magnitudes may keep another position
+            torch.testing.assert_close(rows_got.abs().sort(-2).values, rows_want.abs().sort(-2).values, atol=tol,
+                                       rtol=tol)
+        else:
+            torch.testing.assert_close(rows_got, rows_want, atol=tol, rtol=tol)
+        return
+    codes_equal = (q.codes(got[0], d) == q.codes(want[0], d)).float().mean()
+    assert codes_equal >= 0.99, f"only {float(codes_equal):.3f} of the codes agree"
+    assert (got[1] == want[1]).float().mean() >= 0.99
+    step = float(want[1].float().abs().amax()) * 2.0 ** -1  # half the widest step, times the widest level gap below
+    gap = max(float((q.level_rows()[:, 1:] - q.level_rows()[:, :-1]).abs().max()), 1.0)
+    torch.testing.assert_close(rows_got, rows_want, atol=2 * step * gap, rtol=1e-5)
 
 
 def to(device: str, *tensors):

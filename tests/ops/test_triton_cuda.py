@@ -31,7 +31,7 @@ def _cuda(args):
 
 @pytest.mark.parametrize("op", ["encode", "decode", "read", "append", "codec_attention"])
 def test_cuda_kernels_are_registered(op):
-    """Triton serves append and codec_attention on CUDA; encode / decode / read run the reference there."""
+    """Triton serves every op on CUDA (encode, decode, read, append, codec_attention)."""
     name = f"flashcodec::{op}"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") == (name in KERNELS)
 
