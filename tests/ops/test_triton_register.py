@@ -66,6 +66,65 @@ def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch, device):
     assert seen == [torch.device(device)]
 
 
+def _op_args(op: str, d: int, device: str) -> list[tuple]:
+    """Calls of ``op`` at head_dim ``d`` (int8 codes: the stored groups' last dimension is packed bytes)."""
+    codec = form("int8")
+    x = smooth(1, 2, 2 * codec.group, d, torch.float32, "cpu", 3)
+    if op == "flashcodec::encode":
+        return [(x.to(device), codec.spec, None)]
+    if op == "flashcodec::decode":
+        return [(*(t.to(device) for t in codec.encode(x)), codec.spec, torch.float32, None)]
+    state = [t.to(device) for t in stored_state(codec, x, 3)]
+    return [(state, codec.spec), (state, codec.spec, x[:, :, -1:].to(device))]  # read, with and without new tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["flashcodec::encode", "flashcodec::decode", "flashcodec::read"])
+def test_each_op_is_gated_on_its_own_head_dim(monkeypatch, device, op):
+    """The op has a CUDA kernel (``KERNELS``); the gate reads each op's head_dim where that op holds it (encode:
+    x; decode: the stored groups, whose last dimension is packed bytes; read: the state's tail, with or without new
+    tokens): head_dim 16 runs the Triton launcher (bit for bit), 12 the reference (the fast kernels take multiples of
+    8), and so do a bad spec and a tensor of the wrong rank, which the reference names."""
+    from flashcodec_fx.ops.blocks import decode_reference, encode_reference
+    from flashcodec_fx.ops.read import read_reference
+
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    reference = {"flashcodec::encode": encode_reference, "flashcodec::decode": decode_reference,
+                 "flashcodec::read": read_reference}[op]
+    launcher = triton_register.KERNELS[op]
+    kernel = triton_register.gated(launcher, reference, triton_register.HEAD_DIM[op])
+    assert kernel.__qualname__ == launcher.__qualname__
+    monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "triton")
+    ran = []
+
+    def recorded(name, fn):
+        def call(*args):
+            ran.append(name)
+            return fn(*args)
+        return call
+
+    spy = triton_register.gated(recorded("triton", launcher), recorded("reference", reference),
+                                triton_register.HEAD_DIM[op])
+    for d, want in ((16, "triton"), (12, "reference")):
+        for args in _op_args(op, d, device):
+            ran.clear()
+            got = spy(*args)
+            assert ran == [want]
+            direct = (launcher if want == "triton" else reference)(*args)
+            if op != "flashcodec::encode":
+                got, direct = (got,), (direct,)
+            assert all(torch.equal(a, b) for a, b in zip(got, direct, strict=True))
+    args = _op_args(op, 16, device)[0]
+    spec_at = next(i for i, a in enumerate(args) if isinstance(a, str))
+    bad_spec = (*args[:spec_at], "jpeg;bad", *args[spec_at + 1:])
+    bad_rank = (args[0][:6] if op == "flashcodec::read" else args[0][0, 0], *args[1:])  # 6 state tensors; another rank
+    for wrong, match in ((bad_spec, "spec: "), (bad_rank, "must")):
+        ran.clear()
+        with pytest.raises((ValueError, TypeError), match=match):
+            spy(*wrong)
+        assert ran == ["reference"]
+
+
 def test_a_stream_creates_its_kernel_tables_when_it_allocates():
     """The first kernel call inside a CUDA-graph capture must find the kernels' tables (synthesis, rotation, row
     table, level tables) on the device already: the stream creates them with its storage (``ops.warm``), and the
