@@ -8,10 +8,13 @@ process of its own; vLLM spawns its engine and worker processes (hence the ``__m
 
 - ``greedy``: prompts (text or token ids), ``tokens`` greedy tokens each (EOS ignored), with every step's top-two
   logprobs and the prompt's cached (prefix-hit) tokens;
-- ``prefix``: ``[a, b]``: a, then b (hits a's shared pages), then b again after ``reset_prefix_cache`` (no hit);
+- ``prefix``: ``[a, b]``: a, then b (hits a's shared pages), then b again after ``reset_prefix_cache`` (no hit),
+  ``prefix_tokens`` greedy tokens each (default ``tokens``);
 - ``preempt``: ``{"prompts", "tokens"}``: each prompt alone, then all at once, and the preemptions vLLM counted;
 - ``ppl``: ``{"windows": [[ids]], "score_from": k}``: each window's prompt logprobs, summed over positions >= k;
 - ``throughput``: ``{"prompts": [[ids]], "tokens": n}``: one offline batch, its wall time and token counts.
+
+The result also holds the engine's start-up time and each workload's seconds (``seconds``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ def greedy(llm: Any, prompts: list[str | list[int]], tokens: int) -> list[dict]:
 
 def preemptions(llm: Any) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def prefix_hits(llm: Any, prompts: list[list[int]], tokens: int) -> dict:
+    """``a``, then ``b`` (hitting a's shared pages), then ``b`` again on an empty prefix cache."""
+    first = greedy(llm, prompts[:1], tokens)[0]
+    shared = greedy(llm, prompts[1:], tokens)[0]
+    llm.reset_prefix_cache()
+    fresh = greedy(llm, prompts[1:], tokens)[0]
+    return {"first": first, "shared": shared, "fresh": fresh}
+
+
+def preempt(llm: Any, prompts: list[str], tokens: int) -> dict:
+    """Each prompt alone, then all at once, and the preemptions vLLM counted in the batch."""
+    solo = [greedy(llm, [p], tokens)[0] for p in prompts]
+    before = preemptions(llm)
+    together = greedy(llm, prompts, tokens)
+    return {"solo": solo, "together": together, "preemptions": preemptions(llm) - before}
 
 
 def prompt_nll(llm: Any, windows: list[list[int]], score_from: int) -> dict:
@@ -69,25 +89,24 @@ def main(job: dict) -> dict:
     llm = LLM(model=job["model"], enforce_eager=True, disable_log_stats=False, seed=0, **job.get("llm", {}))
     config = llm.llm_engine.vllm_config.cache_config
     out: dict[str, Any] = {"start_seconds": time.perf_counter() - start, "blocks": config.num_gpu_blocks,
-                           "block_size": config.block_size}
+                           "block_size": config.block_size, "seconds": {}}
+    tokens = job.get("tokens", 32)
+
+    def timed(name: str, fn) -> None:
+        begin = time.perf_counter()
+        out[name] = fn()
+        out["seconds"][name] = time.perf_counter() - begin
+
     if "greedy" in job:
-        out["greedy"] = greedy(llm, job["greedy"], job.get("tokens", 32))
+        timed("greedy", lambda: greedy(llm, job["greedy"], tokens))
     if "prefix" in job:
-        first = greedy(llm, job["prefix"][:1], job.get("tokens", 32))[0]
-        shared = greedy(llm, job["prefix"][1:], job.get("tokens", 32))[0]
-        llm.reset_prefix_cache()
-        fresh = greedy(llm, job["prefix"][1:], job.get("tokens", 32))[0]
-        out["prefix"] = {"first": first, "shared": shared, "fresh": fresh}
+        timed("prefix", lambda: prefix_hits(llm, job["prefix"], job.get("prefix_tokens", tokens)))
     if "preempt" in job:
-        spec = job["preempt"]
-        solo = [greedy(llm, [p], spec["tokens"])[0] for p in spec["prompts"]]
-        before = preemptions(llm)
-        together = greedy(llm, spec["prompts"], spec["tokens"])
-        out["preempt"] = {"solo": solo, "together": together, "preemptions": preemptions(llm) - before}
+        timed("preempt", lambda: preempt(llm, job["preempt"]["prompts"], job["preempt"]["tokens"]))
     if "ppl" in job:
-        out["ppl"] = prompt_nll(llm, job["ppl"]["windows"], job["ppl"]["score_from"])
+        timed("ppl", lambda: prompt_nll(llm, job["ppl"]["windows"], job["ppl"]["score_from"]))
     if "throughput" in job:
-        out["throughput"] = throughput(llm, job["throughput"]["prompts"], job["throughput"]["tokens"])
+        timed("throughput", lambda: throughput(llm, job["throughput"]["prompts"], job["throughput"]["tokens"]))
     return out
 
 

@@ -1,9 +1,11 @@
 """The plugin inside vLLM's offline engine on SmolLM2 (every layer on flashcodec pages) against stock vLLM: greedy
-tokens, prefix caching, preemption and recompute. One engine per configuration, shared by the module's tests."""
+tokens, prefix caching, preemption and recompute. One engine per configuration (the two run at once), shared by the
+module's tests."""
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,8 +23,10 @@ NEAR_TIE = 0.3  # nats between stock's top two tokens: one rounding of bf16 logi
 PREFIX = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
           "once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations "
           "in it, 'and what is the use of a book,' thought Alice 'without pictures or conversations?' ") * 3
+PREFIX_TOKENS = 16
+PAGES = 15  # of 32 tokens, one of them vLLM's null page: max_model_len's 448 tokens, fewer than the preemption batch needs
 PREEMPT = {"prompts": [f"Story {i}: once upon a time, a robot named Unit {i} woke up in a field of flowers." * 4
-                       for i in range(4)], "tokens": 96}
+                       for i in range(4)], "tokens": 48}
 
 
 def prefix_prompts() -> list[list[int]]:
@@ -36,8 +40,8 @@ def prefix_prompts() -> list[list[int]]:
     return [shared + tokenizer(" Then she")["input_ids"], shared + tokenizer(" Suddenly a")["input_ids"]]
 
 
-def run_engine(preset: str | None) -> dict:
-    """Run one engine job: pages of 32 tokens, a cache of 16 pages (too small for the preemption batch at once),
+def run_engine(preset: str | None, prefix: list[list[int]]) -> dict:
+    """Run one engine job: pages of 32 tokens, a cache of PAGES pages (too small for the preemption batch at once),
     prefill chunks of CHUNK tokens."""
     from flashcodec_fx.pretrained import model_folder
 
@@ -45,20 +49,29 @@ def run_engine(preset: str | None) -> dict:
     if preset is not None:
         env[ENV_PRESET] = preset
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    llm = {"block_size": 32, "num_gpu_blocks_override": 16, "max_model_len": 448, "max_num_batched_tokens": CHUNK,
+    llm = {"block_size": 32, "num_gpu_blocks_override": PAGES, "max_model_len": 448, "max_num_batched_tokens": CHUNK,
            "max_num_seqs": 8}
     return run_job({"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": TOKENS,
-                    "prefix": prefix_prompts(), "preempt": PREEMPT}, env, timeout=900)
+                    "prefix": prefix, "prefix_tokens": PREFIX_TOKENS, "preempt": PREEMPT}, env, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def stock() -> dict:
-    return run_engine(None)
+def engines() -> dict[str, dict]:
+    """Stock vLLM's and the int8 plugin's engine jobs, run side by side (each mostly waits on its own processes)."""
+    prefix = prefix_prompts()  # tokenized once, here: transformers' lazy imports are not thread-safe
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {name: pool.submit(run_engine, preset, prefix) for name, preset in (("stock", None), ("int8", "int8"))}
+        return {name: job.result() for name, job in jobs.items()}
 
 
 @pytest.fixture(scope="module")
-def int8() -> dict:
-    return run_engine("int8")
+def stock(engines) -> dict:
+    return engines["stock"]
+
+
+@pytest.fixture(scope="module")
+def int8(engines) -> dict:
+    return engines["int8"]
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
