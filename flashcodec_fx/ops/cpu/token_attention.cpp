@@ -29,13 +29,14 @@ inline bool per_token(const Codec& c) {
 }
 
 // How a per-token archive's rows are read: stream-dtype rows, the portable path, or a SIMD code width.
-enum class RowCodes { kRaw, kPortable, kBits2, kBits3, kBits4, kBits8 };
+enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8 };
 
 inline RowCodes row_codes(const Codec& c, bool simd) {
   if (c.quant == kNone) return RowCodes::kRaw;
 #ifdef FC_TOKEN_AVX2
   if (simd) {
     switch (c.bits[0]) {
+      case 1: return RowCodes::kBits1;
       case 2: return RowCodes::kBits2;
       case 3: return RowCodes::kBits3;
       case 4: return RowCodes::kBits4;
@@ -150,6 +151,7 @@ inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {
   const float off = c.level_off[0];
   const int D = c.head_dim;
   switch (kind) {
+    case RowCodes::kBits1: fn(avx2::Codes<1>(table, off, D)); break;
     case RowCodes::kBits2: fn(avx2::Codes<2>(table, off, D)); break;
     case RowCodes::kBits3: fn(avx2::Codes<3>(table, off, D)); break;
     case RowCodes::kBits4: fn(avx2::Codes<4>(table, off, D)); break;

@@ -64,8 +64,8 @@ inline __m256i slice_codes<1>(const uint8_t* slice, int j) {
   return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(slice[j]), shifts), _mm256_set1_epi32(1));
 }
 
-// Unscaled levels of BITS-bit codes (2: one 2-bit slice; 3: a 2-bit then a 1-bit slice; 4: one 4-bit slice; 8: one
-// byte per code, affine levels) from a level table of 2**BITS entries (8-bit: code + offset).
+// Unscaled levels of BITS-bit codes (1: one 1-bit slice; 2: one 2-bit slice; 3: a 2-bit then a 1-bit slice; 4: one
+// 4-bit slice; 8: one byte per code, affine levels) from a level table of 2**BITS entries (8-bit: code + offset).
 template <int BITS>
 struct Codes {
   __m256 lo, hi;        // table entries 0..7 and 8..15 (zero past the table)
@@ -92,9 +92,11 @@ struct Codes {
     } else if constexpr (BITS == 3) {
       const __m256i c = _mm256_or_si256(slice_codes<2>(row, j), _mm256_slli_epi32(slice_codes<1>(row + high_slice, j), 2));
       return _mm256_permutevar8x32_ps(lo, c);
-    } else {
-      static_assert(BITS == 2, "SIMD code widths: 2, 3, 4, 8");
+    } else if constexpr (BITS == 2) {
       return _mm256_permutevar8x32_ps(lo, slice_codes<2>(row, j));
+    } else {
+      static_assert(BITS == 1, "SIMD code widths: 1, 2, 3, 4, 8");
+      return _mm256_permutevar8x32_ps(lo, slice_codes<1>(row, j));
     }
   }
 };
