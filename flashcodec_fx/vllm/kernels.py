@@ -35,6 +35,7 @@ from .page import PageFormat
 from .reference import attention_reference, page_view, store_reference
 
 FUSED_TOKENS = 32  # a request's tokens in one call up to which the fused kernel serves it (else the dense path)
+TRITON_DEVICE = "cuda"  # the device type whose tensors the Triton kernels serve (tests: "cpu" under TRITON_INTERPRET=1)
 PAGE_FIELDS = ("anchors", "raw", "slot", "k_scale", "k_zero", "k_code", "v_scale", "v_zero", "v_code")  # page.h
 
 
@@ -56,7 +57,8 @@ def _warn_once(message: str) -> None:
 
 def _triton(fmt: PageFormat, cache: torch.Tensor, *tensors: torch.Tensor):
     """The Triton kernels' package for CUDA tensors (None: the reference serves them; see the module docstring)."""
-    if cache.device.type != "cuda" or any(t.device.type != "cuda" for t in tensors) or kernel_mode() == "reference":
+    devices = {cache.device.type, *(t.device.type for t in tensors)}
+    if devices != {TRITON_DEVICE} or kernel_mode() == "reference":
         return None
     try:
         from . import triton as paged_triton

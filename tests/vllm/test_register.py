@@ -28,14 +28,15 @@ def test_register_replaces_cpu_attention_once(monkeypatch):
     monkeypatch.setattr(plugin, "_registered", False)
     plugin.register()
     plugin.register()
-    assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.BACKEND_PATH
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.CPU_BACKEND_PATH
     backend = AttentionBackendEnum.CPU_ATTN.get_class()
     assert backend.get_name() == "CPU_ATTN"  # vLLM looks the backend up by this name
 
 
 def test_pages_for_full_attention_only(monkeypatch):
     monkeypatch.setenv(ENV_PRESET, "3bit")
-    from flashcodec_fx.vllm.backend import FlashCodecCPUBackend, plugin_config
+    from flashcodec_fx.vllm.common import plugin_config
+    from flashcodec_fx.vllm.cpu_backend import FlashCodecCPUBackend
 
     plugin_config.cache_clear()
     full = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)

@@ -1,0 +1,132 @@
+"""What the CPU and CUDA backends share (``cpu_backend.py``, ``cuda_backend.py``): the process's configuration, which
+KV cache specs become flashcodec pages (``customize_spec``), the builders' warning for layers left on vLLM's pages,
+and the attention impl (:class:`FlashCodecImpl`, mixed in before vLLM's own impl of each platform).
+
+The impl stores each new token through ``slot_mapping`` in ``do_kv_cache_update`` (``kernels.paged_store``) and
+attends on the codes through the block table in ``forward`` (``kernels.paged_attention``: the C++ kernels on CPU
+tensors, the Triton kernels on CUDA tensors). A layer vLLM gave its own pages (see :func:`servable_spec`) runs the
+platform's stock attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+
+from .config import ENV_PRESET, PluginConfig, config_from_env
+from .kernels import paged_attention, paged_store
+from .page import PageFormat
+
+logger = init_logger(__name__)
+
+
+@functools.cache
+def plugin_config() -> PluginConfig:
+    """This process's configuration (the plugin is registered only when it is set)."""
+    config = config_from_env()
+    if config is None:
+        raise ValueError(f"{ENV_PRESET} is not set: the flashcodec backend is registered only when it is")
+    return config
+
+
+def servable_spec(spec: AttentionSpec) -> bool:
+    """A spec flashcodec pages replace: a plain full-attention decoder layer (no window, chunking or packing)."""
+    return (type(spec) is FullAttentionSpec and spec.sliding_window is None and spec.attention_chunk_size is None
+            and spec.state_content_bytes is None and spec.num_head_slots is None and spec.head_size == spec.head_size_v)
+
+
+def customize_spec(spec: AttentionSpec) -> AttentionSpec:
+    """A servable spec as uint8 pages of the configuration's ``state_content_bytes`` per (token, KV head); any
+    other spec unchanged (those layers keep vLLM's pages and attention)."""
+    if not servable_spec(spec):
+        return spec
+    content = plugin_config().state_content_bytes(spec.head_size, spec.dtype, spec.block_size)
+    return replace(spec, dtype=torch.uint8, state_content_bytes=content)
+
+
+def warn_stock_layers(kv_cache_spec: AttentionSpec, layer_names: list[str], stock: str) -> None:
+    """One warning per KV cache group whose layers run ``stock`` attention on vLLM's own pages."""
+    if kv_cache_spec.state_content_bytes is None:
+        logger.warning("flashcodec: layers %s run vLLM's stock %s attention on bf16/fp16 pages: their KV cache spec "
+                       "is %s (flashcodec pages hold full-attention decoder layers only)", ", ".join(layer_names),
+                       stock, type(kv_cache_spec).__name__)
+
+
+class FlashCodecImpl:
+    """One layer on flashcodec pages (store, attention on the codes) or, for a layer on vLLM's own pages, the stock
+    impl it is mixed into (``class X(FlashCodecImpl, StockImpl)``: ``super()`` is the stock impl). Refuses what the
+    format's attention does not implement: ALiBi, soft-capped logits, fused output quantization."""
+
+    head_size: int
+    num_heads: int
+    scale: float
+    sinks: torch.Tensor | None
+    kv_sharing_target_layer_name: str | None
+    supports_quant_query_input: bool
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,  # type: ignore[call-arg]
+                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self._format: PageFormat | None = None
+        self.supports_quant_query_input = False  # q stays in the model's dtype (the stock CUDA impl would quantize it)
+        coded = attn_type == AttentionType.DECODER and sliding_window is None
+        if coded and alibi_slopes is not None:
+            raise ValueError(f"{ENV_PRESET} is set, but this model uses ALiBi, which flashcodec's attention does not "
+                             f"implement: unset {ENV_PRESET}")
+        if coded and logits_soft_cap:
+            raise ValueError(f"{ENV_PRESET} is set, but this model soft-caps attention logits, which flashcodec's "
+                             f"attention does not implement: unset {ENV_PRESET}")
+
+    def fused_output_quant_supported(self, quant_key: object) -> bool:
+        """Never: the output stays in the model's dtype (vLLM then quantizes it outside attention)."""
+        return False
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        """Never: the store is ``do_kv_cache_update``'s (a fused RoPE + store would write stock rows)."""
+        return False
+
+    def _layer_format(self, layer: torch.nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype) -> PageFormat | None:
+        """This layer's format on its first call (None: a stock page, vLLM's attention serves it)."""
+        if self._format is None and kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4:
+            owner = self.kv_sharing_target_layer_name or layer.layer_name  # a sharing layer reads its target's codes
+            fmt = plugin_config().layer_format(extract_layer_index(owner), self.head_size, dtype)
+            fmt.check_page(kv_cache.shape[2], kv_cache.shape[3])
+            self._format = fmt
+        return self._format
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        fmt = self._layer_format(layer, kv_cache, key.dtype)
+        if fmt is None:
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
+            return
+        paged_store(fmt, key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``attn_metadata``: the platform's (CPU or Triton metadata: ``num_actual_tokens``, ``block_table``,
+        ``seq_lens``, ``query_start_loc``, ``max_query_len``); None in vLLM's profiling run, which the stock impl
+        serves."""
+        fmt = None if attn_metadata is None else self._layer_format(layer, kv_cache, query.dtype)
+        if fmt is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the flashcodec backend")
+        n = attn_metadata.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        paged_attention(fmt, query[:n], key[:n], value[:n], kv_cache, attn_metadata.block_table,
+                        attn_metadata.seq_lens, attn_metadata.query_start_loc, self.scale, self.sinks, out,
+                        attn_metadata.max_query_len)
+        return output
