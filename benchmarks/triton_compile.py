@@ -1,6 +1,7 @@
 """Compile every Triton kernel configuration for a GPU target without a GPU: API drift shows on a CPU machine.
 
-The launchers (`flashcodec_fx.ops.triton_*`) are called on CPU tensors with ``JITFunction.run`` replaced by a
+The launchers (`flashcodec_fx.ops.triton_*`: attention, append, encode / decode / read; the vLLM plugin's paged
+kernels) are called on CPU tensors with ``JITFunction.run`` replaced by a
 recorder, so every launch they would make (kernel, argument types, constexprs, num_warps / num_stages) is
 collected exactly as they build it; each distinct one is then compiled with ``triton.compile`` for
 ``GPUTarget("cuda", <arch>, 32)`` (ptxas included, bundled with triton) and ptxas' register / spill / shared
@@ -9,6 +10,7 @@ the compiler).
 
     python benchmarks/triton_compile.py --quick    # one configuration per code path (CI, both triton versions)
     python benchmarks/triton_compile.py            # every pair x bf16/fp16/fp32 x D=64/128 x GQA 1/4/8 x T=1/4 x masks
+    python benchmarks/triton_compile.py --quick --kernels _read_kernel,_decode_groups_kernel   # only these kernels
 
 Exit status 1 when a configuration fails to compile or needs more shared memory than the target has; the JSON
 (``--out``) lists every configuration.
@@ -41,6 +43,8 @@ from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.triton_append import triton_append  # noqa: E402
 from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E402
+from flashcodec_fx.ops.triton_blocks import triton_decode, triton_encode  # noqa: E402
+from flashcodec_fx.ops.triton_read import triton_read  # noqa: E402
 from flashcodec_fx.presets import preset_codecs  # noqa: E402
 from flashcodec_fx.vllm.config import VLLM_PRESETS  # noqa: E402
 from flashcodec_fx.vllm.page import RAW, page_format  # noqa: E402
@@ -76,6 +80,15 @@ QUICK = {
     "dct_keys/channel_v": (torch.float16, None, False),
     "mixed_rotated/mixed_rotated": (torch.bfloat16, None, True),
 }
+# encode / decode / read (the append's group encode and decode over every group; read's sinks, tail and new tokens
+# around the decode): (pair of ``pairs()``, its stream (0 keys, 1 values), dtype, op), one per code path beyond the
+# append's: lloyd token codes rotated and centered, DCT keys of 16 blocks per channel-axis group with the rotation and
+# the search (decoded block by block), pruned png, float jpeg rows; read with and without sinks and a window
+GROUPS_QUICK = (("preset 3bit", 0, torch.bfloat16, "encode"), ("dct_keys/dct_keys", 0, torch.float16, "encode"),
+                ("dct_keys/dct_keys", 0, torch.float16, "decode"), ("jpeg_k3/png_pruned", 1, torch.bfloat16, "decode"),
+                ("preset 3bit", 0, torch.bfloat16, "read"), ("dct_keys/dct_keys", 0, torch.float16, "read"),
+                ("jpeg_k3/png_pruned", 0, torch.float32, "read"))
+GROUP_OPS = ("encode", "decode", "read")
 # The vLLM plugin's paged kernels (flashcodec_fx/vllm/triton): (format, dtype, GQA group, tokens per request, sinks),
 # one per code path: raw pages (no codes), midrise codes without search and no raw rows (int8), lloyd codes with the
 # search, rotation and raw anchors (4bit; 3bit: 3-bit keys as 2+1-bit slices), decode and prefill tiles, sink logits
@@ -161,6 +174,18 @@ def _append(codec, dtype, d, t, memo: bool) -> None:
     triton_append(state, x, codec.spec, torch.zeros(1, 2, cap, d, dtype=dtype) if memo else None)
 
 
+def _groups(codec, dtype, d: int, op: str) -> None:
+    """``flashcodec::encode`` / ``decode`` / ``read`` (with a new token) of 2 heads of 4 groups (shapes only)."""
+    groups = 4
+    mean = torch.zeros(1, 2, d) if codec.center else None
+    if op == "encode":
+        triton_encode(torch.zeros(1, 2, groups * codec.group, d, dtype=dtype), codec.spec, mean)
+    elif op == "decode":
+        triton_decode(*codec.empty_archive((1, 2), groups, d, dtype, "cpu"), codec.spec, dtype, mean)
+    else:
+        triton_read(list(_state(codec, 1, 2, groups, d, dtype, 3)), codec.spec, torch.zeros(1, 2, 1, d, dtype=dtype))
+
+
 def _paged(name: str, dtype: torch.dtype, d: int, g: int, tokens: int, sinks: bool, block_size: int = 16) -> None:
     """The vLLM plugin's store and attention on a 2-request batch of ``tokens`` tokens each (shapes only)."""
     fmt = page_format(name, 1, d, dtype)
@@ -179,10 +204,11 @@ def _paged(name: str, dtype: torch.dtype, d: int, g: int, tokens: int, sinks: bo
 def launch_everything(quick: bool, recorder: Recorder) -> None:
     """Call every launcher over the configuration grid (CPU tensors; the recorder catches the launches). Quick: the
     pairs of ``QUICK`` at D=128 (attention with their dtype / mask / new tokens; append of each codec once, with a
-    memo; the vLLM plugin's paged store and attention of ``PAGED_QUICK``);
+    memo; encode / decode / read of ``GROUPS_QUICK``; the vLLM plugin's paged store and attention of
+    ``PAGED_QUICK``);
     full: every pair x bf16/fp16/fp32 x D=64/128 x GQA 1/4/8 x T=1/4 x every mask kind, append with and without a
-    memo, one token and a chunk; the paged kernels of every vLLM format x dtype x D x GQA x decode / chunk x
-    block size 16 / 32."""
+    memo, one token and a chunk, encode / decode / read of each codec; the paged kernels of every vLLM format x
+    dtype x D x GQA x decode / chunk x block size 16 / 32."""
     all_pairs = pairs()
     if quick:
         appended = set()  # each codec's append once (in the first pair's dtype): its code path does not change
@@ -195,6 +221,10 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
                     appended.add(codec.spec)
                     recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
                     _append(codec, dtype, 128, 1, memo=True)
+        for name, stream, dtype, op in GROUPS_QUICK:
+            codec = all_pairs[name][stream]
+            recorder.label = f"{op} {codec.spec} {str(dtype)[6:]} D=128"
+            _groups(codec, dtype, 128, op)
         for name, dtype, g, tokens, sinks in PAGED_QUICK:
             recorder.label = f"vllm {name} {str(dtype)[6:]} D=128 G={g} tokens={tokens} sinks={sinks}"
             _paged(name, dtype, 128, g, tokens, sinks)
@@ -211,6 +241,9 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
         for codec, t, memo in itertools.product({ck.spec: ck, cv.spec: cv}.values(), [1, 9], [False, True]):
             recorder.label = f"append {codec.spec} {str(dtype)[6:]} D={d} T={t} memo={memo}"
             _append(codec, dtype, d, t, memo)
+        for codec, op in itertools.product({ck.spec: ck, cv.spec: cv}.values(), GROUP_OPS):
+            recorder.label = f"{op} {codec.spec} {str(dtype)[6:]} D={d}"
+            _groups(codec, dtype, d, op)
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:
@@ -277,9 +310,15 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles at once (default: every core)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/triton_compile_<triton version>.json)")
+    parser.add_argument("--kernels", help="compile only these kernels (comma-separated names, e.g. _read_kernel)")
     args = parser.parse_args()
     with Recorder() as recorder:
         launch_everything(args.quick, recorder)
+    if args.kernels:
+        wanted = set(args.kernels.split(","))
+        recorder.launches = {k: v for k, v in recorder.launches.items() if v[0].__name__ in wanted}
+        if not recorder.launches:
+            sys.exit(f"--kernels {args.kernels}: no recorded launch of these kernels")
     print(f"{len(recorder.launches)} distinct kernel configurations, compiling for sm_{args.arch} "
           f"with triton {triton.__version__}", flush=True)
     rows = compile_all(recorder.launches, recorder.labels, args.arch, max(1, args.jobs))
@@ -287,7 +326,8 @@ def main() -> None:
     from common import write_result
 
     path = write_result(f"triton_compile_{triton.__version__}", {
-        "arch": args.arch, "quick": args.quick, "configurations": len(rows), "failed": len(failed),
+        "arch": args.arch, "quick": args.quick, "kernels": args.kernels, "configurations": len(rows),
+        "failed": len(failed),
         "max_registers": max((r["registers"] or 0) for r in rows if r["ok"]) if len(failed) < len(rows) else None,
         "spilling": sum(1 for r in rows if r.get("spill_store_bytes")), "rows": rows}, out=args.out)
     print(f"{len(rows) - len(failed)} of {len(rows)} compiled; wrote {path}")

@@ -1,10 +1,11 @@
 """Triton `encode` / `decode`: whole archive groups to and from their stored form, one program per group.
 
-Both are the append's group kernels (``triton_append``) over every group of the input: ``_encode_kernel`` runs
-:func:`~flashcodec_fx.ops.triton_append.encode_group` on group ``k`` of ``x`` (the append's work buffer with no old
-tail: token ``k * G + w`` is row ``w`` of group ``k``), ``_decode_kernel`` writes out
-:func:`~flashcodec_fx.ops.triton_append.decode_group` (the dequantized rows the append's memo gets). One launch
-each, grids from shapes only; the launchers validate with the reference's checks and allocate, the kernels compute.
+Both are the append's group kernels (``triton_append``) over every group of the input:
+``_encode_groups_kernel`` runs :func:`~flashcodec_fx.ops.triton_append.encode_group` on group ``k`` of ``x`` (the
+append's work buffer with no old tail: token ``k * G + w`` is row ``w`` of group ``k``), ``_decode_groups_kernel``
+writes out :func:`~flashcodec_fx.ops.triton_append.decode_group` (the dequantized rows the append's memo gets). One
+launch each, grid ``(B * H, NG, channel chunks)`` from shapes only; the launchers validate with the reference's
+checks and allocate, the kernels compute.
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ def block_form(codec: Codec, head_dim: int, mean: torch.Tensor | None) -> tuple[
 
 
 def warps(rows: int, channels: int) -> int:
+    """``num_warps`` of a program whose tile holds ``rows x channels`` values."""
     return 8 if rows * channels >= BIG_TILE else 4
 
 
 # --- kernels ----------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _encode_kernel(x, sx0, sx1, sx2, sx3, data, scale, zero, index, mean, rot, rows_t, levels, analysis, factors,
-                   H, NG, F: tl.constexpr, E: tl.constexpr):
+def _encode_groups_kernel(x, sx0, sx1, sx2, sx3, data, scale, zero, index, mean, rot, rows_t, levels, analysis,
+                          factors, H, NG, F: tl.constexpr, E: tl.constexpr):
     """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of tokens ``k * G .. k * G + G - 1`` of ``x`` (strides
     ``sx*``) encoded into archive group ``bh * NG + k``."""
     G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
@@ -57,8 +59,8 @@ def _encode_kernel(x, sx0, sx1, sx2, sx3, data, scale, zero, index, mean, rot, r
 
 
 @triton.jit
-def _decode_kernel(data, scale, zero, index, mean, out, syn, rot, rows_t, levels, NG, F: tl.constexpr,
-                   E: tl.constexpr):
+def _decode_groups_kernel(data, scale, zero, index, mean, out, syn, rot, rows_t, levels, NG, F: tl.constexpr,
+                          E: tl.constexpr):
     """Program ``(bh, k, chunk)``: output channels ``chunk * RC ..`` of archive group ``bh * NG + k`` decoded into
     tokens ``k * G ..`` of ``out (B, H, NG * G, D)``."""
     G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
@@ -96,7 +98,7 @@ def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) 
     form, tiles = block_form(codec, d, mean)
     tab = stream_tables(codec, d, x.device)
     mean_t = None if mean is None else mean.contiguous()
-    _encode_kernel[(b * h, ng, tiles.dp // tiles.dc)](
+    _encode_groups_kernel[(b * h, ng, tiles.dp // tiles.dc)](
         x, *x.stride(), enc[0], *(nonempty(t, x) for t in (*enc[1:], mean_t)), tab.rotation, tab.rows, tab.levels,
         tab.analysis, tab.factors, h, ng, F=form, E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.dc))
     return tuple(enc)
@@ -119,7 +121,7 @@ def triton_decode(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, i
     tab = stream_tables(codec, d, data.device)
     data = data.contiguous()
     stored = (nonempty(t, data).contiguous() for t in (scale, zero, index, mean))
-    _decode_kernel[(b * h, ng, tiles.dp // tiles.rc)](
+    _decode_groups_kernel[(b * h, ng, tiles.dp // tiles.rc)](
         data, *stored, out, tab.synthesis, tab.rotation, tab.rows, tab.levels, ng, F=form, E=tiles.constexpr(),
         num_warps=warps(tiles.gp, tiles.rc))
     return out

@@ -69,18 +69,18 @@ def _read_kernel(data, scale, zero, index, mean, sink, tail, len_ptr, start_ptr,
                                        chunk, F, E)
             _assemble(view, rows.to(out_t), pos0 + w, dc, (w < G) & (dc < D), tail, new, NS, b, h, bh, start, length,
                       T, cap, F, D)
-        else:
-            w = tl.arange(0, GP)[:, None]
-            dc = chunk * RC + tl.arange(0, RC)[None, :]
-            _assemble(view, tl.zeros((GP, RC), out_t), pos0 + w, dc, (w < G) & (dc < D), tail, new, NS, b, h, bh,
+        else:  # (names apart from the other branch's: a name both branches define must keep its type)
+            wz = tl.arange(0, GP)[:, None]
+            dz = chunk * RC + tl.arange(0, RC)[None, :]
+            _assemble(view, tl.zeros((GP, RC), out_t), pos0 + wz, dz, (wz < G) & (dz < D), tail, new, NS, b, h, bh,
                       start, length, T, cap, F, D)
     else:
-        dc = chunk * RC + tl.arange(0, RC)[None, :]
+        ds = chunk * RC + tl.arange(0, RC)[None, :]
         for s0 in tl.static_range(0, SINKS, SINK_ROWS):
             s = s0 + tl.arange(0, SINK_ROWS)[:, None]
-            ok = (s < SINKS) & (dc < D)
-            x = tl.load(sink + (bh * SINKS + s) * D + dc, mask=ok, other=0.0)
-            _assemble(view, x, s, dc, ok, tail, new, NS, b, h, bh, start, length, T, cap, F, D)
+            ok = (s < SINKS) & (ds < D)
+            x = tl.load(sink + (bh * SINKS + s) * D + ds, mask=ok, other=0.0)
+            _assemble(view, x, s, ds, ok, tail, new, NS, b, h, bh, start, length, T, cap, F, D)
 
 
 def triton_read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from _triton_cases import form, groups_for, preset_codecs, smooth, stored_state  # noqa: E402
+from _triton_cases import form, groups_for, preset_codecs, same_archive, smooth, stored_state  # noqa: E402
 from test_triton_attention import CASES, TOL, _ids, _inputs  # noqa: E402
 
 import flashcodec_fx  # noqa: E402,F401  (registers the ops and their CUDA kernels)
@@ -58,6 +58,28 @@ def test_opcheck_cuda(preset):
         torch.library.opcheck(ops.read.default, (state, codec.spec))
     args = _cuda(_inputs(ck, cv, BF16, 4, length, 1, 1, 64, "bool", 1))
     torch.library.opcheck(ops.codec_attention.default, tuple(args))
+
+
+@pytest.mark.parametrize("name", ["jpeg_k8", "png_pruned", "int8", "dct_channel", "lloyd_rot"])
+def test_encode_decode_read_bf16_through_the_op(name):
+    """encode / decode / read dispatched to Triton on CUDA (bf16) agree with the CPU reference at the interpreter
+    tests' tolerances (test_triton_blocks.py, test_triton_read.py); opcheck with the CUDA kernels."""
+    codec = form(name)
+    x = smooth(2, 2, 2 * codec.group, 64, BF16, "cpu", seed=3)
+    mean = x.float().mean(2) if codec.center else None
+    want = ops.encode(x, codec.spec, mean)
+    args = _cuda([x, codec.spec, mean])
+    same_archive(codec, [t.cpu() for t in ops.encode(*args)], want, 64, BF16)
+    dec = _cuda([*want, codec.spec, BF16, mean])
+    torch.testing.assert_close(ops.decode(*dec).cpu().float(), ops.decode(*want, codec.spec, BF16, mean).float(),
+                               atol=1e-5, rtol=8e-3)
+    torch.library.opcheck(ops.encode.default, tuple(args))
+    torch.library.opcheck(ops.decode.default, tuple(dec))
+    length = codec.sinks + codec.window + 2 * codec.group + 5
+    y = smooth(2, 2, length, 64, BF16, "cpu", seed=4)
+    state = stored_state(codec, y, groups_for(codec, length))
+    got = ops.read(_cuda([state])[0], codec.spec, y[:, :, -1:].cuda()).cpu()
+    torch.testing.assert_close(got.float(), ops.read(state, codec.spec, y[:, :, -1:]).float(), atol=1e-5, rtol=8e-3)
 
 
 @pytest.mark.parametrize("preset", ["int8", "3bit"])
