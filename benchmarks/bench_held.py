@@ -1,13 +1,14 @@
-"""Bytes a preset's layer holds next to a DynamicCache's, at every length: where the fixed raw rows cost more.
+"""Bytes a preset's layer holds next to a DynamicCache's, at every length (the raw prefix: never more, lossy presets).
 
     python benchmarks/bench_held.py                     # every preset, bf16 and fp32, lengths 1..2048 -> results/held.json
 
 One layer of SmolLM2-135M's shape (3 KV heads, head_dim 64, batch 1; every layer of a preset holds the same, up to its
 rotation seed), dynamic layout, attention on the stored form (no memo). Two ways to reach each length: a prefill of
 that many tokens, and one-token decode steps from a one-token prompt. ``held`` is ``storage_bytes()`` (every byte the
-layer's tensors hold: allocated capacity, raw sinks and tail, the mean, the two 0-dim lengths); a DynamicCache holds
-``2 * H * L * D`` values in the dtype. Reported per preset and dtype: the largest ratio, the longest length where
-the layer holds more, and the bytes by which it does there.
+layer's tensors hold: allocated capacity, raw sinks and tail, the mean, the two 0-dim lengths, or the tokens a
+stream holds raw before its codec state fits in their bytes); a DynamicCache holds ``2 * H * L * D`` values in the
+dtype. Reported per preset and dtype: each stream's raw prefix length (flashcodec_fx/raw_prefix.py), the largest
+ratio, the longest length where the layer holds more, and the bytes by which it does there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from common import write_result
 from flashcodec_fx import PRESETS
 from flashcodec_fx.cache import CodecKVCache
 from flashcodec_fx.presets import preset_codecs
+from flashcodec_fx.raw_prefix import prefix_length
 
 HEADS, HEAD_DIM = 3, 64  # SmolLM2-135M's KV heads and head_dim
 PREFILLS = (*range(1, 257), *range(272, 2049, 16))  # every short length, then every 16th
@@ -43,7 +45,8 @@ def sweep(preset: str, dtype: torch.dtype, longest: int) -> dict:
     for n in range(1, longest + 1):
         cache.append(tokens[:, :, n - 1: n], tokens[:, :, n - 1: n])
         held["decode"][n] = cache.storage_bytes()
-    row = {"preset": preset, "dtype": str(dtype).split(".")[1]}
+    row = {"preset": preset, "dtype": str(dtype).split(".")[1],
+           "prefix_length": [prefix_length(codec, HEAD_DIM, dtype) for codec in (key, value)]}
     for way, by_length in held.items():
         over = {n: b - raw_bytes(n, dtype) for n, b in by_length.items() if b > raw_bytes(n, dtype)}
         ratios = {n: b / raw_bytes(n, dtype) for n, b in by_length.items()}

@@ -4,10 +4,12 @@ A stream keeps the state of ``ops/state.py`` (archive groups, fp16 scales, raw s
 a 0-dim device length) and, optionally, a memo: the decoded view attention reads, updated once per archived group.
 
 Layouts:
-- ``dynamic``: the archive starts at up to 256 positions and grows by 1/16 (at least 64 positions) on overflow, never
-  past what an uncompressed cache of the same length would hold while the codec compresses (:meth:`CodecStream.
-  raw_budget_groups`; below the length where the raw sink and tail rows fit in it, a few dozen tokens for the lossy
-  presets, exactly the groups needed); a host-side length mirror drives growth.
+- ``dynamic``: the first tokens are held raw, one ``(B, H, n, D)`` tensor as a DynamicCache holds them, until the
+  codec's state fits in the same bytes (:mod:`flashcodec_fx.raw_prefix`: a few dozen tokens for the lossy presets,
+  64 for ``lossless``); then the state is allocated for that length and the tokens are appended into it (bitwise the
+  state the same calls build without the prefix). The archive grows by 1/16 (at least 64 positions; a codec storing
+  raw: 1/16) on overflow, never past what an uncompressed cache of the same length would hold while the codec
+  compresses (:meth:`CodecStream.raw_budget_groups`); a host-side length mirror drives growth.
 - ``static``: preallocated for ``max_length`` tokens; ``append`` never branches on tensor values on the host,
   so a decode step compiles to one graph and can be captured in a CUDA graph.
 """
@@ -18,17 +20,17 @@ import math
 
 import torch
 
-from . import _compat, ops
+from . import _compat, ops, raw_prefix
 from .codecs import Codec, Encoded, PNGCodec, make_codec
 from .ops.read import overlay_new
 from .ops.state import StreamState, advance, capacity
+from .raw_prefix import RAW_CODEC, RAW_SPEC, compresses, first_call_after, prefix_length, raw_state, replay_calls
 
 LAYOUTS = ("dynamic", "static")
 CROP_MODES = ("exact", "decode")
 INITIAL_POSITIONS = 256
 GROWTH_DIVISOR = 16  # a full dynamic archive grows by 1/16 of its capacity (held <= 1.07x stored, amortized O(1) copies)
 GROWTH_MIN_POSITIONS = 64
-LENGTH_BYTES = 16  # the state's two 0-dim int64 lengths (length, start)
 STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "memo")
 GROUP_PARTS = ("archive_held", "archive_used")  # archive groups with their scales: allocated, filled (not in total)
 
@@ -51,7 +53,8 @@ class CodecOverflowError(IndexError, ValueError):
 
 
 class CodecStream:
-    """One compressed ``(B, H, S, D)`` stream. Storage is allocated on the first append.
+    """One compressed ``(B, H, S, D)`` stream. Storage is allocated on the first append; a dynamic stream (eager)
+    holds its first tokens raw (:attr:`raw_prefix`) and allocates the codec's state when it fits in their bytes.
 
     ``memoize``: keep the decoded view (costs a full-precision copy; only for attention on the view). ``crop``:
     ``"exact"`` (a crop that would reopen an archived group of a lossy codec raises) or ``"decode"`` (reopened tokens
@@ -84,14 +87,28 @@ class CodecStream:
         self._stale = False  # a compiled append ran: the mirror is refreshed (one sync) the next time it is read
         self._memo_owed: tuple[int, torch.Tensor] | None = None  # (position, rows): stored rows a read(new) overlaid
         self.shared = False  # the archive is another stream's too (persist/fork.py): copied before it is written
+        # the raw prefix (raw_prefix.py): the tokens (B, H, n, D) while held raw (never written in place: forks share
+        # it), the positions of the first call past the sinks, and the length that converts
+        self._raw: torch.Tensor | None = None
+        self._first_call: tuple[int, int] | None = None
+        self._prefix_until = 0
+
+    _raw_prefix = True  # False: allocate the codec state on the first append (tests compare with it)
 
     @property
     def is_initialized(self) -> bool:
-        return self.state is not None
+        return self.state is not None or self._raw is not None
+
+    @property
+    def raw_prefix(self) -> bool:
+        """Whether the stream holds its tokens raw for now (no codec state yet; see :mod:`flashcodec_fx.raw_prefix`)."""
+        return self._raw is not None
 
     @property
     def tail(self) -> torch.Tensor | None:
-        return None if self.state is None else self.state.tail
+        """The raw rows of the newest tokens ``(B, H, rows, D)``: the state's tail, every token while they are held raw
+        (:attr:`raw_prefix`), None before the first append."""
+        return self._raw if self.state is None else self.state.tail
 
     @property
     def length(self) -> torch.Tensor | None:
@@ -99,14 +116,16 @@ class CodecStream:
 
     @property
     def capacity(self) -> int:
-        """Positions the allocated state holds (0 before the first append)."""
+        """Positions the allocated state holds (the tokens held raw; 0 before the first append)."""
+        if self._raw is not None:
+            return self._raw.shape[2]
         return 0 if self.state is None else capacity(self.codec, self.state)
 
     @property
     def archived_tokens(self) -> int:
-        """Tokens held by the sinks and the archive (host mirror)."""
+        """Tokens held by the sinks and the archive (host mirror; none while held raw)."""
         n = self.get_seq_length()
-        return min(n, self._host_start)
+        return 0 if self._raw is not None else min(n, self._host_start)
 
     @property
     def filled_groups(self) -> int:
@@ -129,8 +148,8 @@ class CodecStream:
         that stores every token raw)."""
         if self.codec.stores_raw:
             return True
-        return isinstance(self.codec, PNGCodec) and not self.codec.pruned and self.state is not None \
-            and self.state.tail.dtype in (torch.float16, torch.bfloat16)
+        return isinstance(self.codec, PNGCodec) and not self.codec.pruned and self.is_initialized \
+            and self.tail.dtype in (torch.float16, torch.bfloat16)
 
     @property
     def croppable(self) -> bool:
@@ -141,7 +160,7 @@ class CodecStream:
         return self.crop_mode == "decode" or self.exact_crop or self.codec.group == 1
 
     def _groups_for(self, positions: int) -> int:
-        return _ceil_div(max(0, positions - self.codec.sinks), self.codec.group)
+        return raw_prefix.groups_for(self.codec, positions)
 
     def _allocate(self, like: torch.Tensor, groups: int) -> None:
         b, h, _, d = like.shape
@@ -172,36 +191,57 @@ class CodecStream:
 
     def _grown_groups(self, like: torch.Tensor, need: int) -> int:
         """Capacity after an overflow: doubled up to 64 positions, then 64 more, then 1/16 more; for a codec that
-        compresses, never past the raw budget at the new length (while the raw rows alone exceed it, the first few
-        dozen tokens, exactly what is needed: a group at a time). A codec that does not compress (``lossless``: its
-        budget never leaves room) takes the step, so growth stays amortized."""
-        have = self.state.data.shape[2]
-        step = max(1, min(_ceil_div(GROWTH_MIN_POSITIONS, self.codec.group), have), have // GROWTH_DIVISOR)
+        compresses, never past the raw budget at the new length (which its raw prefix reaches before it allocates).
+        A codec that stores raw (``lossless``: its budget never leaves room) takes 1/16 more (past its raw prefix of
+        64 tokens, at least 4 positions: amortized), another codec that does not compress the step."""
+        have, codec = self.state.data.shape[2], self.codec
+        if codec.stores_raw:
+            return max(need, have + max(1, have // GROWTH_DIVISOR))
+        step = max(1, min(_ceil_div(GROWTH_MIN_POSITIONS, codec.group), have), have // GROWTH_DIVISOR)
         target = max(need, have + step)
-        codec, d, item = self.codec, like.shape[3], like.element_size()
-        if codec.group_bytes(d, like.dtype) >= codec.group * d * item:
+        if not compresses(codec, like.shape[3], like.dtype):
             return target
         return max(need, min(target, self.raw_budget_groups(like, self._host_length + like.shape[2])))
 
+    def _initial_groups(self, like: torch.Tensor, length: int) -> int:
+        """Dynamic: the groups a first allocation for ``length`` tokens takes (up to 256 positions, within the raw
+        budget while the codec compresses)."""
+        budget = self.raw_budget_groups(like, length)
+        return max(1, self._groups_for(length), min(self._groups_for(INITIAL_POSITIONS), budget))
+
     def prepare(self, like: torch.Tensor) -> None:
         """Allocate the storage for tokens shaped like ``like (B, H, T, D)`` if it is not there yet (static: the whole
-        capacity; dynamic: the initial one)."""
-        if self.state is not None:
+        capacity; dynamic: the initial one, or an empty raw prefix when ``T`` is short of
+        :func:`~flashcodec_fx.raw_prefix.prefix_length`, eager)."""
+        if self.is_initialized:
             return
         if self.layout == "static":
             self._allocate(like, self._groups_for(self.positions))
+            return
+        until = self._prefix_length(like)
+        if like.shape[2] >= until:
+            self._allocate(like, self._initial_groups(like, like.shape[2]))
         else:
-            t = like.shape[2]
-            budget = self.raw_budget_groups(like, t)
-            self._allocate(like, max(1, self._groups_for(t), min(self._groups_for(INITIAL_POSITIONS), budget)))
+            self._start_prefix(like, until)
+
+    def _prefix_length(self, like: torch.Tensor) -> int:
+        """The raw prefix of tokens like ``like (B, H, T, D)``: :func:`~flashcodec_fx.raw_prefix.prefix_length`;
+        0 (none) for the static layout and in compiled code."""
+        if self.layout == "static" or not self._raw_prefix or torch.compiler.is_compiling():
+            return 0
+        return prefix_length(self.codec, like.shape[3], like.dtype)
+
+    def _start_prefix(self, like: torch.Tensor, until: int) -> None:
+        """Hold tokens like ``like (B, H, T, D)`` raw (none yet) until ``until`` tokens."""
+        b, h, _, d = like.shape
+        ops.warm(RAW_CODEC, d, like.device)  # the ops read the held tokens as a RAW_CODEC state
+        self._raw, self._first_call, self._prefix_until = like.new_empty(b, h, 0, d), None, until
 
     def raw_budget_groups(self, like: torch.Tensor, length: int) -> int:
         """Archive groups whose bytes, with the raw sink and tail rows, the mean and the two 0-dim lengths, fit in what
         an uncompressed stream of ``length`` tokens like ``like (B, H, T, D)`` takes per ``(batch, head)`` row
-        (negative when even the raw rows do not); the same for every batch size (the lengths counted in every row)."""
-        codec, d, item = self.codec, like.shape[3], like.element_size()
-        fixed = d * ((codec.sinks + codec.tail_capacity) * item + (4 if codec.center else 0)) + LENGTH_BYTES
-        return (d * length * item - fixed) // codec.group_bytes(d, like.dtype)
+        (:func:`flashcodec_fx.raw_prefix.raw_budget_groups`)."""
+        return raw_prefix.raw_budget_groups(self.codec, like.shape[3], like.dtype, length)
 
     def check_new(self, x: torch.Tensor) -> None:
         """Reject tokens this stream cannot take, before any state changes."""
@@ -212,10 +252,10 @@ class CodecStream:
         if not x.is_floating_point():
             raise TypeError(f"new tokens must be a floating tensor, got {x.dtype}")
         self.codec.check_head_dim(x.shape[3])
-        if self.state is not None:
-            b, h, _, d = self.state.tail.shape
-            if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.state.tail.dtype:
-                raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.state.tail.dtype}, got {x.dtype} "
+        if self.is_initialized:
+            b, h, _, d = self.tail.shape
+            if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.tail.dtype:
+                raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.tail.dtype}, got {x.dtype} "
                                  f"{tuple(x.shape)}")
         if self.layout == "static" and self.get_seq_length() + x.shape[2] > self.max_length:
             raise CodecOverflowError(f"static cache holds max_length={self.max_length} tokens; "
@@ -228,8 +268,15 @@ class CodecStream:
         if not compiling and not checked:
             self.check_new(x)
         self._repay_memo()
-        t = x.shape[2]
         self.prepare(x)
+        if self._raw is not None:
+            if not compiling and self._host_length + x.shape[2] < self._prefix_until:
+                self._hold(x)
+                return
+            x = self._convert(x)  # a compiled step works on the codec state: converts first
+            if x.shape[2] == 0:
+                return
+        t = x.shape[2]
         if self.shared and advance(self.codec, self._host_start, self._host_length + t) > self._host_start:
             self.state = StreamState(*(a.clone() for a in self.state[:4]), *self.state[4:])  # copy-on-append
             self.shared = False
@@ -237,12 +284,40 @@ class CodecStream:
             need = self._groups_for(self._host_length + t)
             if need > self.state.data.shape[2]:
                 self._grow(self._grown_groups(x, need))
+        self._write(x, compiling)
+
+    def _write(self, x: torch.Tensor, compiling: bool) -> None:
+        """One ``flashcodec::append`` of ``x (B, H, T, D)`` into the allocated state, and the host mirrors after it."""
+        t = x.shape[2]
         torch.ops.flashcodec.append(list(self.state), x.contiguous(), self.spec, self.memo)
         if compiling:
             self._stale = True  # a side effect Dynamo replays after the graph; never read in compiled code
         else:
             self._host_start = advance(self.codec, self._host_start, self._host_length + t)
             self._host_length += t
+
+    def _hold(self, x: torch.Tensor) -> None:
+        """Raw prefix: ``x (B, H, T, D)`` joins the held tokens (a new tensor of exactly the held length, as a
+        DynamicCache's; the prefix is short of ``prefix_length`` tokens, so this copy is bounded)."""
+        n, t = self._host_length, x.shape[2]
+        self._raw = torch.cat([self._raw, x], dim=2)
+        self._first_call = first_call_after(self._first_call, n, t, self.codec.sinks)
+        self._host_length = n + t
+
+    @torch.compiler.disable
+    def _convert(self, x: torch.Tensor) -> torch.Tensor:
+        """Leave the raw prefix before appending ``x (B, H, T, D)``: allocate the codec state for the held tokens and
+        ``x``, and append the held ones as the calls of :func:`~flashcodec_fx.raw_prefix.replay_calls`. Returns the
+        part of ``x`` still to append (all of it, unless a crop cut into the first call past the sinks). Eager, also
+        when a compiled step converts (a graph break, once per stream)."""
+        raw, n, first = self._raw, self._host_length, self._first_call
+        self._raw, self._first_call, self._prefix_until, self._host_length = None, None, 0, 0
+        self._allocate(x, self._initial_groups(x, n + x.shape[2]))
+        for lo, hi in replay_calls(first, n, x.shape[2]):
+            if lo >= n:
+                return x[:, :, lo - n:]
+            self._write(raw[:, :, lo:hi] if hi <= n else torch.cat([raw[:, :, lo:], x[:, :, : hi - n]], dim=2), False)
+        return x[:, :, x.shape[2]:]
 
     def read(self, new: torch.Tensor | None = None) -> torch.Tensor:
         """The view attention reads ``(B, H, L, D)`` (one decode of the archive unless memoized).
@@ -252,6 +327,8 @@ class CodecStream:
         the length are zeros, to be masked. With a memo the view is the memo itself: this call's archived tokens are
         overlaid in place (their stored rows kept aside, ``O(T)``, and written back by the next call on the stream).
         """
+        if self._raw is not None:
+            return self._raw  # held raw: the tokens themselves, ``new`` among them
         if self.state is None:
             raise RuntimeError("read() before any token was appended")
         if self.codec.stores_raw and not torch.compiler.is_compiling():
@@ -300,11 +377,24 @@ class CodecStream:
         group boundary (any depth for per-token codecs), is an exact rollback: crop + re-append of the same tokens
         equals never cropping, bitwise. A crop inside an archived group reopens it: its kept tokens come back into the
         tail as the values attention read, when the codec is exact or ``crop="decode"``; otherwise it raises and
-        nothing changes."""
+        nothing changes. Tokens held raw crop exactly at any depth; a dynamic stream cropped to nothing holds its
+        tokens raw again (its state released: as a new stream)."""
         keep = self.check_crop(n)
         self._repay_memo()
         length = self.get_seq_length()
-        if self.state is None or keep == length:
+        if not self.is_initialized or keep == length:
+            return
+        if self._raw is not None:  # held raw: exact at any depth (the kept rows copied: no storage left behind)
+            self._raw = self._raw[:, :, :keep].clone()
+            if keep <= self.codec.sinks:
+                self._first_call = None  # as the mean is reset: the next call past the sinks sets it
+            self._host_length = keep
+            return
+        until = 0 if keep else self._prefix_length(self.state.tail)
+        if until:  # emptied: held raw again, the state released
+            self._start_prefix(self.state.tail, until)
+            self.state, self.memo, self.shared = None, None, False
+            self._host_length, self._host_start = 0, self.codec.sinks
             return
         codec, st, start = self.codec, self.state, self._host_start
         if keep >= start:  # inside the tail: drop raw rows
@@ -333,7 +423,11 @@ class CodecStream:
     def move_to(self, device: torch.device | str, groups: int | None = None) -> None:
         """Move the state (and memo) to ``device``, eager. Only the filled archive groups and the memo's stored
         positions travel; on arrival the archive holds ``groups`` groups (None: the fewest covering the stored
-        tokens), zeros past the filled ones, and the memo spans the capacity (``FlashCodecLayer.offload``)."""
+        tokens), zeros past the filled ones, and the memo spans the capacity (``FlashCodecLayer.offload``). Tokens
+        held raw move as they are."""
+        if self._raw is not None:
+            self._raw = self._raw.to(device, non_blocking=True)
+            return
         if self.state is None:
             return
         st, filled, length = self.state, self.filled_groups, self.get_seq_length()
@@ -395,6 +489,9 @@ class CodecStream:
     def index_select(self, indices: torch.Tensor) -> None:
         """Reorder / select along batch (beam search): every state tensor and the memo move together. A static
         layout keeps its buffers (in-place permutation) when the batch size does not change."""
+        if self._raw is not None:
+            self._raw = self._raw.index_select(0, indices.to(self._raw.device))
+            return
         if self.state is None:
             return
         self._repay_memo()
@@ -410,6 +507,9 @@ class CodecStream:
         self._mark_static_shapes()
 
     def repeat_interleave(self, repeats: int) -> None:
+        if self._raw is not None:
+            self._raw = self._raw.repeat_interleave(repeats, dim=0)
+            return
         if self.state is None:
             return
         self._repay_memo()
@@ -422,6 +522,7 @@ class CodecStream:
         """Forget every token. Dynamic: the storage is released (the next append may bring another batch size);
         static: zeroed in place (stable buffer addresses)."""
         self._memo_owed = None
+        self._raw, self._first_call, self._prefix_until = None, None, 0
         if self.layout == "dynamic":
             self.state, self.memo = None, None
         elif self.state is not None:
@@ -437,7 +538,7 @@ class CodecStream:
 
     def start_memo(self) -> None:
         """Keep the decoded view from now on (one decode of what is stored; later appends update it). A raw stored form
-        is its own view: nothing to keep."""
+        is its own view: nothing to keep (tokens held raw: the memo is made when the codec state is)."""
         if self.codec.stores_raw:
             return
         if self.state is not None and self.memo is None:
@@ -449,9 +550,12 @@ class CodecStream:
         points, png indices), ``sinks``, ``tail`` (raw rows + length), ``mean``, ``memo``, and ``total``.
         Not added into ``total``: ``archive_held``, every allocated group's archive + scales; ``archive_used``, the
         filled groups' archive + scales (at most ``archive_held``); ``stored``, what the stored tokens take as stored
-        (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean)."""
+        (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean). Tokens held raw
+        (:attr:`raw_prefix`) are all ``tail``: exactly a DynamicCache's bytes."""
         if self.state is None:
-            return {**dict.fromkeys(STORAGE_PARTS, 0), "total": 0, **dict.fromkeys(GROUP_PARTS, 0), "stored": 0}
+            held = 0 if self._raw is None else self._raw.nbytes
+            return {**dict.fromkeys(STORAGE_PARTS, 0), "tail": held, "total": held, **dict.fromkeys(GROUP_PARTS, 0),
+                    "stored": held}
         st = self.state
         nbytes = {"archive": st.data.nbytes, "scales": st.scale.nbytes + st.zero.nbytes + st.index.nbytes,
                   "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes + st.start.nbytes, "mean": st.mean.nbytes,
@@ -468,9 +572,10 @@ class CodecStream:
 
     def stored_bits(self) -> int:
         """Bits that the stored tokens take as stored: filled archive groups (codes, scales, zero points), the sinks
-        and tail rows holding tokens (in the stream dtype), and the mean; no unused capacity, no memo."""
+        and tail rows holding tokens (in the stream dtype), and the mean; no unused capacity, no memo. Tokens held raw:
+        their bytes."""
         if self.state is None:
-            return 0
+            return 0 if self._raw is None else 8 * self._raw.nbytes
         st, codec, n = self.state, self.codec, self.get_seq_length()
         d, item = st.tail.shape[3], st.tail.element_size()
         lead = st.tail.shape[0] * st.tail.shape[1]
@@ -478,6 +583,25 @@ class CodecStream:
         raw = min(n, codec.sinks) + (n - archived if n > archived else 0)
         return 8 * (lead * self.filled_groups * codec.group_bytes(d, st.tail.dtype) + lead * raw * d * item
                     + st.mean.nbytes)
+
+    def held_raw(self) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
+        """While the tokens are held raw: ``(tokens (B, H, n, D), first_call)``, ``first_call`` the positions of the
+        first call past the sinks (None before it): what a file keeps of the stream (persist/stream_io.py); else None."""
+        return None if self._raw is None else (self._raw, self._first_call)
+
+    def hold_raw(self, tokens: torch.Tensor, first_call: tuple[int, int] | None) -> None:
+        """Forget every token and hold ``tokens (B, H, n, D)`` raw, as a stream whose first call past the sinks had
+        positions ``first_call`` (a :meth:`held_raw` result, checked by the caller: n short of the prefix length)."""
+        self.reset()
+        self._start_prefix(tokens, prefix_length(self.codec, tokens.shape[3], tokens.dtype))
+        self._raw, self._first_call, self._host_length = tokens, first_call, tokens.shape[2]
+
+    def op_state(self) -> tuple[list[torch.Tensor], str]:
+        """``(state, spec)`` as the ops take them: the codec's, or while the tokens are held raw a
+        :data:`~flashcodec_fx.raw_prefix.RAW_CODEC` state over them (their archive, no copy)."""
+        if self._raw is not None:
+            return raw_state(self._raw), RAW_SPEC
+        return list(self.state), self.spec
 
     def decoded(self) -> torch.Tensor:
         """``(B, H, L, D)``: the stored tokens as attention reads them (one decode; for inspection, never used by a
@@ -602,7 +726,8 @@ class CodecKVCache:
 
     def bits_per_value(self) -> float:
         """Stored bits per cached value (K and V), as stored (:meth:`CodecStream.stored_bits`)."""
-        n = 0 if self.keys.state is None else self.keys.state.tail[..., 0, :].numel() * self.get_seq_length()
+        tail = self.keys.tail
+        n = 0 if tail is None else tail.shape[0] * tail.shape[1] * tail.shape[3] * self.get_seq_length()
         return (self.keys.stored_bits() + self.values.stored_bits()) / max(1, 2 * n)
 
     def attention(self, q: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None,
@@ -617,14 +742,14 @@ def codec_decode_attention(q: torch.Tensor, key_stream: CodecStream, value_strea
     """``q (B, Hq, T, D)`` attends over both streams' stored state without building the ``(S, D)`` view; returns
     ``(B, Hq, T, D)`` in q's dtype. GQA by grouping query heads. ``new``: the current call's ``(keys, values)``,
     already appended, read exactly (as the prompt is)."""
-    if key_stream.state is None or value_stream.state is None:
+    if not (key_stream.is_initialized and value_stream.is_initialized):
         raise RuntimeError("codec_decode_attention needs streams that hold at least one token")
     if not torch.compiler.is_compiling() and key_stream.get_seq_length() != value_stream.get_seq_length():
         raise ValueError(f"key and value streams must have the same length, got {key_stream.get_seq_length()} and "
                          f"{value_stream.get_seq_length()}")
     k_new, v_new = (None, None) if new is None else new
-    return torch.ops.flashcodec.codec_attention(q, list(key_stream.state), list(value_stream.state), key_stream.spec,
-                                                value_stream.spec, k_new, v_new, mask, scale)
+    (k_state, k_spec), (v_state, v_spec) = key_stream.op_state(), value_stream.op_state()
+    return torch.ops.flashcodec.codec_attention(q, k_state, v_state, k_spec, v_spec, k_new, v_new, mask, scale)
 
 
 __all__ = ["CROP_MODES", "LAYOUTS", "CodecKVCache", "CodecOverflowError", "CodecStream", "Encoded",

@@ -178,7 +178,8 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate both streams for states shaped like these ``(B, H, T, D)`` (``T`` may be 0: transformers'
-        ``early_initialization``); static layouts get their whole capacity, marked as static addresses."""
+        ``early_initialization``); static layouts get their whole capacity, marked as static addresses; a dynamic
+        stream holds a short prompt raw (:mod:`flashcodec_fx.raw_prefix`)."""
         self.device, self.dtype = key_states.device, key_states.dtype
         self.keys_stream.prepare(key_states)
         self.values_stream.prepare(value_states)
@@ -403,7 +404,7 @@ class FlashCodecLayer(CacheLayerMixin):
     def cached_values(self) -> int:
         """Values the stored tokens stand for (K and V): ``2 * B * H * L * D``."""
         tail = self.keys_stream.tail
-        return 0 if tail is None else 2 * tail[..., 0, :].numel() * self.keys_stream.get_seq_length()
+        return 0 if tail is None else 2 * tail.shape[0] * tail.shape[1] * tail.shape[3] * self.keys_stream.get_seq_length()
 
     def raw_equivalent_bytes(self) -> int:
         """Bytes the stored tokens would take uncompressed (K and V in the stream dtype, no padding to capacity)."""

@@ -4,8 +4,11 @@ Exported: the filled archive groups of ``data`` / ``scale`` / ``zero`` / ``index
 stored), ``mean``, ``sink``, ``tail``, ``length``, ``start`` (the fields of ``ops/state.py``), and the host side (codec
 spec, layout, lengths, allocated groups). A lossless png archive is exported as the tokens it encodes (``tokens``, in
 the stream dtype) where encoding them gives back the archive bitwise (checked at export): half the bytes of its fp32
-deltas, and what the lossless coders code best; import encodes them again. A memo is not stored: an imported stream
-that keeps one decodes it again. Import validates everything against the stream's codec before it changes anything.
+deltas, and what the lossless coders code best; import encodes them again. A stream holding its tokens raw (its raw
+prefix, :mod:`flashcodec_fx.raw_prefix`) is exported as those tokens (``raw``) and the positions of its first call
+past the sinks: imported, it holds them raw again and converts at the same length. A memo is not stored: an imported
+stream that keeps one decodes it again. Import validates everything against the stream's codec before it changes
+anything.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .. import ops
 from ..cache import CodecStream
 from ..codecs import PNGCodec
 from ..ops.state import StreamState, check_state
+from ..raw_prefix import prefix_length
 from .lossless import dtype_name
 
 ARCHIVE_FIELDS = StreamState._fields[:4]
@@ -27,9 +31,15 @@ def export_stream(stream: CodecStream) -> tuple[dict[str, torch.Tensor], dict[st
     """``(tensors, description)`` of ``stream`` (an empty dict and ``{"initialized": False}`` before its first
     append). Tensors are the state's own (no copy); the description is plain JSON."""
     length = stream.get_seq_length()  # refreshes the host mirror after compiled appends
-    described = {"spec": stream.spec, "layout": stream.layout, "initialized": stream.state is not None}
-    if stream.state is None:
+    described = {"spec": stream.spec, "layout": stream.layout, "initialized": stream.is_initialized}
+    if not stream.is_initialized:
         return {}, described
+    held = stream.held_raw()
+    if held is not None:
+        tokens, first_call = held
+        described.update(archive="raw", length=length, first_call=None if first_call is None else list(first_call),
+                         dtype=dtype_name(tokens.dtype), shape=list(tokens.shape[:2]) + [int(tokens.shape[3])])
+        return {"raw": tokens}, described
     st, filled = stream.state, stream.filled_groups
     tensors = {name: getattr(st, name)[:, :, :filled] for name in ARCHIVE_FIELDS}
     tensors.update({name: getattr(st, name) for name in StreamState._fields[4:]})
@@ -68,13 +78,39 @@ def _check_description(name: str, stream: CodecStream, described: dict[str, Any]
                          f"{stream.layout!r}")
 
 
+def _held_raw(name: str, stream: CodecStream, tensors: dict[str, torch.Tensor], described: dict[str, Any],
+              device: torch.device) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """``(tokens, first_call)`` of an export holding its tokens raw, on ``device``, checked against the stream."""
+    tokens, first_call = tensors.get("raw"), described.get("first_call")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 4 or not tokens.is_floating_point():
+        raise ValueError(f"{name}: tokens held raw need a floating (B, H, n, D) 'raw' tensor")
+    n, sinks = tokens.shape[2], stream.codec.sinks
+    stream.codec.check_head_dim(tokens.shape[3])
+    until = 0 if stream.layout != "dynamic" else prefix_length(stream.codec, tokens.shape[3], tokens.dtype)
+    if n != described.get("length") or n >= until:
+        raise ValueError(f"{name}: {n} tokens held raw (header: {described.get('length')}); this stream holds "
+                         f"fewer than {until} raw")
+    if first_call is not None:
+        if not (isinstance(first_call, list) and len(first_call) == 2 and all(type(p) is int for p in first_call)
+                and first_call[0] <= min(n, sinks) and sinks < first_call[1] < until):
+            raise ValueError(f"{name}: first_call must be [start, end] of a call past the {sinks} sinks, got "
+                             f"{first_call!r}")
+        first_call = (first_call[0], first_call[1])
+    elif n > sinks:
+        raise ValueError(f"{name}: {n} tokens held raw past the {sinks} sinks need their first_call")
+    return tokens.to(device), first_call
+
+
 def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tensor], described: dict[str, Any],
-                  device: torch.device) -> StreamState | None:
+                  device: torch.device) -> StreamState | tuple[torch.Tensor, tuple[int, int] | None] | None:
     """The state ``stream`` gets from an export (on ``device``, the archive at its saved capacity, or the static
-    layout's), checked against the stream's codec; the stream is not touched. None for an uninitialized export."""
+    layout's), checked against the stream's codec; the stream is not touched. None for an uninitialized export;
+    ``(tokens, first_call)`` for one holding its tokens raw (:meth:`CodecStream.held_raw`)."""
     _check_description(name, stream, described)
     if not described["initialized"]:
         return None
+    if described.get("archive") == "raw":
+        return _held_raw(name, stream, tensors, described, device)
     codec, filled = stream.codec, int(described["filled_groups"])
     if described.get("archive") == "tokens":
         if "tokens" not in tensors or not isinstance(codec, PNGCodec):
@@ -105,11 +141,14 @@ def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tenso
     return state
 
 
-def install_state(stream: CodecStream, state: StreamState | None) -> None:
+def install_state(stream: CodecStream, state: StreamState | tuple[torch.Tensor, tuple[int, int] | None] | None) -> None:
     """Put a :func:`prepare_state` result into ``stream`` (host mirrors from the device lengths; a memo decoded
     again when the stream keeps one)."""
     stream.reset()
     if state is None:
+        return
+    if not isinstance(state, StreamState):
+        stream.hold_raw(*state)
         return
     ops.warm(stream.codec, state.tail.shape[3], state.tail.device)
     stream.state = state

@@ -6,7 +6,8 @@ import torch
 
 
 def snapshot(cache) -> list:
-    """The state of ``cache`` (a FlashCodecCache or one FlashCodecLayer): tensors cloned, host mirrors and flags."""
+    """The state of ``cache`` (a FlashCodecCache or one FlashCodecLayer): tensors cloned (tokens held raw too), host
+    mirrors and flags."""
     layers = cache.layers if hasattr(cache, "layers") else [cache]
     out = []
     for layer in layers:
@@ -14,6 +15,8 @@ def snapshot(cache) -> list:
         for stream in (layer.keys_stream, layer.values_stream):
             out += [stream._host_length, stream._host_start, stream.memo is None]
             out += [] if stream.state is None else [t.clone() for t in stream.state]
+            held = stream.held_raw()  # tokens held raw (the raw prefix) and its first call past the sinks
+            out += [] if held is None else [held[0].clone(), held[1]]
             out += [] if stream.memo is None else [_settled_memo(stream)]
     return out
 

@@ -13,7 +13,9 @@ Invariants after every step:
 
 - every codec layer's decoded ``keys`` / ``values`` equal, bitwise, a reference model of its codec: the history's raw
   sinks and tail and, for the archive, the stateless codec's ``decode(encode(group))`` of the same tokens
-  (``StreamModel``); png layers equal the native cache's ``keys`` / ``values`` bitwise (grid data, bf16 and fp32);
+  (``StreamModel``; a dynamic stream's first tokens are its history itself, until its raw prefix converts, the mean
+  then taken from the first call past the sinks); png layers equal the native cache's ``keys`` / ``values`` bitwise
+  (grid data, bf16 and fp32);
 - ``update`` returns the exact prompt on a first fill, the reference view on the decoded-view path; attention on the
   stored form equals attention over the reference view (the call's own tokens exact) to fp tolerance;
 - ``get_seq_length`` / ``get_mask_sizes`` match the native cache (static: the views' capacity), ``is_croppable`` the
@@ -56,6 +58,7 @@ from flashcodec_fx.codecs import Codec  # noqa: E402
 from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
 from flashcodec_fx.hf.attention import MaterializationFreeFallback, flashcodec_attention_forward  # noqa: E402
 from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.raw_prefix import prefix_length  # noqa: E402
 
 H, D, GQA = 2, 16, 2  # kv heads, head dim (a power of two: the rotation is a Walsh-Hadamard transform), q heads per kv
 PROFILES = {
@@ -93,25 +96,49 @@ def lossless(codec: Codec, dtype: torch.dtype) -> bool:
 
 class StreamModel:
     """Reference model of one codec stream: the history (B, H, n, D) and the archive's end, kept by the contract's
-    rules; the view is the raw sinks and tail and the stateless codec's decode(encode(...)) of the archived groups."""
+    rules; the view is the raw sinks and tail and the stateless codec's decode(encode(...)) of the archived groups.
+    A dynamic stream holds its history raw (``raw``) until ``until`` tokens; then the archive's end is where the
+    appends of every token would have moved it, and the mean that of the first call past the sinks (``first``)."""
 
-    def __init__(self, codec: Codec, dtype: torch.dtype):
+    def __init__(self, codec: Codec, dtype: torch.dtype, layout: str = "dynamic"):
         self.codec, self.dtype = codec, dtype
         self.hist: torch.Tensor | None = None
         self.start, self.mean = codec.sinks, None
+        self.until = prefix_length(codec, D, dtype) if layout == "dynamic" else 0
+        self.raw, self.first = False, None
 
     @property
     def n(self) -> int:
         return 0 if self.hist is None else self.hist.shape[2]
+
+    def archived(self) -> int:
+        """Positions held by the sinks and the archive (none while raw)."""
+        return 0 if self.raw else min(self.start, self.n)
+
+    def _set_mean(self, x: torch.Tensor, at: int) -> None:
+        """The mean of the tokens ``x`` of a call at position ``at`` past the sinks (the op's formula)."""
+        counted = ((at + torch.arange(x.shape[2])) >= self.codec.sinks).float()
+        self.mean = (x.float() * counted.view(1, 1, -1, 1)).sum(2) / counted.sum().clamp_min(1)
 
     def append(self, x: torch.Tensor) -> None:
         codec, n, t = self.codec, self.n, x.shape[2]
         if self.hist is None:
             self.hist = x[:, :, :0]
             self.mean = torch.zeros(x.shape[0], H, D) if codec.center else None
+            self.raw = t < self.until
+        if self.raw:
+            self.first = (n, n + t) if self.first is None and n <= codec.sinks < n + t else self.first
+            self.hist = torch.cat([self.hist, x], dim=2)
+            if n + t < self.until:
+                return
+            self.raw, (lo, hi), self.first = False, self.first or (n, n + t), None  # converts
+            if codec.center and lo <= codec.sinks < hi:
+                self._set_mean(self.hist[:, :, lo:hi], lo)
+            behind = n + t - codec.sinks - codec.window
+            self.start = codec.sinks + max(0, behind) // codec.group * codec.group
+            return
         if codec.center and n <= codec.sinks < n + t:  # the mean of the first append's tokens past the sinks
-            counted = ((n + torch.arange(t)) >= codec.sinks).float()
-            self.mean = (x.float() * counted.view(1, 1, -1, 1)).sum(2) / counted.sum().clamp_min(1)
+            self._set_mean(x, n)
         self.hist = torch.cat([self.hist, x], dim=2)
         behind = n + t - self.start - codec.window  # archive whole groups while the tail would hold window + G
         self.start += max(0, behind) // codec.group * codec.group
@@ -124,7 +151,7 @@ class StreamModel:
     def view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """What the stream reads, in ``dtype`` (default: the stream's; the archive decoded straight into it)."""
         codec, view = self.codec, self.hist.to(dtype or self.dtype, copy=True)
-        end = min(self.start, self.n)
+        end = self.archived()
         if end > codec.sinks:
             enc = codec.encode(self.hist[:, :, codec.sinks:end], self.mean)
             view[:, :, codec.sinks:end] = codec.decode(enc, view.dtype, self.mean)
@@ -134,11 +161,18 @@ class StreamModel:
         return self.codec.sinks + max(0, keep - self.codec.sinks) // self.codec.group * self.codec.group
 
     def crop_allowed(self, keep: int, mode: str) -> bool:
-        return keep >= min(self.start, self.n) or keep <= self.reopened(keep) or mode == "decode" \
+        return keep >= self.archived() or keep <= self.reopened(keep) or mode == "decode" \
             or lossless(self.codec, self.dtype)
 
     def crop(self, keep: int) -> None:
         if self.hist is None or keep >= self.n:
+            return
+        if self.raw or (keep == 0 and self.until):  # held raw, or emptied: raw again (the first call forgotten)
+            self.hist = self.hist[:, :, :keep]
+            self.raw, self.start = True, self.codec.sinks
+            self.first = None if keep <= self.codec.sinks else self.first
+            if self.codec.center and keep <= self.codec.sinks:
+                self.mean = torch.zeros_like(self.mean)
             return
         if keep < self.start:
             reopened = self.reopened(keep)
@@ -162,22 +196,24 @@ class StreamModel:
     def stored_bits(self, batch: int) -> int:
         """Bits the stored tokens take as stored: filled groups, raw sinks and tail rows holding tokens, the mean."""
         codec, n = self.codec, self.n
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if self.raw:  # the tokens and nothing else
+            return 8 * batch * H * n * D * item
         groups = max(0, min(n, self.start) - codec.sinks) // codec.group
         raw = min(n, codec.sinks) + max(0, n - max(self.start, codec.sinks))
         mean = batch * H * D * 4 if codec.center else 0
-        item = torch.empty((), dtype=self.dtype).element_size()
         return 8 * (batch * H * (groups * codec.group_bytes(D, self.dtype) + raw * D * item) + mean)
 
     def archive_bytes(self, batch: int) -> int:
         """Bytes of the filled archive groups."""
         codec = self.codec
-        groups = max(0, min(self.n, self.start) - codec.sinks) // codec.group
+        groups = max(0, self.archived() - codec.sinks) // codec.group
         return batch * H * groups * codec.group_bytes(D, self.dtype)
 
     def covering_bytes(self, batch: int) -> int:
-        """Bytes of the fewest archive groups spanning the stored tokens' positions."""
+        """Bytes of the fewest archive groups spanning the stored tokens' positions (none while raw)."""
         codec = self.codec
-        groups = -(-max(0, self.n - codec.sinks) // codec.group)
+        groups = 0 if self.raw else -(-max(0, self.n - codec.sinks) // codec.group)
         return batch * H * groups * codec.group_bytes(D, self.dtype)
 
 
@@ -188,7 +224,8 @@ class LayerModel:
     dropped = 0
 
     def __init__(self, layer: FlashCodecLayer, dtype: torch.dtype):
-        self.streams = (StreamModel(layer.keys_stream.codec, dtype), StreamModel(layer.values_stream.codec, dtype))
+        self.streams = tuple(StreamModel(s.codec, dtype, s.layout) for s in (layer.keys_stream, layer.values_stream))
+        self.layout = layer.layout
 
     def __iter__(self):
         return iter(self.streams)
@@ -196,7 +233,7 @@ class LayerModel:
     def reset(self) -> None:
         """``reset()``: every token forgotten (a ring keeps recording the past once asked to, as transformers' own
         sliding layers do)."""
-        self.streams = tuple(StreamModel(m.codec, m.dtype) for m in self.streams)
+        self.streams = tuple(StreamModel(m.codec, m.dtype, self.layout) for m in self.streams)
         self.dropped = 0
 
     def __getitem__(self, i: int) -> StreamModel:
@@ -246,7 +283,7 @@ class RingModel(LayerModel):
 
     def window_target(self) -> int:
         visible = max(0, self.seen - self.window + 1)
-        archived = self.dropped + min(min(m.start, m.n) for m in self.streams)
+        archived = self.dropped + min(m.archived() for m in self.streams)
         return max(self.dropped, min(visible, archived) // self.unit * self.unit)
 
     def target(self) -> int:
@@ -505,8 +542,8 @@ class CacheContract(RuleBasedStateMachine):
         total = 0
         for layer, models in zip(self.cache.layers, self.models, strict=True):
             parts = layer.storage_breakdown()
-            held = sum(t.nbytes for s in (layer.keys_stream, layer.values_stream) if s.state is not None
-                       for t in (*s.state, *([] if s.memo is None else [s.memo])))
+            held = sum(t.nbytes for s in (layer.keys_stream, layer.values_stream) if s.is_initialized
+                       for t in (*(s.state if s.state is not None else [s.tail]), *([] if s.memo is None else [s.memo])))
             summed = sum(parts[p] for p in ("archive", "scales", "sinks", "tail", "mean", "memo"))
             assert type(layer.storage_bytes()) is int and layer.storage_bytes() == parts["total"] == summed == held
             total += parts["total"]
@@ -516,7 +553,7 @@ class CacheContract(RuleBasedStateMachine):
             assert layer.stored_bits() == sum(m.stored_bits(b) for m in models)
             assert parts["archive_used"] == sum(m.archive_bytes(b) for m in models)
             assert parts["archive_used"] <= parts["archive_held"] == parts["archive"] + parts["scales"]
-            assert parts["memo"] == 0 if self.stored_form else parts["memo"] > 0
+            assert parts["memo"] == 0 if self.stored_form else (parts["memo"] > 0) == any(not m.raw for m in models)
             if layer._offloaded is not None:  # on the host: the groups spanning the length at offload time
                 assert parts["archive"] + parts["scales"] >= sum(m.covering_bytes(b) for m in models)
         breakdown = self.cache.storage_breakdown()

@@ -55,13 +55,13 @@ def test_stored_form_layer_hands_attention_its_states():
 
 def test_prefill_returns_exact_states_then_the_stored_view():
     layer = _layer(keep_freqs=4)
-    k, v = _states(13, 0)
+    k, v = _states(29, 0)  # past the raw prefix (a 13-token prompt would be held raw, its view exact)
     out_k, out_v = layer.update(k, v)
     assert out_k is k and out_v is v  # the prompt attends on its exact states
     nk, nv = _states(1, 1)
     view_k, view_v = layer.update(nk, nv)
-    assert view_k.shape == (B, H, 14, D) and layer.get_seq_length() == 14 and layer.get_mask_sizes(1) == (15, 0)
-    assert torch.equal(view_k[:, :, 8:13], k[:, :, 8:]) and torch.equal(view_k[:, :, 13:], nk)  # open block: raw
+    assert view_k.shape == (B, H, 30, D) and layer.get_seq_length() == 30 and layer.get_mask_sizes(1) == (31, 0)
+    assert torch.equal(view_k[:, :, 24:29], k[:, :, 24:]) and torch.equal(view_k[:, :, 29:], nk)  # open block: raw
     assert not torch.allclose(view_k[:, :, :8], k[:, :, :8], atol=1e-3)  # the archive is what later steps read (lossy)
 
 
@@ -106,7 +106,7 @@ def test_lossy_layer_is_not_croppable_unless_asked():
     exact, decode = _layer(quant_bits=8), _layer(quant_bits=8, crop="decode")
     png = _layer("png")
     for layer in (exact, decode, png):
-        _filled(layer, dtype=torch.bfloat16)
+        _filled(layer, prompt=29, dtype=torch.bfloat16)  # past the raw prefix: 4 archived groups, 5 tail tokens
     assert not exact.is_croppable and decode.is_croppable and png.is_croppable
     exact.crop(-5)  # inside the raw tail: allowed and exact
     with pytest.raises(ValueError, match="reopen archived tokens"):

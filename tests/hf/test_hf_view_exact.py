@@ -26,8 +26,8 @@ def _states(layer, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _stored(stream) -> torch.Tensor:
-    """What the stream stores, as the op reads it (no memo, no overlay)."""
-    return torch.ops.flashcodec.read(list(stream.state), stream.spec)
+    """What the stream stores, as the op reads it (no memo, no overlay; tokens held raw: a raw codec's state)."""
+    return torch.ops.flashcodec.read(*stream.op_state())
 
 
 def _layers(family: str, **options) -> list[FlashCodecLayer]:

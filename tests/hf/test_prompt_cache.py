@@ -19,7 +19,7 @@ from transformers import DynamicCache  # noqa: E402
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf import apply_codec_attention  # noqa: E402
 
-PREFIX = tiny_prompt(1, 24)
+PREFIX = tiny_prompt(1, 48)  # past the lossy presets' raw prefix (lossless holds it raw: 64 tokens)
 REQUESTS = [tiny_prompt(1, n, seed=10 + n) for n in (1, 3, 6)]
 
 

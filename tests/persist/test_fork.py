@@ -25,11 +25,13 @@ def filled(preset: str, tokens: int, seed: int = 0, layout: str = "dynamic") -> 
 
 
 def states(cache: CodecKVCache) -> list[torch.Tensor]:
-    return [t for s in (cache.keys, cache.values) for t in s.state]
+    """Every tensor of both streams' state (a stream holding its tokens raw: those tokens)."""
+    return [t for s in (cache.keys, cache.values) for t in (s.state if s.state is not None else (s.tail,))]
 
 
 def same(a: CodecKVCache, b: CodecKVCache) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(states(a), states(b), strict=True))
+    return a.keys.raw_prefix == b.keys.raw_prefix and a.values.raw_prefix == b.values.raw_prefix and \
+        all(torch.equal(x, y) for x, y in zip(states(a), states(b), strict=True))
 
 
 def archive_ptrs(cache: CodecKVCache) -> list[int]:
@@ -38,7 +40,7 @@ def archive_ptrs(cache: CodecKVCache) -> list[int]:
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_fork_shares_the_archive_until_it_writes(preset):
-    prefix = filled(preset, 40)
+    prefix = filled(preset, 72)  # past every stream's raw prefix: both hold their codec state
     child = fork_kv_cache(prefix)
     assert archive_ptrs(child) == archive_ptrs(prefix)  # nothing of the archive copied
     assert child.keys.state.tail.data_ptr() != prefix.keys.state.tail.data_ptr()  # the tail is the fork's own
@@ -67,6 +69,17 @@ def test_forks_equal_deep_copies_bitwise(preset, prefix, chunks, seed):
             child.append(k, v)
     for reference, child in zip(copies, forks, strict=True):
         assert child.get_seq_length() == reference.get_seq_length() and same(child, reference)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_fork_shares_the_tokens_held_raw_until_either_appends(preset):
+    prefix = filled(preset, 1)
+    assert prefix.keys.raw_prefix and prefix.values.raw_prefix
+    child = fork_kv_cache(prefix)
+    assert child.keys.tail.data_ptr() == prefix.keys.tail.data_ptr() and same(child, prefix)
+    k = torch.randn(2, 2, 1, 16)
+    child.append(k, k)
+    assert child.keys.tail.data_ptr() != prefix.keys.tail.data_ptr() and prefix.get_seq_length() == 1
 
 
 def test_static_forks_copy_everything():

@@ -1,5 +1,6 @@
 """A stream exported as named tensors and imported into a fresh stream of the same codec is bitwise the original
-(every preset, both layouts); a lossless png archive travels as its tokens; a mismatched export changes nothing."""
+(every preset, both layouts; tokens held raw are imported raw and convert at the same length); a lossless png archive
+travels as its tokens; a mismatched export changes nothing."""
 
 from __future__ import annotations
 
@@ -26,10 +27,17 @@ def stream_with(preset: str, tokens: int, dtype: torch.dtype, layout: str = "dyn
 
 
 def bitwise(a: CodecStream, b: CodecStream) -> bool:
+    """Same host mirrors and, bit for bit, the same state tensors (or the same tokens held raw, first call alike)."""
+    if a.held_raw() is not None or b.held_raw() is not None:
+        if a.held_raw() is None or b.held_raw() is None or a.held_raw()[1] != b.held_raw()[1]:
+            return False
+        tensors = [(a.tail, b.tail)]
+    else:
+        tensors = list(zip(a.state, b.state, strict=True))
     return (a._host_length, a._host_start) == (b._host_length, b._host_start) and all(
         x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8),
                                                                   y.reshape(-1).view(torch.uint8))
-        for x, y in zip(a.state, b.state, strict=True))
+        for x, y in tensors)
 
 
 def fresh_like(stream: CodecStream) -> CodecStream:
@@ -48,6 +56,22 @@ def test_export_import_round_trip_bitwise(preset, tokens, dtype, layout, seed):
     assert bitwise(back, stream)
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tokens_held_raw_travel_raw_and_convert_at_the_same_length(preset):
+    stream = stream_with(preset, 3, torch.bfloat16)  # two calls: 2 tokens, then 1
+    assert stream.raw_prefix
+    tensors, described = export_stream(stream)
+    assert described["archive"] == "raw" and set(tensors) == {"raw"}
+    assert described["first_call"] == ([0, 2] if stream.codec.sinks == 0 else None)  # the call past the sinks
+    back = fresh_like(stream)
+    install_state(back, prepare_state("s", back, tensors, described, torch.device("cpu")))
+    x = torch.randn(2, 2, 80, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for i in range(80):
+        for s in (stream, back):
+            s.append(x[:, :, i: i + 1])
+        assert back.raw_prefix == stream.raw_prefix and bitwise(back, stream), i
+
+
 def test_lossless_png_archive_travels_as_its_tokens():
     stream = stream_with("png", 40, torch.bfloat16)
     tensors, described = export_stream(stream)
@@ -58,7 +82,7 @@ def test_lossless_png_archive_travels_as_its_tokens():
 
 
 def test_mismatched_export_is_refused_and_changes_nothing():
-    stream = stream_with("4bit", 30, torch.bfloat16)
+    stream = stream_with("4bit", 60, torch.bfloat16)
     tensors, described = export_stream(stream)
     other = stream_with("int8", 10, torch.bfloat16)
     before = [t.clone() for t in other.state]
@@ -72,3 +96,20 @@ def test_mismatched_export_is_refused_and_changes_nothing():
         prepare_state("layer 0 keys", target, tensors, {**described, "length": described["length"] + 1},
                       torch.device("cpu"))
     assert target.state is None and all(torch.equal(a, b) for a, b in zip(before, other.state, strict=True))
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"length": 6}, "tokens held raw"),
+    ({"first_call": [0, 2]}, "first_call must be"),
+    ({"first_call": None}, "need their first_call"),
+    ({"raw": torch.zeros(2, 2, 60, 16, dtype=torch.bfloat16), "length": 60}, "fewer than"),
+    ({"raw": torch.zeros(2, 2, 5, 16, dtype=torch.int32)}, "floating"),
+])
+def test_a_bad_raw_export_is_refused(change, match):
+    stream = stream_with("4bit", 5, torch.bfloat16)
+    tensors, described = export_stream(stream)
+    tensors = {"raw": change.pop("raw")} if "raw" in change else tensors
+    target = fresh_like(stream)
+    with pytest.raises(ValueError, match=match):
+        prepare_state("layer 0 keys", target, tensors, {**described, **change}, torch.device("cpu"))
+    assert not target.is_initialized
