@@ -363,7 +363,7 @@ class CodecStream:
     def get_seq_length(self) -> int:
         """Stored tokens, a host int: the mirror kept by eager appends, refreshed from the device length (one sync,
         outside any decode step) after compiled appends."""
-        if self._stale and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self._stale:  # never read while tracing: Dynamo would guard on it
             self._host_length, self._host_start, self._stale = int(self.state.length), int(self.state.start), False
             if self.layout == "static" and self._host_length > self.max_length:
                 raise RuntimeError(f"static stream overflow: {self._host_length} tokens were appended but max_length="

@@ -679,7 +679,7 @@ class FlashCodecCache(Cache):
                              f"this model's config (FlashCodecCache.from_config(model.config, ...))")
         layer = self.layers[layer_idx]
         compiling = torch.compiler.is_compiling()
-        if isinstance(layer, FlashCodecLayer) and layer.unserved and not compiling:
+        if not compiling and isinstance(layer, FlashCodecLayer) and layer.unserved:  # host state: never traced
             fall_back_to_view([other for other in self.layers if isinstance(other, FlashCodecLayer) and other.unserved])
         if isinstance(layer, FlashCodecLayer) and self._padding_mask is not None and not compiling:
             kwargs = {**kwargs, "keep": self._keep_mask(layer, key_states)}

@@ -62,6 +62,29 @@ def test_llama_inductor_tokens_equal_eager(llama_inductor):
     assert torch.equal(tokens, _generate(model, PNG))
 
 
+def test_compiled_steps_after_an_eager_fill_compile_once():
+    """Filled eagerly, then decoded by the compiled model with nothing eager in between (no host read of the length:
+    what a serving loop does): one graph for every step. A compiled append leaves the host length mirror stale; a
+    guard on that flag recompiled the second step (benchmarks/results/e2e_cpu_compiled.json: recompiles 1)."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    cfg = model.config
+    cache = FlashCodecCache.from_config(cfg, layout="static", max_cache_len=40, memoize=False)
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator().manual_seed(0)
+    step = torch.compile(model, fullgraph=True, backend=fx.backend(strict=True))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for idx in range(cfg.num_hidden_layers):
+            cache.update(*(torch.randn(1, heads, 16, dim, generator=gen) for _ in range(2)), idx)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for pos in range(16, 20):
+                step(input_ids=torch.tensor([[42]]), position_ids=torch.tensor([[pos]]), past_key_values=cache,
+                     use_cache=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    assert cache.get_seq_length() == 20
+
+
 def test_llama_inductor_graph_reads_compressed_state(llama_inductor):
     model, be, _, graphs = llama_inductor
     assert graphs == 1  # one decode graph, no recompiles across NEW_TOKENS steps
