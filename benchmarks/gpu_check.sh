@@ -3,9 +3,10 @@
 # (torch 2.11, triton 3.6, transformers 5.17, Python 3.12, no network). Steps, each with its own time limit, log
 # and result file in $OUT:
 #   1. env.json        versions, device, capability
-#   2. gpu_tests.xml   pytest (junit) on CUDA: the Triton kernels (append, codec_attention) vs the reference in
-#                      fp32/fp16/bf16 on every stored form and preset (tests/ops/test_triton_{append,attention,
-#                      register}.py run on CUDA too), CUDA dispatch and opcheck, CUDA-graph capture + replay of
+#   2. gpu_tests.xml   pytest (junit) on CUDA: the Triton kernels (append, codec_attention, encode, decode, read)
+#                      vs the reference in fp32/fp16/bf16 on every stored form and preset (tests/ops/test_triton_
+#                      {append,attention,blocks,read,register}.py run on CUDA too), the vLLM plugin's paged store
+#                      and attention kernels (tests/vllm/test_triton_kernels.py), CUDA dispatch and opcheck, CUDA-graph capture + replay of
 #                      append + codec_attention (int8 and 3-bit presets), capture of a fresh stream's first step
 #                      (tables made at allocation), a tiny Llama decoding under torch.compile(mode="reduce-overhead")
 #                      with the flashcodec pass (lossless and 3-bit presets), long contexts up to 128k tokens in 64k+
@@ -92,7 +93,8 @@ if [ "$DRY" = 1 ]; then
   OFFLOAD=(--device cpu --quick --prompts 64 --out "$OUT/offload_cpu.json")
 else
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py tests/ops/test_triton_attention.py
-         tests/ops/test_triton_append.py tests/ops/test_triton_register.py tests/vllm/test_cuda_backend.py)
+         tests/ops/test_triton_append.py tests/ops/test_triton_blocks.py tests/ops/test_triton_read.py
+         tests/ops/test_triton_register.py tests/vllm/test_triton_kernels.py tests/vllm/test_cuda_backend.py)
   PARALLEL=()
   if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi  # each test compiles its own kernel variants
   ATTENTION=(--device cuda --repeats 21 --out "$OUT/attention_cuda.json")
