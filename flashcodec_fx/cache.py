@@ -112,6 +112,7 @@ class CodecStream:
 
     @property
     def length(self) -> torch.Tensor | None:
+        """The state's 0-dim device length (None without a codec state: before the first append, or held raw)."""
         return None if self.state is None else self.state.length
 
     @property

@@ -63,3 +63,23 @@ def test_default_cache_bytes_on_an_fp32_model(codec_model, options, prompt):
     assert parts["memo"] == 0  # no decoded copy next to the archive
     assert parts["stored"] <= INT8_HELD_MAX * raw
     assert cache.storage_bytes() == parts["total"] <= INT8_HELD_MAX * raw
+
+
+@pytest.mark.parametrize("preset", ["3bit", "lossless"])
+def test_a_short_prompt_never_holds_more_than_a_dynamic_cache(codec_model, preset):
+    """A 3-token prompt, then 60 decode steps through the model: after every step the cache holds at most a
+    DynamicCache's bytes (lossy presets; lossless exactly as many while its 64-token raw prefix lasts), its first
+    tokens held raw until each stream's state fits in their bytes."""
+    cache = FlashCodecCache.from_config(codec_model.config, preset=preset)
+    ids = torch.randint(3, 256, (1, 3), generator=torch.Generator().manual_seed(2))
+    converted = set()
+    with torch.no_grad():
+        out = codec_model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
+        for i in range(60):
+            n = 3 + i
+            assert cache.storage_bytes() <= cache.storage_breakdown()["raw_equivalent"] == 2 * 2 * 2 * n * HEAD_DIM * 4
+            converted |= {id(s) for layer in cache.layers for s in (layer.keys_stream, layer.values_stream)
+                          if not s.raw_prefix}
+            tok = out.logits[:, -1:].argmax(-1)
+            out = codec_model(input_ids=tok, position_ids=torch.tensor([[n]]), use_cache=True, **cache_kwargs(cache))
+    assert len(converted) == (4 if preset == "3bit" else 0)  # 3bit: every stream converted within 60 tokens
