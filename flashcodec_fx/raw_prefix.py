@@ -28,13 +28,9 @@ RAW_CODEC_PREFIX = 64  # a codec storing raw (lossless) converts here: its spare
 LENGTH_BYTES = 16  # the state's two 0-dim int64 lengths (length, start)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def groups_for(codec: Codec, positions: int) -> int:
     """The fewest archive groups of ``codec`` covering ``positions`` positions (the sinks hold the first ones)."""
-    return _ceil_div(max(0, positions - codec.sinks), codec.group)
+    return -(-max(0, positions - codec.sinks) // codec.group)
 
 
 def compresses(codec: Codec, head_dim: int, dtype: torch.dtype) -> bool:
