@@ -49,7 +49,7 @@ from flashcodec_fx import PRESETS, presets
 from flashcodec_fx.codecs import Codec
 from flashcodec_fx.config import cache_config
 from flashcodec_fx.ops import empty_state
-from flashcodec_fx.ops.attention import codec_attention_reference
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
 
 SHAPES = {"smollm2": (1, 3, 9, 64), "gemma3": (1, 1, 4, 256), "cuda": (1, 8, 32, 128)}  # B, H_kv, H_q, D
 CPU_SHAPES = ("smollm2", "gemma3")

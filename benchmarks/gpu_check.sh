@@ -94,7 +94,7 @@ if [ "$DRY" = 1 ]; then
 else
   TESTS=(tests/ops/test_triton_cuda.py tests/ops/test_triton_long.py tests/ops/test_triton_attention.py
          tests/ops/test_triton_append.py tests/ops/test_triton_blocks.py tests/ops/test_triton_read.py
-         tests/ops/test_triton_register.py tests/vllm/test_triton_kernels.py tests/vllm/test_cuda_backend.py)
+         tests/ops/test_triton_gate.py tests/vllm/test_triton_kernels.py tests/vllm/test_cuda_backend.py)
   PARALLEL=()
   if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi  # each test compiles its own kernel variants
   ATTENTION=(--device cuda --repeats 21 --out "$OUT/attention_cuda.json")

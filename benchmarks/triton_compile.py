@@ -41,10 +41,10 @@ from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
-from flashcodec_fx.ops.triton_append import triton_append  # noqa: E402
-from flashcodec_fx.ops.triton_attention import triton_codec_attention  # noqa: E402
-from flashcodec_fx.ops.triton_blocks import triton_decode, triton_encode  # noqa: E402
-from flashcodec_fx.ops.triton_read import triton_read  # noqa: E402
+from flashcodec_fx.ops.triton.append import triton_append  # noqa: E402
+from flashcodec_fx.ops.triton.attention import triton_codec_attention  # noqa: E402
+from flashcodec_fx.ops.triton.blocks import triton_decode, triton_encode  # noqa: E402
+from flashcodec_fx.ops.triton.read import triton_read  # noqa: E402
 from flashcodec_fx.presets import preset_codecs  # noqa: E402
 from flashcodec_fx.vllm.config import VLLM_PRESETS  # noqa: E402
 from flashcodec_fx.vllm.page import RAW, page_format  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 
 from . import _compat, ops, raw_prefix
 from .codecs import Codec, Encoded, PNGCodec, make_codec
-from .ops.read import overlay_new
+from .ops.reference.read import overlay_new
 from .ops.state import StreamState, advance, capacity
 from .raw_prefix import RAW_CODEC, RAW_SPEC, compresses, first_call_after, prefix_length, raw_state, replay_calls
 

@@ -21,7 +21,7 @@ DEVICES = ("cpu", "cuda")
 def kernel_kind(function: str) -> str:
     """``"triton"``, ``"cpu"`` (the C++ kernels of ``ops/cpu``), ``"reference"`` (plain torch, the spec) or the
     kernel's full name for anything else."""
-    if function.startswith("flashcodec_fx.ops.triton_"):
+    if function.startswith("flashcodec_fx.ops.triton."):
         return "triton"
     if function.startswith("flashcodec_fx.ops.cpu."):
         return "cpu"

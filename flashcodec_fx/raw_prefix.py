@@ -5,7 +5,7 @@ the fp32 mean ``(B, H, D)``, two 0-dim int64 lengths, at least one archive group
 more bytes than the tokens themselves. So a dynamic stream (eager) holds its tokens as one ``(B, H, n, D)`` tensor in
 the stream dtype, nothing else, until :func:`prefix_length`; then it converts once: the codec's state is allocated for
 that length and the held tokens are appended into it as the calls of :func:`replay_calls`. The first call reaching
-past the sinks sets the mean (``ops/append.py``), so it is replayed with its own length; how the other tokens are
+past the sinks sets the mean (``ops/reference/append.py``), so it is replayed with its own length; how the other tokens are
 split into calls does not change what an append stores (tested bitwise for every preset and tier). The state after
 conversion is therefore bitwise the state the original calls build without the prefix.
 

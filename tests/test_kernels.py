@@ -17,8 +17,9 @@ def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
     assert sorted(registry) == sorted(kernels.OPS)
     fast = cpu.kernel_mode() != "reference"
     want = {"flashcodec::codec_attention": ("flashcodec_fx.ops.cpu.launch.cpu_codec_attention" if fast
-                                            else "flashcodec_fx.ops.attention.codec_attention"),
-            "flashcodec::append": "flashcodec_fx.ops.cpu.launch.cpu_append" if fast else "flashcodec_fx.ops.append.append"}
+                                            else "flashcodec_fx.ops.reference.attention.codec_attention"),
+            "flashcodec::append": ("flashcodec_fx.ops.cpu.launch.cpu_append" if fast
+                                   else "flashcodec_fx.ops.reference.append.append")}
     for op, by_device in registry.items():
         if op in want:
             assert by_device["cpu"] == want[op]
@@ -26,17 +27,17 @@ def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
 
 
 def test_cuda_kernels_are_triton_exactly_where_triton_has_one():
-    """With Triton, the ops of ``triton_register.KERNELS`` (every op) run Triton on CUDA; without Triton, every op
+    """With Triton, the ops of ``triton_gate.KERNELS`` (every op) run Triton on CUDA; without Triton, every op
     runs the reference."""
     registry = kernels.kernel_registry()
     triton = importlib.util.find_spec("triton") is not None
     on_triton = set()
     if triton:
-        from flashcodec_fx.ops import triton_register
+        from flashcodec_fx.ops.triton import gate as triton_gate
 
-        on_triton = set(triton_register.KERNELS)
+        on_triton = set(triton_gate.KERNELS)
         assert on_triton == set(kernels.OPS)
-        for op, fn in triton_register.KERNELS.items():
+        for op, fn in triton_gate.KERNELS.items():
             assert registry[op]["cuda"] == f"{fn.__module__}.{fn.__qualname__}"
     for op, by_device in registry.items():
         assert kernels.kernel_kind(by_device["cuda"]) == ("triton" if op in on_triton else "reference"), op
@@ -69,4 +70,4 @@ def test_report_says_why():
     assert ("CPU kernels registered: cpu, reference" if fast else "reference") in report["why"]["cpu"]
     assert ("CUDA device:" in report["why"]["cuda"]) == torch.cuda.is_available()
     assert report["triton"]["importable"] == (importlib.util.find_spec("triton") is not None)
-    assert report["ops"]["flashcodec::read"]["cpu"] == {"kernel": "flashcodec_fx.ops.read.read", "kind": "reference"}
+    assert report["ops"]["flashcodec::read"]["cpu"] == {"kernel": "flashcodec_fx.ops.reference.read.read", "kind": "reference"}

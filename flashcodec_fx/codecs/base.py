@@ -10,7 +10,7 @@ A stream ``(B, H, S, D)`` is stored as
 Before a group is encoded, an optional per-channel mean (taken from the first append, the prompt) is subtracted and
 an optional fixed rotation along head_dim is applied. Every codec is linear along seq: a block ``X (r, D)`` of the
 centered, rotated tokens is ``A @ S`` with ``S`` its dense stored rows (after dequantization), so attention can run
-on ``S`` directly (``ops/attention.py``).
+on ``S`` directly (``ops/reference/attention.py``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,31 @@
-"""`torch.ops.flashcodec.*` custom ops: reference (plain torch, the spec) and fake kernels.
+"""`torch.ops.flashcodec.*` custom ops, their kernels side by side over one stream layout (``state``):
 
-Importing this package registers every op; fast kernels register on top where available: Triton for CUDA, and the
-fused C++ kernels of ``codec_attention`` and ``append`` for the CPU (``ops/cpu``, built on first use;
-``FLASHCODEC_KERNELS=reference`` keeps the reference ops, ``fast`` requires the C++ kernels).
+- ``reference/``: each op's definition, argument checks, plain-torch reference kernel (the spec, every device) and
+  fake kernel;
+- ``cpu/``: fused C++ kernels of ``codec_attention`` and ``append`` (built on first use; ``FLASHCODEC_KERNELS=
+  reference`` keeps the reference ops, ``fast`` requires the C++ kernels);
+- ``triton/``: Triton kernels of every op, registered for CUDA behind a capability gate (when Triton imports).
+
+Importing this package defines every op and registers the fast kernels on top.
 """
 
 from __future__ import annotations
 
-from .append import append, completable_groups
-from .attention import codec_attention
-from .blocks import decode, encode
-from .cpu import register as _register_cpu_kernels
-from .read import read
+from . import cpu
+from .reference import append, codec_attention, completable_groups, decode, encode, read
 from .state import StreamState, advance, capacity, empty_state
 from .warm import warm
 
 try:
-    import triton  # noqa: F401
+    import triton as _triton_package  # noqa: F401  (not bound as ``triton``: that name is the ``triton/`` subpackage)
 except ImportError:  # without triton the reference kernels serve every device
-    triton_register = None
+    pass
 else:
-    from . import triton_register  # noqa: F401  (Triton CUDA kernels, behind a capability gate)
+    from .triton import register as _register_triton
 
-_register_cpu_kernels()
+    _register_triton()
+
+cpu.register()
 
 __all__ = ["StreamState", "append", "advance", "capacity", "codec_attention", "completable_groups", "decode",
            "empty_state", "encode", "read", "warm"]

@@ -2,7 +2,7 @@
 
 A CUDA-graph capture must not copy a tensor from the host, so every constant an op reads (the codec's matrices and
 level tables, the Triton kernels' tables) is created on the device before the first op call: ``CodecStream`` calls
-:func:`warm` when it allocates. Device kernels register what they need in ``WARMERS`` (``triton_register`` does).
+:func:`warm` when it allocates. Device kernels register what they need in ``WARMERS`` (``ops.triton.gate`` does).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_info_reports_versions_device_and_kernels(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"torch          {torch.__version__} (needs >= 2.11)" in out
-    assert "flashcodec::read             flashcodec_fx.ops.read.read" in out  # the reference on every device
+    assert "flashcodec::read             flashcodec_fx.ops.reference.read.read" in out  # the reference on every device
     assert "\n  cpu: " in out and "\n  cuda: " in out
     assert cli.main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

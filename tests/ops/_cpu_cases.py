@@ -7,7 +7,7 @@ import random
 import torch
 
 from flashcodec_fx.codecs import make_codec
-from flashcodec_fx.ops.append import append_reference
+from flashcodec_fx.ops.reference.append import append_reference
 from flashcodec_fx.ops.state import empty_state
 
 # Every stored form: raw / truncated DCT, png exact and pruned, each level set on each scale axis, bit tables,

@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 
 from flashcodec_fx.codecs import Codec, Encoded, PNGCodec, make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
-from flashcodec_fx.ops.append import append_reference  # noqa: E402
+from flashcodec_fx.ops.reference.append import append_reference  # noqa: E402
 from flashcodec_fx.presets import preset_codecs as _preset_codecs  # noqa: E402
 
 # Triton kernels need a GPU or the interpreter; the README's test command sets TRITON_INTERPRET=1.

@@ -10,8 +10,8 @@ from _cpu_cases import CODECS, DTYPES, HEAD_DIMS, chunks, codec, filled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcodec_fx.ops.append import append_reference
 from flashcodec_fx.ops.cpu.launch import cpu_append
+from flashcodec_fx.ops.reference.append import append_reference
 from flashcodec_fx.ops.state import StreamState, capacity, empty_state
 
 QUANTIZED = [name for name in CODECS if "quant_bits" in CODECS[name][1]]

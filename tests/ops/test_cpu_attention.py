@@ -10,10 +10,10 @@ from _cpu_cases import CODECS, DTYPES, HEAD_DIMS, allocations, assert_matches, c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcodec_fx.ops.append import append_reference
-from flashcodec_fx.ops.attention import codec_attention_reference
 from flashcodec_fx.ops.cpu.launch import cpu_append, cpu_codec_attention
 from flashcodec_fx.ops.cpu.plan import codec_plan
+from flashcodec_fx.ops.reference.append import append_reference
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
 
 
 @st.composite

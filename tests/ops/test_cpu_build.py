@@ -16,8 +16,8 @@ from _cpu_cases import codec, filled
 import flashcodec_fx.ops.cpu as cpu
 import flashcodec_fx.ops.cpu.build as build
 import flashcodec_fx.ops.cpu.launch as launch
-from flashcodec_fx.ops.append import append_reference
-from flashcodec_fx.ops.attention import codec_attention_reference
+from flashcodec_fx.ops.reference.append import append_reference
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
 
 
 def failed_build():

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from flashcodec_fx import presets
 from flashcodec_fx.codecs import make_codec
-from flashcodec_fx.ops.attention import codec_attention_reference
 from flashcodec_fx.ops.cpu.launch import cpu_append, cpu_codec_attention
 from flashcodec_fx.ops.cpu.plan import codec_plan
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
 
 SIMD_WIDTHS = (1, 2, 3, 4, 8)  # code widths the AVX2 loops read (token_simd.h); the others take the portable path
 HEAD_DIMS = (8, 16, 24, 40, 64, 128, 256)  # odd chunk counts (24, 40) take the value loop's one-chunk pass

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashcodec_fx.ops import StreamState
-from flashcodec_fx.ops.append import write_prefix
+from flashcodec_fx.ops.reference.append import write_prefix
 
 ops = torch.ops.flashcodec
 R = 8

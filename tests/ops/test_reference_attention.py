@@ -13,7 +13,7 @@ from _op_states import chunks, expand_kv, fill, new_state
 from codec_tiers import kv_like, tier_table
 
 from flashcodec_fx.codecs import JPEGCodec, PNGCodec
-from flashcodec_fx.ops.attention import codec_attention_reference
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
 
 ops = torch.ops.flashcodec
 R = 8

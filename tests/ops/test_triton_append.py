@@ -8,10 +8,10 @@ from _triton_cases import DEVICES, FORMS, dtypes, form, groups_for, same_archive
 
 from flashcodec_fx.codecs import make_codec
 from flashcodec_fx.ops import empty_state
-from flashcodec_fx.ops import triton_append as module
-from flashcodec_fx.ops.append import append_reference, completable_groups
-from flashcodec_fx.ops.read import read_reference
-from flashcodec_fx.ops.triton_append import triton_append
+from flashcodec_fx.ops.reference.append import append_reference, completable_groups
+from flashcodec_fx.ops.reference.read import read_reference
+from flashcodec_fx.ops.triton import append as module
+from flashcodec_fx.ops.triton.append import triton_append
 
 # every form in fp32; the 16-bit dtypes (bf16 on CUDA) on one form per kind of encode (the interpreter is slow, and
 # on a GPU each variant is a compile): float jpeg, pruned png, token-axis codes, channel-axis codes with the rotation
@@ -83,7 +83,7 @@ def test_append_matches_reference(device, name, dtype):
 def test_append_encodes_head_dim_in_channel_chunks(device, name):
     """head_dim 64: per-channel stored forms encode in programs of 32 channels each (the rotation's inputs read
     whole); stored form and memo as the reference's, at the tolerances of the D = 16 cases."""
-    from flashcodec_fx.ops.triton_append import EncodeTiles
+    from flashcodec_fx.ops.triton.append import EncodeTiles
 
     codec = form(name)
     assert EncodeTiles.of(codec, 64, True).dc == 32  # two channel chunks per group
@@ -127,7 +127,7 @@ def test_append_without_memo_any_strides_and_validation(device):
 
 
 def test_append_names_the_triton_limits():
-    from flashcodec_fx.ops.triton_common import MAX_GROUP_TOKENS, MAX_PRUNED_BLOCK_SIZE
+    from flashcodec_fx.ops.triton.common import MAX_GROUP_TOKENS, MAX_PRUNED_BLOCK_SIZE
 
     wide = make_codec("jpeg", block_size=8, quant_bits=4, scale_axis="channel", group=2 * MAX_GROUP_TOKENS)
     pruned = make_codec("png", block_size=2 * MAX_PRUNED_BLOCK_SIZE, keep_ratio=0.5)

@@ -8,9 +8,9 @@ from _triton_cases import DEVICES, form, groups_for, preset_codecs, smooth, stor
 
 from flashcodec_fx import PRESETS
 from flashcodec_fx.codecs import Encoded, make_codec
-from flashcodec_fx.ops.attention import codec_attention_reference
-from flashcodec_fx.ops.read import read_reference
-from flashcodec_fx.ops.triton_attention import attention_plan, split_partials, tile_plan, triton_codec_attention
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
+from flashcodec_fx.ops.reference.read import read_reference
+from flashcodec_fx.ops.triton.attention import attention_plan, split_partials, tile_plan, triton_codec_attention
 
 F32, F16 = torch.float32, torch.float16
 # fp32: sums in another order (split partials, dot tiles, the rotations as dots); 16-bit: both round the fp32
@@ -222,7 +222,7 @@ def test_overflowed_stream_attends_what_it_holds(device):
 
 
 def test_attention_names_the_triton_limits():
-    from flashcodec_fx.ops.triton_common import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_PRUNED_BLOCK_SIZE
+    from flashcodec_fx.ops.triton.common import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_PRUNED_BLOCK_SIZE
 
     def call(ck, cv, d=16):
         ks = stored_state(ck, torch.zeros(1, 1, 70, d), 2)

@@ -16,9 +16,9 @@ import torch
 from _triton_cases import DEVICES, FORMS, dtypes, form, same_archive, smooth, to
 
 from flashcodec_fx.codecs import make_codec
-from flashcodec_fx.ops.blocks import decode_reference, encode_reference
-from flashcodec_fx.ops.triton_blocks import triton_decode, triton_encode
-from flashcodec_fx.ops.triton_common import MAX_GROUP_TOKENS, MAX_HEAD_DIM
+from flashcodec_fx.ops.reference.blocks import decode_reference, encode_reference
+from flashcodec_fx.ops.triton.blocks import triton_decode, triton_encode
+from flashcodec_fx.ops.triton.common import MAX_GROUP_TOKENS, MAX_HEAD_DIM
 
 # every form in fp32; 16-bit dtypes (bf16 on CUDA) on one form per kind of stored form: float jpeg, pruned png,
 # token-axis codes, channel-axis codes with the rotation and the clipping search

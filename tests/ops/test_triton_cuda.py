@@ -18,7 +18,7 @@ from test_triton_attention import CASES, TOL, _ids, _inputs  # noqa: E402
 import flashcodec_fx  # noqa: E402,F401  (registers the ops and their CUDA kernels)
 from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
-from flashcodec_fx.ops.triton_register import KERNELS  # noqa: E402
+from flashcodec_fx.ops.triton.gate import KERNELS  # noqa: E402
 
 ops = torch.ops.flashcodec
 BF16 = torch.bfloat16
@@ -140,7 +140,7 @@ def test_capture_finds_the_tables_made_by_the_stream():
     matrices) from the host. Kernels are compiled by a warm-up stream, the table cache is then emptied, and a new
     stream (which makes its tables when it allocates) is captured from its first decode step."""
     from flashcodec_fx import CodecStream
-    from flashcodec_fx.ops.triton_common import _tables
+    from flashcodec_fx.ops.triton.common import _tables
 
     codec = preset_codecs("3bit")[1]
     x = smooth(1, 2, 24, 64, BF16, "cpu", 3).cuda()

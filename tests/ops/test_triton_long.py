@@ -11,10 +11,10 @@ from _triton_cases import DEVICES, preset_codecs, smooth
 
 from flashcodec_fx.codecs import Encoded
 from flashcodec_fx.ops import empty_state
-from flashcodec_fx.ops.append import append_reference
-from flashcodec_fx.ops.attention import codec_attention_reference
-from flashcodec_fx.ops.triton_append import triton_append
-from flashcodec_fx.ops.triton_attention import triton_codec_attention
+from flashcodec_fx.ops.reference.append import append_reference
+from flashcodec_fx.ops.reference.attention import codec_attention_reference
+from flashcodec_fx.ops.triton.append import triton_append
+from flashcodec_fx.ops.triton.attention import triton_codec_attention
 
 # (capacity tokens, stored tokens): a short fill of a large static cache, and a nearly full one
 SIZES = {"cuda": [(65536 + 8192, 1000), (131072, 4093), (131072, 131072 - 5)], "cpu": [(1024, 100), (128, 125)]}

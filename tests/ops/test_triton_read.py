@@ -13,9 +13,9 @@ import torch
 from _triton_cases import DEVICES, FORMS, dtypes, form, groups_for, smooth, stored_state
 
 from flashcodec_fx.ops import empty_state
-from flashcodec_fx.ops.read import read_reference
-from flashcodec_fx.ops.triton_common import MAX_GROUP_TOKENS
-from flashcodec_fx.ops.triton_read import triton_read
+from flashcodec_fx.ops.reference.read import read_reference
+from flashcodec_fx.ops.triton.common import MAX_GROUP_TOKENS
+from flashcodec_fx.ops.triton.read import triton_read
 
 HALF = ("jpeg_k8", "png_pruned", "int8", "dct_channel")  # as test_triton_blocks: one form per kind of stored form
 CASES = [(device, name, dtype) for device in DEVICES for name in FORMS for dtype in dtypes(device)

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from ..append import append_reference, check_append_args
-from ..attention import check_attention_args, codec_attention_reference
+from ..reference.append import append_reference, check_append_args
+from ..reference.attention import check_attention_args, codec_attention_reference
 from ..state import fast_kernels_serve
 from .build import EXTENSION
 from .plan import codec_plan

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.triton_common import pow2
+from ...ops.triton.common import pow2
 from ..page import PageFormat
 from ..reference import page_view
 from .common import (

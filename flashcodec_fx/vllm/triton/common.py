@@ -1,5 +1,5 @@
 """What the paged Triton kernels share: their limits, the page and code-slot layout as constexpr tuples, the device
-tables (rotation, level table, search factors: ``ops.triton_common.stream_tables``), and the code-slot reader."""
+tables (rotation, level table, search factors: ``ops.triton.common.stream_tables``), and the code-slot reader."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.triton_common import LEVEL_KINDS, StreamForm, pow2, stream_tables
+from ...ops.triton.common import LEVEL_KINDS, StreamForm, pow2, stream_tables
 from ..page import PageFormat
 
 MAX_HEAD_DIM = 128  # a (D, D) rotation and a tile's whole head_dim live in registers

@@ -2,7 +2,7 @@
 
 Grid ``(cdiv(N, BT), H_kv)``: a program takes ``BT`` tokens of one KV head. A token whose slot offset is below the
 page's raw rows is copied raw (K then V, bitwise); the others are encoded into their code slot: rotated
-(``x @ R^T``, an fp32 ``ieee`` dot), then the quantizer of ``ops.triton_append`` (base scale, the clipping search
+(``x @ R^T``, an fp32 ``ieee`` dot), then the quantizer of ``ops.triton.append`` (base scale, the clipping search
 with fp16 scales rounded up, nearest level), the fp16 scale and the packed codes written into the slot's bytes.
 Negative slots (padding) write nothing. The sums run in another order than torch's, so a code may land one level
 apart at a rounding tie and the search may pick another factor where two errors tie (tests bound both).
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.triton_append import _base, _nearest, _search
+from ...ops.triton.append import _base, _nearest, _search
 from ..page import PageFormat
 from ..reference import page_view
 from .common import (

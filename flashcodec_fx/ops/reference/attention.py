@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from ..codecs import Codec, Encoded
+from ...codecs import Codec, Encoded
+from ..state import StreamState, check_state, spec_codec
 from .read import check_new
-from .state import StreamState, check_state, spec_codec
 
 
 def _check_mask(mask: torch.Tensor | None, b: int, hq: int, t: int) -> None:

@@ -1,8 +1,8 @@
-"""Triton `read`: the view attention reads, in one launch (``ops/read.py``: sinks raw, archive decoded, tail raw, the
+"""Triton `read`: the view attention reads, in one launch (``ops/reference/read.py``: sinks raw, archive decoded, tail raw, the
 call's new tokens overlaid, zeros past the length).
 
 Program ``(bh, k, chunk)``, output channels ``chunk * RC ..``: for ``k < NG`` the positions ``sinks + k * G ..`` of
-archive group ``k``, decoded (:func:`~flashcodec_fx.ops.triton_append.decode_group`) when the group starts before
+archive group ``k``, decoded (:func:`~flashcodec_fx.ops.triton.append.decode_group`) when the group starts before
 the archive's end (``start``, read on the device), else zeros; for ``k == NG`` (launched when there are sinks) the
 sink rows. Each program then applies the reference's overrides to its rows (:func:`_assemble`). The grid depends on
 shapes only: no host sync, CUDA-graph capturable.
@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .read import check_read_args
-from .state import capacity
-from .triton_append import E_D, E_GP, E_RC, decode_group
-from .triton_blocks import block_form, nonempty, warps
-from .triton_common import F_GROUP_BLOCKS, F_R, F_SINKS, F_TAIL, check_group_tokens, check_triton_limits, stream_tables
+from ..reference.read import check_read_args
+from ..state import capacity
+from .append import E_D, E_GP, E_RC, decode_group
+from .blocks import block_form, nonempty, warps
+from .common import F_GROUP_BLOCKS, F_R, F_SINKS, F_TAIL, check_group_tokens, check_triton_limits, stream_tables
 
 SINK_ROWS: tl.constexpr = tl.constexpr(16)  # sink rows per step of the sinks program's loop
 
@@ -84,7 +84,7 @@ def _read_kernel(data, scale, zero, index, mean, sink, tail, len_ptr, start_ptr,
 
 
 def triton_read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``flashcodec::read`` (same contract and validation as :func:`~flashcodec_fx.ops.read.read_reference`):
+    """Triton ``flashcodec::read`` (same contract and validation as :func:`~flashcodec_fx.ops.reference.read.read_reference`):
     ``(B, H, capacity, D)`` in the stream dtype; ``new (B, H, T, D)`` any strides, state tensors any layout (copied
     when not contiguous). Raw rows are exact; decoded groups within fp32 rounding of the reference's before the cast
     to the stream dtype. One launch, no host sync."""

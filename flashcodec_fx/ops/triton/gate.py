@@ -1,11 +1,11 @@
-"""Registers the Triton launchers as the CUDA kernels of the ``torch.ops.flashcodec`` ops they implement, behind a
+"""The Triton launchers as the CUDA kernels of the ``torch.ops.flashcodec`` ops they implement, behind a
 capability gate, and makes their device tables when a stream allocates (``ops.warm``).
 
 ``KERNELS`` lists the ops with a Triton kernel: every op (append, codec_attention, encode, decode, read). CPU tensors
 keep the C++ kernels or the plain-torch reference; CUDA tensors get the reference where the fast kernels do not know
 the codec or the head_dim (``state.fast_kernels_serve``; ``HEAD_DIM`` says where each op's head_dim is). The
 launchers themselves can be called on CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them
-against the reference). Every codec within the Triton limits (``triton_common``) is served by Triton on CUDA devices
+against the reference). Every codec within the Triton limits (``common``) is served by Triton on CUDA devices
 of compute capability 8.0 or newer (bf16 dots and tf32x3 need it). An older device gets the reference ops, decided
 per call from the tensor's device (cached per device) with one warning per device: never a Triton kernel it cannot
 run.
@@ -19,15 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _compat
-from ..codecs import Encoded, codec_from_spec
-from .state import StreamState, fast_kernels_serve
-from .triton_append import triton_append
-from .triton_attention import triton_codec_attention
-from .triton_blocks import triton_decode, triton_encode
-from .triton_common import warm_tables
-from .triton_read import triton_read
-from .warm import WARMERS
+from ... import _compat
+from ...codecs import Encoded, codec_from_spec
+from ..state import StreamState, fast_kernels_serve
+from ..warm import WARMERS
+from .append import triton_append
+from .attention import triton_codec_attention
+from .blocks import triton_decode, triton_encode
+from .common import warm_tables
+from .read import triton_read
 
 MIN_CAPABILITY = (8, 0)  # sm_80: bf16 tensor-core dots and tf32x3
 
@@ -110,7 +110,9 @@ def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple
     return kernel
 
 
-WARMERS.append(warm_tables)
-for _name, _kernel in KERNELS.items():
-    torch.library.register_kernel(_name, "cuda", gated(_kernel, _compat.custom_op_kernels(_name)[None],
-                                                       HEAD_DIM[_name]))
+def register() -> None:
+    """Register every launcher in ``KERNELS`` as its op's CUDA kernel (gated) and the tables' warmer."""
+    WARMERS.append(warm_tables)
+    for name, launcher in KERNELS.items():
+        torch.library.register_kernel(name, "cuda", gated(launcher, _compat.custom_op_kernels(name)[None],
+                                                          HEAD_DIM[name]))

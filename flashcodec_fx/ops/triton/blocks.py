@@ -1,9 +1,9 @@
 """Triton `encode` / `decode`: whole archive groups to and from their stored form, one program per group.
 
-Both are the append's group kernels (``triton_append``) over every group of the input:
-``_encode_groups_kernel`` runs :func:`~flashcodec_fx.ops.triton_append.encode_group` on group ``k`` of ``x`` (the
+Both are the append's group kernels (``append``) over every group of the input:
+``_encode_groups_kernel`` runs :func:`~flashcodec_fx.ops.triton.append.encode_group` on group ``k`` of ``x`` (the
 append's work buffer with no old tail: token ``k * G + w`` is row ``w`` of group ``k``), ``_decode_groups_kernel``
-writes out :func:`~flashcodec_fx.ops.triton_append.decode_group` (the dequantized rows the append's memo gets). One
+writes out :func:`~flashcodec_fx.ops.triton.append.decode_group` (the dequantized rows the append's memo gets). One
 launch each, grid ``(B * H, NG, channel chunks)`` from shapes only; the launchers validate with the reference's
 checks and allocate, the kernels compute.
 """
@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs import Codec
-from .blocks import check_decode_args, check_encode_args
-from .triton_append import E_D, E_DC, EncodeTiles, decode_group, encode_group
-from .triton_common import (
+from ...codecs import Codec
+from ..reference.blocks import check_decode_args, check_encode_args
+from .append import E_D, E_DC, EncodeTiles, decode_group, encode_group
+from .common import (
     F_GROUP_BLOCKS,
     F_R,
     StreamForm,
@@ -83,7 +83,7 @@ def nonempty(x: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
 def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor, torch.Tensor]:
     """Triton ``flashcodec::encode`` (same contract and validation as
-    :func:`~flashcodec_fx.ops.blocks.encode_reference`): ``x (B, H, NG * G, D)`` (any strides) into contiguous
+    :func:`~flashcodec_fx.ops.reference.blocks.encode_reference`): ``x (B, H, NG * G, D)`` (any strides) into contiguous
     ``(data, scale, zero, index)``, the append's group encode (stored codes may differ from the reference's by one
     step at an fp32 rounding tie, docs/triton.md)."""
     codec = check_encode_args(x, spec, mean)
@@ -107,7 +107,7 @@ def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) 
 def triton_decode(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, index: torch.Tensor, spec: str,
                   dtype: torch.dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``flashcodec::decode`` (same contract and validation as
-    :func:`~flashcodec_fx.ops.blocks.decode_reference`): stored groups (any layout: copied when not contiguous) into
+    :func:`~flashcodec_fx.ops.reference.blocks.decode_reference`): stored groups (any layout: copied when not contiguous) into
     ``(B, H, NG * G, D)`` in ``dtype``, the append's group decode (fp32 products in another order than the
     reference's: within fp32 rounding of it before the cast to ``dtype``)."""
     codec, d = check_decode_args(data, scale, zero, index, spec, dtype, mean)

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs import LEVELS, Codec, JPEGCodec
-from ..codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
+from ...codecs import LEVELS, Codec, JPEGCodec
+from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 
 # What the Triton path accepts (launchers raise a ValueError naming the limit; the reference ops take more):
 MAX_BLOCK_SIZE = 64  # a block's rows and a tile's positions live in registers
@@ -189,7 +189,7 @@ def _device_key(device: torch.device | str) -> torch.device:
 
 @functools.cache
 def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
-    from ..codecs import codec_from_spec
+    from ...codecs import codec_from_spec
 
     codec = codec_from_spec(spec)
     placeholder = torch.zeros(1, dtype=torch.float32)

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import check_attention_args
-from .state import StreamState, spec_codec
-from .triton_common import (
+from ..reference.attention import check_attention_args
+from ..state import StreamState, spec_codec
+from .common import (
     CHANNEL_CODES,
     F_CENTER,
     F_CLASSES,
@@ -752,8 +752,8 @@ def triton_codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state
                            mask: torch.Tensor | None = None, scale: float | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
     """Triton ``flashcodec::codec_attention``: ``q (B, Hq, T, D)`` over the stored states; ``(B, Hq, T, D)`` in q's
-    dtype. Same contract and validation as :func:`~flashcodec_fx.ops.attention.codec_attention_reference`; every
-    stored form within the Triton limits (``triton_common``). fp16/bf16/fp32 I/O, fp32 accumulation (docs/triton.md:
+    dtype. Same contract and validation as :func:`~flashcodec_fx.ops.reference.attention.codec_attention_reference`; every
+    stored form within the Triton limits (``common``). fp16/bf16/fp32 I/O, fp32 accumulation (docs/triton.md:
     which operands enter 16-bit dots). Tiles and split count: :func:`attention_plan` (``num_splits`` overrides the
     heuristic). Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph."""
     o_part, lse_part, plan = split_partials(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale,

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import Codec
-from .state import StreamState, advance, capacity, check_state, spec_codec
+from ...codecs import Codec
+from ..state import StreamState, advance, capacity, check_state, spec_codec
 
 
 def completable_groups(new_tokens: int, group: int) -> int:

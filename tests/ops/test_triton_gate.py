@@ -9,52 +9,52 @@ import torch
 from _triton_cases import DEVICES, form, smooth, stored_state
 
 from flashcodec_fx import CodecStream
-from flashcodec_fx.ops import triton_register
-from flashcodec_fx.ops.triton_common import _tables, stream_tables
+from flashcodec_fx.ops.triton import gate as triton_gate
+from flashcodec_fx.ops.triton.common import _tables, stream_tables
 
 
 @pytest.fixture
 def fake_capability(monkeypatch):
     """``set(index -> (major, minor))`` replaces the CUDA capability query; the per-device choice cache is reset."""
     table = {}
-    monkeypatch.setattr(triton_register, "_capability", lambda index: table[index])
-    triton_register.kernel_choice.cache_clear()
+    monkeypatch.setattr(triton_gate, "_capability", lambda index: table[index])
+    triton_gate.kernel_choice.cache_clear()
     yield table.update
-    triton_register.kernel_choice.cache_clear()
+    triton_gate.kernel_choice.cache_clear()
 
 
 def test_devices_below_sm80_get_the_reference_with_one_warning(fake_capability):
     fake_capability({0: (7, 5), 1: (9, 0), 2: (8, 0)})
-    with pytest.warns(triton_register.OldGPUFallback, match="cuda:0 has compute capability 7.5.*8.0 or newer"):
-        assert triton_register.kernel_choice(torch.device("cuda", 0)) == "reference"
+    with pytest.warns(triton_gate.OldGPUFallback, match="cuda:0 has compute capability 7.5.*8.0 or newer"):
+        assert triton_gate.kernel_choice(torch.device("cuda", 0)) == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # cached per device: no second warning, no second query
-        assert triton_register.kernel_choice(torch.device("cuda", 0)) == "reference"
-        assert triton_register.kernel_choice(torch.device("cuda", 1)) == "triton"
-        assert triton_register.kernel_choice(torch.device("cuda", 2)) == "triton"
+        assert triton_gate.kernel_choice(torch.device("cuda", 0)) == "reference"
+        assert triton_gate.kernel_choice(torch.device("cuda", 1)) == "triton"
+        assert triton_gate.kernel_choice(torch.device("cuda", 2)) == "triton"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch, device):
     """The registered CUDA kernel dispatches per call on the device of its first tensor (here a state list); called
     directly with the choice forced: "reference" runs the plain-torch op, "triton" the launcher (bit for bit each)."""
-    from flashcodec_fx.ops.attention import codec_attention_reference
-    from flashcodec_fx.ops.triton_attention import triton_codec_attention
+    from flashcodec_fx.ops.reference.attention import codec_attention_reference
+    from flashcodec_fx.ops.triton.attention import triton_codec_attention
 
     ck, cv = form("int8"), form("lloyd_rot")
     ks = [t.to(device) for t in stored_state(ck, smooth(1, 2, 21, 16, torch.float32, "cpu", 1), 4)]
     vs = [t.to(device) for t in stored_state(cv, smooth(1, 2, 21, 16, torch.float32, "cpu", 2), 4)]
     q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(0)).to(device)
     args = (q, ks, vs, ck.spec, cv.spec)
-    kernel = triton_register.gated(triton_codec_attention, codec_attention_reference)
+    kernel = triton_gate.gated(triton_codec_attention, codec_attention_reference)
     assert kernel.__qualname__ == "triton_codec_attention"  # the kernel report names the launcher
-    monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "reference")
+    monkeypatch.setattr(triton_gate, "kernel_choice", lambda device: "reference")
     assert torch.equal(kernel(*args), codec_attention_reference(*args))
-    monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "triton")
+    monkeypatch.setattr(triton_gate, "kernel_choice", lambda device: "triton")
     assert torch.equal(kernel(*args), triton_codec_attention(*args))
     # an op whose first argument is a state list (append) is dispatched on that list's device
     seen = []
-    monkeypatch.setattr(triton_register, "kernel_choice", lambda device: seen.append(device) or "reference")
+    monkeypatch.setattr(triton_gate, "kernel_choice", lambda device: seen.append(device) or "reference")
 
     def appended(state, new, spec):
         return "triton"
@@ -62,7 +62,7 @@ def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch, device):
     def appended_reference(state, new, spec):
         return "reference"
 
-    assert triton_register.gated(appended, appended_reference)(ks, q, ck.spec) == "reference"
+    assert triton_gate.gated(appended, appended_reference)(ks, q, ck.spec) == "reference"
     assert seen == [torch.device(device)]
 
 
@@ -85,16 +85,16 @@ def test_each_op_is_gated_on_its_own_head_dim(monkeypatch, device, op):
     x; decode: the stored groups, whose last dimension is packed bytes; read: the state's tail, with or without new
     tokens): head_dim 16 runs the Triton launcher (bit for bit), 12 the reference (the fast kernels take multiples of
     8), and so do a bad spec and a tensor of the wrong rank, which the reference names."""
-    from flashcodec_fx.ops.blocks import decode_reference, encode_reference
-    from flashcodec_fx.ops.read import read_reference
+    from flashcodec_fx.ops.reference.blocks import decode_reference, encode_reference
+    from flashcodec_fx.ops.reference.read import read_reference
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
     reference = {"flashcodec::encode": encode_reference, "flashcodec::decode": decode_reference,
                  "flashcodec::read": read_reference}[op]
-    launcher = triton_register.KERNELS[op]
-    kernel = triton_register.gated(launcher, reference, triton_register.HEAD_DIM[op])
+    launcher = triton_gate.KERNELS[op]
+    kernel = triton_gate.gated(launcher, reference, triton_gate.HEAD_DIM[op])
     assert kernel.__qualname__ == launcher.__qualname__
-    monkeypatch.setattr(triton_register, "kernel_choice", lambda device: "triton")
+    monkeypatch.setattr(triton_gate, "kernel_choice", lambda device: "triton")
     ran = []
 
     def recorded(name, fn):
@@ -103,8 +103,8 @@ def test_each_op_is_gated_on_its_own_head_dim(monkeypatch, device, op):
             return fn(*args)
         return call
 
-    spy = triton_register.gated(recorded("triton", launcher), recorded("reference", reference),
-                                triton_register.HEAD_DIM[op])
+    spy = triton_gate.gated(recorded("triton", launcher), recorded("reference", reference),
+                                triton_gate.HEAD_DIM[op])
     for d, want in ((16, "triton"), (12, "reference")):
         for args in _op_args(op, d, device):
             ran.clear()

@@ -1,7 +1,7 @@
 """Triton `append`: new tokens into the stream; groups that complete and leave the window are encoded on the device.
 
 Four launches, the same every step (grids depend on shapes only; lengths are read on the device: no host sync,
-CUDA-graph capturable), in the reference's order (``ops/append.py``):
+CUDA-graph capturable), in the reference's order (``ops/reference/append.py``):
 
 1. ``_intake_kernel``, one program per (batch * head): sink rows, the per-channel mean (``center``: the first
    append reaching past the sinks), the new tokens' raw rows in the memo;
@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs import JPEGCodec
-from .append import check_append_args, completable_groups
-from .triton_common import (
+from ...codecs import JPEGCodec
+from ..reference.append import check_append_args, completable_groups
+from .common import (
     CHANNEL_CODES,
     F_CENTER,
     F_CLASSES,
@@ -767,7 +767,7 @@ def _advance_kernel(len_ptr, start_ptr, T, F: tl.constexpr, E: tl.constexpr):
 
 def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
     """Triton ``flashcodec::append`` (same contract and validation as
-    :func:`~flashcodec_fx.ops.append.append_reference`): append ``new (B, H, T, D)`` (any strides) in place; no host
+    :func:`~flashcodec_fx.ops.reference.append.append_reference`): append ``new (B, H, T, D)`` (any strides) in place; no host
     sync. State tensors and the memo must be contiguous (the cache allocates them so). Stored codes may differ from
     the reference's by one step where an fp32 sum in another order lands on a rounding tie, and the clipping search
     may pick another factor where two factors' errors tie within fp32 rounding (docs/triton.md)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import Codec, Encoded
-from .state import spec_codec
+from ...codecs import Codec, Encoded
+from ..state import spec_codec
 
 
 def _check_mean(codec: Codec, mean: torch.Tensor | None, b: int, h: int, d: int) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import Codec, Encoded
-from .state import StreamState, capacity, check_state, spec_codec
+from ...codecs import Codec, Encoded
+from ..state import StreamState, capacity, check_state, spec_codec
 
 
 def check_new(name: str, state, new: torch.Tensor | None) -> None:
