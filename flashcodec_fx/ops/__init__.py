@@ -6,6 +6,8 @@
   reference`` keeps the reference ops, ``fast`` requires the C++ kernels);
 - ``triton/``: Triton kernels of every op, registered for CUDA behind a capability gate (when Triton imports).
 
+Both fast backends read a codec's stored form from one plan, ``plan.stored_form_plan(spec, head_dim)``.
+
 Importing this package defines every op and registers the fast kernels on top.
 """
 

@@ -8,6 +8,7 @@ from _triton_cases import DEVICES, FORMS, dtypes, form, groups_for, same_archive
 
 from flashcodec_fx.codecs import make_codec
 from flashcodec_fx.ops import empty_state
+from flashcodec_fx.ops.plan import stored_form_plan
 from flashcodec_fx.ops.reference.append import append_reference, completable_groups
 from flashcodec_fx.ops.reference.read import read_reference
 from flashcodec_fx.ops.triton import append as module
@@ -86,7 +87,7 @@ def test_append_encodes_head_dim_in_channel_chunks(device, name):
     from flashcodec_fx.ops.triton.append import EncodeTiles
 
     codec = form(name)
-    assert EncodeTiles.of(codec, 64, True).dc == 32  # two channel chunks per group
+    assert EncodeTiles.of(stored_form_plan(codec.spec, 64), True).dc == 32  # two channel chunks per group
     chunks = _chunks(codec)
     x = smooth(1, 2, sum(chunks), 64, torch.float32, "cpu", seed=6)
     got, got_memo, want, want_memo = _run(codec, x, device, chunks)

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...codecs import JPEGCodec
+from ..plan import CHANNEL_CODES, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
 from ..reference.append import check_append_args, completable_groups
 from .common import (
-    CHANNEL_CODES,
     F_CENTER,
     F_CLASSES,
     F_DENSE_P,
@@ -53,7 +52,6 @@ from .common import (
     KIND_UNIFORM,
     N_LLOYD,
     N_SHRINK,
-    PRUNED_ROWS,
     ROW_BIT_OFFSET,
     ROW_CLASS,
     ROW_KIND,
@@ -117,15 +115,14 @@ class EncodeTiles:
     rpp: int
 
     @classmethod
-    def of(cls, codec, head_dim: int, has_memo: bool) -> EncodeTiles:
-        q = codec.quantizer
-        dp = pow2(head_dim, 16)
-        stored = codec.blocks * pow2(codec.rows if isinstance(codec, JPEGCodec) else codec.block_size)
+    def of(cls, plan: StoredFormPlan, has_memo: bool) -> EncodeTiles:
+        dp = pow2(plan.head_dim, 16)
+        stored = plan.group_blocks * pow2(plan.rows if plan.jpeg else plan.block_size)
         rc = min(32, dp)
-        rpp = pow2(codec.block_size)
-        return cls(head_dim, dp, pow2(codec.group, 16), pow2(stored, 16), rc, codec.window, isinstance(codec, JPEGCodec),
-                   q is not None, q is not None and q.search, has_memo, _CHUNK,
-                   dp if q is not None and q.axis == "token" else rc, max(pow2(codec.blocks), -(-16 // rpp)), rpp)
+        rpp = pow2(plan.block_size)
+        return cls(plan.head_dim, dp, pow2(plan.group, 16), pow2(stored, 16), rc, plan.window, plan.jpeg,
+                   plan.quantized, plan.search, has_memo, _CHUNK, dp if plan.form == TOKEN_CODES else rc,
+                   max(pow2(plan.group_blocks), -(-16 // rpp)), rpp)
 
     def constexpr(self) -> tuple:
         return tuple(self.__dict__.values())
@@ -778,8 +775,9 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
     if t == 0 or b * h == 0:
         return
-    form = StreamForm.of(codec, d).constexpr()
-    enc = EncodeTiles.of(codec, d, memo is not None)
+    plan = stored_form_plan(spec, d)
+    form = StreamForm.of(plan).constexpr()
+    enc = EncodeTiles.of(plan, memo is not None)
     tiles = enc.constexpr()  # (the tuple the kernels take)
     tab = stream_tables(codec, d, new.device)
     ng = st.data.shape[2]

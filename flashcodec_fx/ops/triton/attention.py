@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import CHANNEL_CODES, FLOAT_ROWS, PRUNED_ROWS, TOKEN_CODES, stored_form_plan
 from ..reference.attention import check_attention_args
 from ..state import StreamState, spec_codec
 from .common import (
-    CHANNEL_CODES,
     F_CENTER,
     F_CLASSES,
     F_DENSE,
@@ -49,11 +49,8 @@ from .common import (
     F_SINKS,
     F_TAIL,
     F_ZEROS,
-    FLOAT_ROWS,
     MAX_TILE_POSITIONS,
-    PRUNED_ROWS,
     ROW_ZERO_SLOT,
-    TOKEN_CODES,
     StreamForm,
     check_triton_limits,
     fdiv,
@@ -724,8 +721,8 @@ def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, 
     g = hq // hkv
     plan = attention_plan(b, hkv, g * t, ck, cv, ks.data.shape[2], d, q.device, num_splits)
     tp: TilePlan = plan["tile_plan"]
-    kf = StreamForm.of(ck, d, fold=tp.fold_k)
-    vf = StreamForm.of(cv, d, fold=tp.fold_v, offset=tp.value_offset)
+    kf = StreamForm.of(stored_form_plan(spec_k, d), fold=tp.fold_k)
+    vf = StreamForm.of(stored_form_plan(spec_v, d), fold=tp.fold_v, offset=tp.value_offset)
     tk, tv = stream_tables(ck, d, q.device), stream_tables(cv, d, q.device)
     parts, programs, dp = plan["num_splits"] + 1, b * hkv * plan["n_mchunk"], plan["tiles"].dp
     o_part = torch.empty(programs, parts, plan["BLOCK_M"], dp, dtype=torch.float32, device=q.device)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...codecs import Codec
+from ..plan import stored_form_plan
 from ..reference.blocks import check_decode_args, check_encode_args
 from .append import E_D, E_DC, EncodeTiles, decode_group, encode_group
 from .common import (
@@ -34,8 +35,9 @@ BIG_TILE = 8192  # values of a program's tile from which it runs 8 warps (else 4
 def block_form(codec: Codec, head_dim: int, mean: torch.Tensor | None) -> tuple[tuple, EncodeTiles]:
     """The kernels' constexpr tuples for ``codec`` at ``head_dim``: its :class:`StreamForm` (centered only with a
     ``mean``, as ``codec.prepare`` / ``restore`` do) and the group tiles."""
-    form = StreamForm.of(codec, head_dim)
-    return replace(form, center=form.center and mean is not None).constexpr(), EncodeTiles.of(codec, head_dim, False)
+    plan = stored_form_plan(codec.spec, head_dim)
+    form = StreamForm.of(plan)
+    return replace(form, center=form.center and mean is not None).constexpr(), EncodeTiles.of(plan, False)
 
 
 def warps(rows: int, channels: int) -> int:

@@ -1,5 +1,5 @@
-"""Shared pieces of the Triton kernels: the Triton path's limits, one stream's stored form as a constexpr tuple,
-the device tables the kernels read (made when a stream allocates), and the stored-row loaders.
+"""Shared pieces of the Triton kernels: the Triton path's limits, one stream's stored form (``ops.plan``) as a
+constexpr tuple and as the device tables the kernels read (made when a stream allocates), and the stored-row loaders.
 
 A stream's archive blocks are read as the dense stored rows ``S`` of ``X = A @ S`` (``codecs/base.py``) without
 ever writing ``S`` out: float rows as they are, pruned png deltas scattered by their uint8 index, and packed codes
@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...codecs import LEVELS, Codec, JPEGCodec
+from ...codecs import Codec
 from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
+from ..plan import CHANNEL_CODES, FLOAT_ROWS, LEVEL_KINDS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
 
 # What the Triton path accepts (launchers raise a ValueError naming the limit; the reference ops take more):
 MAX_BLOCK_SIZE = 64  # a block's rows and a tile's positions live in registers
@@ -32,13 +33,7 @@ FACTOR_SLOTS: tl.constexpr = tl.constexpr(8)
 N_SHRINK: tl.constexpr = tl.constexpr(len(SHRINK_FACTORS))
 N_LLOYD: tl.constexpr = tl.constexpr(len(LLOYD_FACTORS))
 
-# Stored forms (``StreamForm.form``):
-FLOAT_ROWS = 0  # jpeg coefficients in the stream dtype, png anchor + deltas in fp32
-PRUNED_ROWS = 1  # png keep_ratio < 1: anchor + the kept deltas, uint8 positions
-TOKEN_CODES = 2  # packed codes, one fp16 scale per (block, row) (scale_axis="token")
-CHANNEL_CODES = 3  # packed codes, fp16 scales per (group, class, channel) (scale_axis="channel")
-FORM_NAMES = {FLOAT_ROWS: "float rows", PRUNED_ROWS: "pruned png", TOKEN_CODES: "token-axis codes",
-              CHANNEL_CODES: "channel-axis codes"}
+# Stored forms (``StreamForm.form``: ``ops.plan.FLOAT_ROWS .. CHANNEL_CODES``):
 _FLOAT_ROWS: tl.constexpr = tl.constexpr(FLOAT_ROWS)
 _PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
 _TOKEN_CODES: tl.constexpr = tl.constexpr(TOKEN_CODES)
@@ -69,8 +64,7 @@ ROW_BIT_OFFSET: tl.constexpr = tl.constexpr(1)
 ROW_CLASS: tl.constexpr = tl.constexpr(2)
 ROW_ZERO_SLOT: tl.constexpr = tl.constexpr(3)
 ROW_KIND: tl.constexpr = tl.constexpr(4)
-# Level kinds (``ROW_KIND``), in the order of ``codecs.levels.LEVELS``:
-LEVEL_KINDS = {name: i for i, name in enumerate(LEVELS)}
+# Level kinds (``ROW_KIND``: ``ops.plan.LEVEL_KINDS``):
 KIND_INT: tl.constexpr = tl.constexpr(LEVEL_KINDS["int"])
 KIND_UNIFORM: tl.constexpr = tl.constexpr(LEVEL_KINDS["uniform"])
 KIND_MIDRISE: tl.constexpr = tl.constexpr(LEVEL_KINDS["midrise"])
@@ -102,16 +96,10 @@ def check_group_tokens(codec: Codec, op: str) -> None:
                          f"program), got {codec.group}")
 
 
-def form_of(codec: Codec) -> int:
-    if codec.quantizer is not None:
-        return TOKEN_CODES if codec.quantizer.axis == "token" else CHANNEL_CODES
-    return PRUNED_ROWS if codec.index_rows else FLOAT_ROWS
-
-
 @dataclass(frozen=True)
 class StreamForm:
-    """One stream's stored form as the kernels' constexpr tuple (field order = tuple order; kernels read it with
-    ``NAME: tl.constexpr = F[F_NAME]``).
+    """One stream's :class:`~flashcodec_fx.ops.plan.StoredFormPlan` as the kernels' constexpr tuple (field order =
+    tuple order; kernels read it with ``NAME: tl.constexpr = F[F_NAME]``).
 
     ``form``: one of ``FLOAT_ROWS .. CHANNEL_CODES``; ``r`` tokens per block; ``rows`` stored rows per block in
     ``data`` (float / pruned) or quantized rows ``K``; ``dense`` rows of ``S`` (``A``'s columns) and ``dense_p`` its
@@ -144,19 +132,11 @@ class StreamForm:
     offset: int
 
     @classmethod
-    def of(cls, codec: Codec, head_dim: int, fold: bool = False, offset: int = 0) -> StreamForm:
-        q = codec.quantizer
-        quant = dict(group_blocks=1, classes=0, zeros=0, row_bytes=0, slices=0, lloyd=False, levels_w=1)
-        if q is not None:
-            slices = 0
-            for b in q.bits:
-                slices |= b
-            quant = dict(group_blocks=q.blocks, classes=len(q.classes), zeros=q.zero_classes,
-                         row_bytes=q.row_bytes(head_dim), slices=slices, lloyd="lloyd" in q.levels,
-                         levels_w=1 << max(q.bits))
-        return cls(form_of(codec), codec.block_size, codec.rows, codec.dense_rows, pow2(codec.dense_rows),
-                   codec.index_rows, codec.sinks, codec.tail_capacity, rotate=codec.rotate is not None,
-                   center=codec.center, fold=fold and q is not None and q.axis == "channel", offset=offset, **quant)
+    def of(cls, plan: StoredFormPlan, fold: bool = False, offset: int = 0) -> StreamForm:
+        """The tuple of ``plan`` (``ops.plan.stored_form_plan``); ``fold`` applies to channel-axis codes only."""
+        return cls(plan.form, plan.block_size, plan.rows, plan.dense, pow2(plan.dense), plan.kept, plan.sinks,
+                   plan.tail, plan.group_blocks, plan.classes, plan.zero_classes, plan.row_bytes, plan.slices,
+                   plan.lloyd, plan.level_width, plan.rotate, plan.center, fold and plan.form == CHANNEL_CODES, offset)
 
     def constexpr(self) -> tuple:
         return astuple(self)
@@ -164,7 +144,8 @@ class StreamForm:
 
 @dataclass(frozen=True)
 class StreamTables:
-    """The device tensors the kernels read for one codec (fp32 unless noted): ``synthesis`` ``A (r, R_dense)``;
+    """The device tensors the kernels read for one codec, copied from its plan's host tables (fp32 unless noted):
+    ``synthesis`` ``A (r, R_dense)``;
     ``rotation`` ``(D, D)`` (a 1-element placeholder without rotation); ``rows`` int32 ``(5, K)``: per quantized row
     its bits, bit offset (units of ``D / 8`` bytes), scale class, zero-point slot (-1: none) and level kind
     (``LEVEL_KINDS``); ``levels`` ``(K, 2**max_bits)``: each row's level table (``Quantizer.level_rows``);
@@ -189,25 +170,17 @@ def _device_key(device: torch.device | str) -> torch.device:
 
 @functools.cache
 def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
-    from ...codecs import codec_from_spec
-
-    codec = codec_from_spec(spec)
+    plan = stored_form_plan(spec, head_dim)
     placeholder = torch.zeros(1, dtype=torch.float32)
-    rotation = codec.rotation(head_dim, "cpu")
-    q = codec.quantizer
-    if q is None:
-        rows, levels = torch.zeros(1, dtype=torch.int32), placeholder
-    else:
-        rows = torch.tensor([list(q.bits), list(q.row_offsets), list(q.row_class),
-                             [q.zero_slot[c] for c in q.row_class], [LEVEL_KINDS[q.levels[c]] for c in q.row_class]],
+    rows = torch.zeros(1, dtype=torch.int32)
+    if plan.bits:
+        rows = torch.tensor([plan.bits, plan.bit_offset, plan.row_class, plan.zero_slot, plan.level_kind],
                             dtype=torch.int32)
-        levels = q.level_rows("cpu")
     factors = torch.zeros(2, FACTOR_SLOTS.value, dtype=torch.float32)
-    factors[0, : len(SHRINK_FACTORS)] = torch.tensor(SHRINK_FACTORS)
-    factors[1, : len(LLOYD_FACTORS)] = torch.tensor(LLOYD_FACTORS)
-    analysis = codec.analysis("cpu") if isinstance(codec, JPEGCodec) else placeholder
-    return StreamTables(*(t.contiguous().to(device) for t in (
-        codec.synthesis("cpu"), placeholder if rotation is None else rotation, rows, levels, analysis, factors)))
+    factors[0, : len(plan.shrink_factors)] = torch.tensor(plan.shrink_factors)
+    factors[1, : len(plan.lloyd_factors)] = torch.tensor(plan.lloyd_factors)
+    return StreamTables(*((placeholder if t is None else t).to(device) for t in (
+        plan.synthesis, plan.rotation, rows, plan.levels, plan.analysis, factors)))
 
 
 def stream_tables(codec: Codec, head_dim: int, device: torch.device | str) -> StreamTables:

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.triton.common import LEVEL_KINDS, StreamForm, pow2, stream_tables
+from ...ops.plan import LEVEL_KINDS, stored_form_plan
+from ...ops.triton.common import StreamForm, pow2, stream_tables
 from ..page import PageFormat
 
 MAX_HEAD_DIM = 128  # a (D, D) rotation and a tile's whole head_dim live in registers
@@ -90,12 +91,11 @@ def stream_args(fmt: PageFormat, device: torch.device) -> list[tuple]:
         return [((0,) * 19, (1, 0, False, False, 0, 0), (dummy, dummy, dummy))] * 2
     out = []
     for slot in fmt.slots:
-        codec = slot.codec
-        q = codec.quantizer
-        tables = stream_tables(codec, fmt.head_dim, device)
-        consts = SlotConsts(q.bits[0], LEVEL_KINDS[q.levels[0]], q.search, codec.rotate is not None,
-                            slot.scale_offset, slot.code_offset)
-        out.append((StreamForm.of(codec, fmt.head_dim).constexpr(), consts.constexpr(),
+        plan = stored_form_plan(slot.codec.spec, fmt.head_dim)
+        tables = stream_tables(slot.codec, fmt.head_dim, device)
+        consts = SlotConsts(plan.bits[0], plan.level_kind[0], plan.search, plan.rotate, slot.scale_offset,
+                            slot.code_offset)
+        out.append((StreamForm.of(plan).constexpr(), consts.constexpr(),
                     (tables.rotation, tables.levels, tables.factors)))
     return out
 
