@@ -35,6 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton._utils import find_paths_if, get_iterable_path  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
@@ -126,7 +127,11 @@ class Recorder:
         bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
         constexprs = {p.name: bound[p.name] for p in fn.params if p.is_constexpr}
         signature = {name: "constexpr" if name in constexprs else mangle_type(value) for name, value in bound.items()}
-        key = f"{fn.__name__} {sorted(signature.items())} {sorted((k, str(v)) for k, v in constexprs.items())} {options}"
+        for name, kind in signature.items():  # tuple elements specialized to constants (an int 1), as a launch finds
+            for path in find_paths_if(kind, lambda _, v: v == "constexpr") if isinstance(kind, tuple) else ():
+                constexprs[(fn.arg_names.index(name), *path)] = get_iterable_path(bound[name], path)
+        key = f"{fn.__name__} {sorted(signature.items())} {sorted((str(k), str(v)) for k, v in constexprs.items())} " \
+              f"{options}"
         self.launches.setdefault(key, (fn, signature, constexprs, options))
         self.labels.setdefault(key, self.label)
 
@@ -264,6 +269,15 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None}
 
 
+def _pointers(signature: dict, prefix: str = ""):
+    """(name, type) of each pointer argument; tuple arguments flattened (``name.i``)."""
+    for name, kind in signature.items():
+        if isinstance(kind, tuple):
+            yield from _pointers({f"{name}.{i}": k for i, k in enumerate(kind)}, prefix)
+        elif kind.startswith("*"):
+            yield prefix + name, kind
+
+
 _JOB: tuple = ()  # (launches, labels, arch) of a compile_all run, inherited by its forked workers
 
 
@@ -272,8 +286,8 @@ def _compile_one(key: str) -> dict:
     launches, labels, arch = _JOB
     fn, signature, constexprs, options = launches[key]
     row = {"kernel": fn.__name__, "for": labels[key], **options,
-           "constexprs": {k: str(v) for k, v in constexprs.items()},
-           "pointers": {k: v for k, v in signature.items() if v.startswith("*")}}
+           "constexprs": {str(k): str(v) for k, v in constexprs.items()},
+           "pointers": dict(_pointers(signature))}
     start = time.perf_counter()
     try:
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)

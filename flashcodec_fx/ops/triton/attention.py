@@ -397,8 +397,8 @@ def _synthesis_blocks(syn, F: tl.constexpr, TL: tl.constexpr, BY_POSITION: tl.co
 @triton.jit
 def _split_kernel(
     q_ptr, sq0, sq1, sq2, sq3,
-    kd, ks, kz, ki, kmean, ksink, ktail, klen, kstart, knew, skn0, skn1, skn2, skn3, k_syn, k_rot, k_rows, k_lvl, NB_K,
-    vd, vs, vz, vi, vmean, vsink, vtail, vlen, vstart, vnew, svn0, svn1, svn2, svn3, v_syn, v_rot, v_rows, v_lvl, NB_V,
+    K, klen, kstart, KN, NB_K,
+    V, vlen, vstart, VN, NB_V,
     mask_ptr, smb, smh, smt, sml, mask_len,
     o_part, lse_part, qk_scale, HKV, T, G, N_MCHUNK, NUM_SPLITS, T_NEW,
     KF: tl.constexpr, VF: tl.constexpr, TL: tl.constexpr, MASK_KIND: tl.constexpr, EDGE: tl.constexpr,
@@ -406,9 +406,10 @@ def _split_kernel(
 ):
     """Program ``(bh * N_MCHUNK + row chunk, split)`` of the main region (``EDGE`` False: splits ``0 .. NUM_SPLITS -
     1``) or of the edge (``EDGE``: one split, written as part ``NUM_SPLITS``; a launch of its own, so that each
-    variant keeps only its own registers). Per stream: the 9 state tensors' pointers (data, scale, zero, index, mean,
-    sink, tail, length, start), the new tokens and their strides, the tables (synthesis, rotation, rows, levels) and
-    the archive's capacity in blocks. Constexprs: ``KF``/``VF`` the streams' :class:`StreamForm` tuples, ``TL`` the
+    variant keeps only its own registers). Per stream (``K``, ``V``): one tuple of pointers (the state's data,
+    scale, zero, index, mean, sink and tail, the new tokens, the tables synthesis, rotation, rows and levels: what
+    the tile helpers read), the state's length and start, the new tokens' strides (a tuple) and the archive's
+    capacity in blocks. Constexprs: ``KF``/``VF`` the streams' :class:`StreamForm` tuples, ``TL`` the
     :class:`AttentionTiles` tuple, the mask kind and the dot types (``IO_T`` raw operands, ``KA_T``/``VA_T`` archive
     operands, ``PREC`` fp32 dots)."""
     D: tl.constexpr = TL[T_D]
@@ -418,6 +419,8 @@ def _split_kernel(
     RC: tl.constexpr = TL[T_RC]
     A0: tl.constexpr = TL[T_A0]
     K_SINKS: tl.constexpr = KF[F_SINKS]
+    kmean, k_syn, k_rot = K[4], K[8], K[9]
+    vmean, v_syn, v_rot = V[4], V[8], V[9]
     pid = tl.program_id(0)
     split = tl.program_id(1)
     bh = (pid // N_MCHUNK).to(tl.int64)
@@ -463,10 +466,6 @@ def _split_kernel(
     v_start = tl.load(vstart)
     v_se = v_len - T_NEW
     v_end = tl.minimum(tl.minimum(v_start, v_se), VF[F_SINKS] + NB_V.to(tl.int64) * VF[F_R])
-    K = (kd, ks, kz, ki, kmean, ksink, ktail, knew, k_syn, k_rot, k_rows, k_lvl)
-    V = (vd, vs, vz, vi, vmean, vsink, vtail, vnew, v_syn, v_rot, v_rows, v_lvl)
-    KN = (skn0, skn1, skn2, skn3)
-    VN = (svn0, svn1, svn2, svn3)
     KL = (k_len, k_start, k_se, k_end, NB_K)
     VL = (v_len, v_start, v_se, v_end, NB_V)
     qc = (q.to(IO_T), q_k, tl.sum(q_k, 1), qm_k)
@@ -695,13 +694,13 @@ def _exact16(form: StreamForm, data: torch.Tensor) -> bool:
 
 
 def _stream_args(codec, st, new: torch.Tensor | None, placeholder: torch.Tensor, tables) -> list:
-    """One stream's kernel arguments: state tensors (empty ones replaced by ``placeholder``: never read), the new
-    tokens and their strides, the tables, the archive's capacity in blocks."""
-    tensors = [placeholder if x.numel() == 0 else x for x in st[:7]]
+    """One stream's kernel arguments: the tuple of state tensors (empty ones replaced by ``placeholder``: never read),
+    new tokens and tables, then length, start, the new tokens' strides and the archive's capacity in blocks."""
+    tensors = tuple(placeholder if x.numel() == 0 else x for x in st[:7])
     new_t = placeholder if new is None else new
-    strides = (0, 0, 0, 0) if new is None else new.stride()
-    return [*tensors, st.length, st.start, new_t, *strides, tables.synthesis, tables.rotation, tables.rows,
-            tables.levels, st.data.shape[2] * codec.blocks]
+    strides = (0, 0, 0, 0) if new is None else tuple(new.stride())
+    return [(*tensors, new_t, tables.synthesis, tables.rotation, tables.rows, tables.levels), st.length, st.start,
+            strides, st.data.shape[2] * codec.blocks]
 
 
 def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, k_new: torch.Tensor | None = None,
