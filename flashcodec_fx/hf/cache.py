@@ -3,9 +3,10 @@
 Each compressed layer owns a :class:`flashcodec_fx.cache.CodecKVCache` (K and V streams); every read and write of the
 model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns:
 
-- eager, attention on the stored form (the default, ``materialization_free=True``): the call's new states as
-  :class:`~flashcodec_fx.hf.attention.CodecStates`; the ``"kvcodec"`` attention function attends on the prompt
-  exactly (prefill) and on the stored form afterwards (the call's own tokens exact). If the model does not use that
+- eager, attention on the stored form (the default, ``materialization_free=True``): the call's new states, and the
+  step is handed to the attention call that follows (:class:`~flashcodec_fx.hf.attention.AttentionStep`: the stored form
+  after the append, explicitly); the ``"kvcodec"`` attention function attends on the prompt exactly (prefill) and on
+  the stored form afterwards (the call's own tokens exact). If the model does not use that
   attention function (``apply_flash_codec`` / ``apply_codec_attention`` install it), the first decode step warns
   (``MaterializationFreeFallback``; ``strict=True`` raises) and the layer switches to the decoded view, kept as a memo;
 - eager, ``materialization_free=False``: the decoded view (a memo updated once per archived group; dynamic: ``L`` =
@@ -30,11 +31,11 @@ from transformers.cache_utils import (
 )
 
 from .. import _compat
-from ..cache import CROP_MODES, LAYOUTS, CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
+from ..cache import CROP_MODES, LAYOUTS, CodecKVCache, CodecOverflowError, CodecStream
 from ..codecs import CODECS, Codec, codec_options
 from ..config import CacheConfig, cache_config
 from ..presets import PRESETS, preset_config
-from .attention import MaterializationFreeFallback, tag_states
+from .attention import AttentionStep, MaterializationFreeFallback, StepStatus, StoredStream, drop, hand_off
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 CODEC_KEYWORDS = ("preset", "per_layer", "key_options", "value_options", "mode")  # besides each codec's options
@@ -117,11 +118,10 @@ class FlashCodecLayer(CacheLayerMixin):
         self.layout, self.max_cache_len = layout, max_cache_len
         self.is_compileable = layout == "static"
         self.materialization_free, self.strict = materialization_free, strict
-        self.attention_bound = False  # set by the "kvcodec" attention function when it serves this layer's prefill
-        self.handed_out = False  # new states handed to attention and not consumed yet
+        self._bound = False  # the "kvcodec" attention function served this layer's prefill (or a loaded file says so)
+        self._step: StepStatus | None = None  # of the step handed to attention last
         self._marked_static = False
         self._offloaded: tuple[int, int] | None = None  # on the host: the archive groups (K, V) to restore on arrival
-        self._offload_pending = False  # offload() came while attention had not read this step's state yet
 
     def __repr__(self) -> str:
         k, v = self.keys_stream.codec, self.values_stream.codec
@@ -236,12 +236,38 @@ class FlashCodecLayer(CacheLayerMixin):
         if first_fill:  # the prompt attends on its exact states (static: padded to the views' capacity)
             out = (key_states, value_states) if self.layout == "dynamic" else (self._pad(key_states),
                                                                                 self._pad(value_states))
-            return (tag_states(out[0], self, False), tag_states(out[1], self, False)) if self.materialization_free \
-                else out
+        elif self.materialization_free:
+            out = (key_states, value_states)
+        else:
+            return self.read_view((key_states, value_states))
         if self.materialization_free:
-            self.handed_out = True
-            return tag_states(key_states, self, True), tag_states(value_states, self, True)
-        return self.read_view((key_states, value_states))
+            self._hand_off(*out, decode=not first_fill)
+        return out
+
+    def _hand_off(self, key: torch.Tensor, value: torch.Tensor, decode: bool) -> None:
+        """Hand the attention call that follows this step: the returned ``key`` / ``value`` and the stored form."""
+        streams = (self.keys_stream, self.values_stream)
+        stored = [StoredStream(*stream.op_state(), None if self.layout == "static" else stream.get_seq_length())
+                  for stream in streams]
+        views = self.read_view((key, value)) if decode and self.stores_raw else None
+        self._step = StepStatus(decode)
+        hand_off(AttentionStep(key, value, *stored, views=views, strict=self.strict, sliding=self.is_sliding,
+                               status=self._step))
+
+    @property
+    def attention_bound(self) -> bool:
+        """The ``"kvcodec"`` attention function served this layer (its prefill step was taken), or a loaded cache
+        file says it did."""
+        return self._bound or (self._step is not None and self._step.taken)
+
+    @attention_bound.setter
+    def attention_bound(self, value: bool) -> None:
+        self._bound = bool(value)
+
+    @property
+    def handed_out(self) -> bool:
+        """A decode step was handed to attention and no attention call has taken it yet."""
+        return self._step is not None and self._step.decode and not self._step.taken
 
     def _check_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Reject states this layer cannot take, before any state changes. Keys and values may have different head dims
@@ -268,11 +294,6 @@ class FlashCodecLayer(CacheLayerMixin):
         self.materialization_free = False
         self.codec_cache.keys.start_memo()
         self.codec_cache.values.start_memo()
-
-    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
-               new: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Attention of ``query (B, Hq, T, D)`` on the stored form, ``new``: this call's exact keys and values."""
-        return codec_decode_attention(query, self.keys_stream, self.values_stream, mask, scaling, new)
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         b, h, t, d = x.shape
@@ -311,7 +332,9 @@ class FlashCodecLayer(CacheLayerMixin):
         """Forget every token (dynamic: storage released, the next update may bring another batch size; static:
         zeroed in place)."""
         self.codec_cache.reset()
-        self.attention_bound = self.handed_out = self._offload_pending = False
+        if self._step is not None:
+            drop(self._step)
+        self._bound, self._step = False, None
         if self.layout == "dynamic":
             self.is_initialized, self._offloaded = False, None
 
@@ -361,12 +384,8 @@ class FlashCodecLayer(CacheLayerMixin):
         layer's update, ``Cache.prefetch`` before its next one; eager only): each stream's filled archive groups
         (codes, scales, zero points, png indices), raw sinks and tail, mean and lengths (and the memo's filled
         positions, where kept; :meth:`CodecStream.move_to`). The unused capacity stays behind and is allocated again
-        on arrival: a compressed layer moves its compressed bytes, never a decoded view. When attention on the stored
-        form has not read this step's state yet, the move waits for it (the attention function calls
-        :meth:`finish_step`)."""
-        if self.handed_out:
-            self._offload_pending = True
-            return
+        on arrival: a compressed layer moves its compressed bytes, never a decoded view. A step handed to attention
+        keeps the device tensors it was handed (``AttentionStep``): attention reads them after the move."""
         if self._offloaded is not None or not self.keys_stream.is_initialized:
             return
         streams = (self.keys_stream, self.values_stream)
@@ -382,13 +401,6 @@ class FlashCodecLayer(CacheLayerMixin):
         for stream, groups in zip((self.keys_stream, self.values_stream), self._offloaded, strict=True):
             stream.move_to(self.device, groups)
         self._offloaded = None
-
-    def finish_step(self) -> None:
-        """Called by the attention function once it has read this step's state: a waiting offload runs now."""
-        self.handed_out = False
-        if self._offload_pending:
-            self._offload_pending = False
-            self.offload()
 
     def storage_breakdown(self) -> dict[str, int]:
         """Bytes held by both streams, by part (see :meth:`CodecStream.storage_breakdown`)."""

@@ -27,6 +27,7 @@ from ..persist import fileformat
 from ..persist.lossless import DTYPES, check_method
 from ..persist.stream_io import export_stream, install_state, prepare_state
 from ..provenance import version
+from .attention import NAMES
 from .cache import FlashCodecCache, FlashCodecLayer, FlashCodecSlidingLayer
 
 RUNTIME_CONFIG_FIELDS = frozenset({
@@ -207,7 +208,7 @@ def load(path: str | os.PathLike, model_or_config: Any, device: str | torch.devi
     if _layer_types(cache) != header["layer_types"]:
         raise ValueError(f"{path}: the file's layers are {header['layer_types']}, this model's cache has "
                          f"{_layer_types(cache)}")
-    kvcodec = getattr(config, "_attn_implementation", None) == "kvcodec"
+    kvcodec = getattr(config, "_attn_implementation", None) in NAMES
     installs = []
     for idx, (layer, entry) in enumerate(zip(cache.layers, header["layers"], strict=True)):
         if entry["kind"] == "native":

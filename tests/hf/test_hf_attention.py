@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from conftest import cache_kwargs, fresh_tiny_model, output_cache, tiny_prompt  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf import cache as codec_cache  # noqa: E402
+from flashcodec_fx.hf import attention as codec_attention  # noqa: E402
 
 NEW = 10
 
@@ -25,13 +25,13 @@ def _generate(model, ids, **kwargs):
 def decode_calls(monkeypatch):
     """Counts the coefficient-domain attention calls made by the attention function."""
     calls = []
-    real = codec_cache.codec_decode_attention
+    real = codec_attention.stored_form_attention
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(codec_cache, "codec_decode_attention", counting)
+    monkeypatch.setattr(codec_attention, "stored_form_attention", counting)
     return calls
 
 
@@ -81,6 +81,7 @@ def test_unsupported_decode_steps_fall_back_or_raise_under_strict():
     kw = dict(output_attentions=True)
     reference = _generate(model, ids, **kw).sequences
     fx.apply_codec_attention(model)
+    assert model.config._attn_implementation == "kvcodec_eager"  # over the model's eager implementation
     try:
         cache = fx.FlashCodecCache.from_config(model.config, mode="png", materialization_free=True)
         with pytest.warns(fx.MaterializationFreeFallback, match="output_attentions"):

@@ -12,7 +12,7 @@ from conftest import cache_kwargs, tiny_model, tiny_prompt  # noqa: E402
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
-from flashcodec_fx.hf.attention import CodecStates  # noqa: E402
+from flashcodec_fx.hf import attention as step  # noqa: E402
 
 B, H, D = 3, 2, 16
 
@@ -37,20 +37,27 @@ def _filled(layer, prompt=13, steps=8, seed=0, dtype=torch.float32):
     return ks, vs
 
 
-def test_stored_form_layer_hands_attention_its_states():
-    """Default layers return the call's exact states tagged with the layer (the kvcodec attention reads the tag)."""
+def test_stored_form_layer_hands_attention_its_step():
+    """Default layers return the call's exact states and hand the attention call an AttentionStep: those tensors,
+    the stored form after the append; the kvcodec attention takes it by the keys it receives."""
     layer = _layer(view=False, quant_bits=8)
     k, v = _states(13, 0)
     out_k, out_v = layer.update(k, v)
-    assert isinstance(out_k, CodecStates) and out_k.codec_layer is layer and not out_k.codec_decode
-    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+    handed = step.current()
+    assert out_k is k and out_v is v and handed.key is k and handed.value is v and not handed.decode
     assert layer.keys_stream.memo is None  # nothing but the stored form is kept
-    layer.attention_bound = True  # what the kvcodec attention does when it serves the prefill
+    assert step.take(k.clone()) is None and not layer.attention_bound  # other keys do not take it
+    assert step.take(k) is handed and layer.attention_bound and step.current() is None
     nk, nv = _states(1, 1)
     out_k, _ = layer.update(nk, nv)
-    assert out_k.codec_decode and torch.equal(out_k, nk) and layer.handed_out
+    handed = step.current()
+    assert out_k is nk and handed.decode and layer.handed_out
+    state, spec = layer.keys_stream.op_state()
+    assert handed.keys.spec == spec and all(a is b for a, b in zip(handed.keys.state, state, strict=True))
     with pytest.raises(RuntimeError, match="did not receive the keys"):
-        layer.update(nk, nv)  # nobody consumed the last hand-off: a wrong answer would follow, so it raises
+        layer.update(nk, nv)  # nobody took the last hand-off: a wrong answer would follow, so it raises
+    layer.reset()
+    assert step.current() is None and not layer.handed_out  # a reset forgets what it handed out
 
 
 def test_prefill_returns_exact_states_then_the_stored_view():

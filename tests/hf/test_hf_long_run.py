@@ -12,7 +12,7 @@
 The cache-level run drives one codec layer the way each layer of a model does at every step (``cache.update`` of one
 token, then the ``"kvcodec"`` attention function on what it handed out). Attention only reads: it runs at every
 ``ATTEND_EVERY``-th step and at the sampled ones, the other steps hand the state back as the attention function
-does (``finish_step``), which keeps the run at seconds on 2 CPU cores. ``FLASHCODEC_LONG=1`` also runs a real 20k-token
+does (``hf.attention.take``), which keeps the run at seconds on 2 CPU cores. ``FLASHCODEC_LONG=1`` also runs a real 20k-token
 greedy generation of a tiny model (minutes) with the same checks.
 """
 
@@ -31,6 +31,7 @@ from conftest import cache_kwargs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
+from flashcodec_fx.hf import attention as attention_step  # noqa: E402
 from flashcodec_fx.hf.attention import flashcodec_attention_forward  # noqa: E402
 from flashcodec_fx.kernels import kernel_kind, kernel_registry  # noqa: E402
 
@@ -115,7 +116,7 @@ class _Attention(torch.nn.Module):
 
 def test_20k_decode_steps_hold_flat_memory_per_token():
     cache = fx.FlashCodecCache(num_layers=1, preset="int8")
-    module, layer = _Attention(), cache.layers[0]
+    module = _Attention()
     gen = torch.Generator().manual_seed(0)
     k, v, q = (torch.randn(1, heads, TOKENS, D, generator=gen) for heads in (H, H, H * GQA))
     key, value = cache.update(k[:, :, :PROMPT], v[:, :, :PROMPT], 0)
@@ -127,7 +128,7 @@ def test_20k_decode_steps_hold_flat_memory_per_token():
         if attend:
             flashcodec_attention_forward(module, q[:, :, n:n + 1], key, value, None, scaling=0.25)
         else:
-            layer.finish_step()
+            attention_step.take(key)  # what attention does first: the step is read
 
     for n in range(PROMPT, TOKENS):
         if n in SAMPLED:

@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf import apply_codec_attention, remove_codec_attention  # noqa: E402
+from flashcodec_fx.hf import attention as attention_step  # noqa: E402
 from flashcodec_fx.hf.attention import flashcodec_attention_forward  # noqa: E402
 
 
@@ -96,20 +97,26 @@ class _Attention(torch.nn.Module):
     num_key_value_groups, is_causal = 1, True
 
 
-def test_offload_waits_until_attention_read_the_step():
-    """Cache.update offloads a layer right after its update; attention on the stored form has not read the state
-    yet then: the move waits for the attention function (one step's order, as a model runs it)."""
-    cache = fx.FlashCodecCache(num_layers=1, preset="int8", offloading=True)
-    layer, module = cache.layers[0], _Attention()
+def test_offload_moves_the_layer_while_attention_reads_the_step_it_was_handed():
+    """Cache.update offloads a layer right after its update, before attention runs (one step's order, as a model runs
+    it): the step handed to attention holds the stored form's tensors from before the move, and attention reads them
+    (the output of a resident cache)."""
     k, v = _states(20, 3, heads=2, head_dim=16)
     q = _states(21, 4, heads=2, head_dim=16)[0]
-    key, value = cache.update(k, v, 0)
-    assert layer._offloaded is not None  # the prefill attends on the exact states it was given: moved already
-    flashcodec_attention_forward(module, q[:, :, :20], key, value, None, scaling=0.25, is_causal=True)
-    key, value = cache.update(q[:, :, 20:], q[:, :, 20:], 0)  # prefetched back, appended, offload pending
-    assert layer._offloaded is None and layer._offload_pending
-    flashcodec_attention_forward(module, q[:, :, 20:], key, value, None, scaling=0.25)
-    assert layer._offloaded is not None and not layer._offload_pending
+    outs = []
+    for offloading in (True, False):
+        cache = fx.FlashCodecCache(num_layers=1, preset="int8", offloading=offloading)
+        layer, module = cache.layers[0], _Attention()
+        key, value = cache.update(k, v, 0)
+        assert (layer._offloaded is not None) == offloading  # the prefill attends on the exact states: moved already
+        flashcodec_attention_forward(module, q[:, :, :20], key, value, None, scaling=0.25, is_causal=True)
+        key, value = cache.update(q[:, :, 20:], q[:, :, 20:], 0)  # prefetched back, appended, offloaded again
+        handed = attention_step.current()
+        if offloading:
+            assert layer._offloaded is not None and handed.keys.state[0] is not layer.keys_stream.state.data
+        outs.append(flashcodec_attention_forward(module, q[:, :, 20:], key, value, None, scaling=0.25)[0])
+        assert attention_step.current() is None and not layer.handed_out
+    assert torch.equal(*outs)
 
 
 @pytest.mark.parametrize("layout", ["dynamic", "static"])
