@@ -106,14 +106,12 @@ def test_prefix_cache_hits_read_the_stored_pages(int8):
 
 @pytest.mark.parametrize("engine", ["stock", "int8"])
 def test_preemption_and_recompute(engine, request):
-    """Four sequences that cannot all fit: vLLM preempts and recomputes. Stock vLLM reproduces each solo run token
-    for token; so does the plugin except after a near tie: a recomputed prefill reads its own tokens exactly where
-    the first run's decode steps read them compressed, so the re-stored codes differ by the codec's error."""
+    """Four sequences that cannot all fit: vLLM preempts and recomputes, and each reproduces its solo run token for
+    token except after a near tie. Stock vLLM too: its batched bf16 steps do not round as its solo ones (a clean-clone
+    CI run of 274cb28 saw stock's first difference at token 20 of 48); the plugin's recomputed prefill also reads its
+    own tokens exactly where the first run's decode steps read them compressed (the codec's error)."""
     result = request.getfixturevalue(engine)["preempt"]
     assert result["preemptions"] > 0
     for solo, together in zip(result["solo"], result["together"], strict=True):
         assert len(together["ids"]) == PREEMPT["tokens"]
-        if engine == "stock":
-            assert together["ids"] == solo["ids"]
-        else:
-            assert_same_until_a_near_tie(together, solo)
+        assert_same_until_a_near_tie(together, solo)
