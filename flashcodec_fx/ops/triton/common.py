@@ -148,9 +148,9 @@ class StreamTables:
     ``synthesis`` ``A (r, R_dense)``; ``rotation`` ``(D, D)`` (a 1-element placeholder without rotation); ``rows``
     int32 ``(5, K)``: per quantized row its bits, bit offset (units of ``D / 8`` bytes), scale class, zero-point slot
     (-1: none) and level kind (``LEVEL_KINDS``); ``levels`` ``(K, 2**max_bits)``: each row's level table
-    (``Quantizer.level_rows``); ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(2, 8)``: the scale search's clipping
-    factors (row 0: ``quant.SHRINK_FACTORS``, row 1: ``quant.LLOYD_FACTORS``, zero-padded). Placeholders (one
-    element) where a codec has no such table."""
+    (``Quantizer.level_rows``); ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(2, 8)``:
+    the scale search's clipping factors (row 0: ``quant.SHRINK_FACTORS``, row 1: ``quant.LLOYD_FACTORS``,
+    zero-padded). Placeholders (one element) where a codec has no such table."""
 
     synthesis: torch.Tensor
     rotation: torch.Tensor
