@@ -15,7 +15,12 @@ Parts:
   configuration (stock, then each preset): the KV tokens vLLM allocates (capacity), bits per value as stored (every
   byte of a page over the values it holds; stock bf16 = 16), the concurrent sequences of ``--seq-lens`` tokens that
   fit (whole pages per sequence), greedy tokens of two prompts (first difference vs stock, and stock's top-two
-  margin there), and the offline throughput of one batch of ``--batch`` prompts of 1-4k tokens of real text.
+  margin there).
+- ``throughput``: the offline throughput of one batch of ``--batch`` prompts of 1-4k tokens of real text, each
+  generating ``--gen-tokens`` tokens, per configuration in ``--throughput-dtype`` (default fp32: this project's
+  CPUs have no bf16 matrix instructions, and vLLM's bf16 CPU matmuls run at a few prompt tokens per second here),
+  the configurations one after another in one run and stock timed again at the end (its two runs bracket the
+  machine's drift), the load average before each engine.
 - ``quality``: fp32, chunked prefill of 16 tokens (``max_num_batched_tokens=16``, one sequence at a time, no prefix
   caching), so every chunk reads the history from the pages: perplexity over the tokens from position 16 on of
   ``--windows`` windows of ``--window-tokens`` tokens of real text (bench_ppl's corpus), per configuration,
@@ -44,7 +49,7 @@ from flashcodec_fx.evaluate import Tier, markdown_table
 from flashcodec_fx.pretrained import DEFAULT_MODEL, model_folder
 from flashcodec_fx.vllm.config import ENV_ANCHORS, ENV_NAMES, ENV_PRESET, VLLM_PRESETS, PluginConfig
 
-PARTS = ("serving", "quality")
+PARTS = ("serving", "throughput", "quality")
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY_TOKENS = 32
 CHUNK = 16
@@ -94,29 +99,48 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-def serving(args, tokenizer, texts) -> list[dict[str, Any]]:
-    lengths = [1024 + (4096 - 1024) * i // max(args.batch - 1, 1) for i in range(args.batch)]
-    batch = windows(texts, args.batch, max(lengths), leading_tokens(tokenizer))
-    prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
-    llm = {"max_model_len": max(lengths) + args.gen_tokens}
+def serving(args) -> list[dict[str, Any]]:
+    llm = {"max_model_len": max(args.seq_lens)}
     rows = []
     for config in selected(configurations(args.presets, options=False), args.only):
-        job = {"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": GREEDY_TOKENS,
-               "throughput": {"prompts": prompts, "tokens": args.gen_tokens}}
         print(f"== serving: {config['name']}", flush=True)
-        out = run_job(job, engine_env(config, args.kv_gib), timeout=7200)
+        out = run_job({"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": GREEDY_TOKENS},
+                      engine_env(config, args.kv_gib), timeout=7200)
         content, bits = page_bits(config, 64, torch.bfloat16, out["block_size"])
-        tput = out["throughput"]
         rows.append({"config": config["name"], "preset": config["preset"], "kv_gib": args.kv_gib,
                      "blocks": out["blocks"], "block_size": out["block_size"],
                      "kv_tokens": out["blocks"] * out["block_size"], "slot_bytes": content, "bits_per_value": bits,
                      "concurrent": {str(n): out["blocks"] // -(-n // out["block_size"]) for n in args.seq_lens},
-                     "greedy": out["greedy"], "throughput": {**tput, "prompt_lengths": lengths,
-                                                              "tokens_per_s": (tput["prompt_tokens"]
-                                                                               + tput["generated_tokens"])
-                                                              / tput["seconds"]},
-                     "start_seconds": out["start_seconds"]})
+                     "greedy": out["greedy"], "start_seconds": out["start_seconds"]})
     return compare_serving(rows) if rows and rows[0]["preset"] is None else rows
+
+
+def throughput(args, tokenizer, texts) -> dict[str, Any]:
+    """One offline batch per configuration, stock first and again last; tokens/s (prompt + generated) vs stock's
+    mean of its two runs."""
+    lengths = [1024 + (4096 - 1024) * i // max(args.batch - 1, 1) for i in range(args.batch)]
+    batch = windows(texts, args.batch, max(lengths), leading_tokens(tokenizer))
+    prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
+    llm = {"dtype": args.throughput_dtype, "max_model_len": max(lengths) + args.gen_tokens}
+    configs = selected(configurations(args.presets, options=False), args.only)
+    if configs and configs[0]["preset"] is None:
+        configs.append(configs[0])
+    rows = []
+    for config in configs:
+        print(f"== throughput: {config['name']}", flush=True)
+        load = os.getloadavg()
+        out = run_job({"model": str(model_folder()), "llm": llm,
+                       "throughput": {"prompts": prompts, "tokens": args.gen_tokens}},
+                      engine_env(config, args.kv_gib), timeout=7200)
+        tput = out["throughput"]
+        rows.append({"config": config["name"], "preset": config["preset"], **tput,
+                     "tokens_per_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["seconds"],
+                     "load_avg_before": list(load), "start_seconds": out["start_seconds"]})
+    stock = [r["tokens_per_s"] for r in rows if r["preset"] is None]
+    for row in rows:
+        row["vs_stock"] = row["tokens_per_s"] / (sum(stock) / len(stock)) if stock else None
+    return {"dtype": args.throughput_dtype, "prompt_lengths": lengths, "gen_tokens": args.gen_tokens,
+            "kv_gib": args.kv_gib, "rows": rows}
 
 
 def selected(configs: list[dict[str, Any]], only: list[str] | None) -> list[dict[str, Any]]:
@@ -125,11 +149,10 @@ def selected(configs: list[dict[str, Any]], only: list[str] | None) -> list[dict
 
 
 def compare_serving(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each serving row against the first (stock): capacity, throughput, greedy tokens."""
+    """Each serving row against the first (stock): capacity, greedy tokens."""
     stock = rows[0]
     for row in rows:
         row["capacity_vs_stock"] = row["kv_tokens"] / stock["kv_tokens"]
-        row["throughput_vs_stock"] = row["throughput"]["tokens_per_s"] / stock["throughput"]["tokens_per_s"]
         row["greedy_vs_stock"] = []
         for ours, theirs in zip(row["greedy"], stock["greedy"], strict=True):
             n = first_difference(ours["ids"], theirs["ids"])
@@ -202,7 +225,7 @@ def compare_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 SERVING_COLUMNS = [("config", "config", "s"), ("bits/value", "bits_per_value", ".2f"), ("KV tokens", "kv_tokens", ",d"),
                    ("vs stock", "capacity_vs_stock", ".2f"), ("sequences of 4k", "seqs_4k", ",d"),
-                   ("tok/s", "tokens_per_s", ".0f"), ("vs stock ", "throughput_vs_stock", ".2f"),
+                   ("tok/s", "tokens_per_s", "s"), ("vs stock ", "throughput_vs_stock", "s"),
                    ("greedy = stock", "greedy", "s")]
 QUALITY_COLUMNS = [("config", "config", "s"), ("bits/value", "bits", ".2f"), ("ppl", "ppl", ".3f"),
                    ("Δppl", "delta_ppl", "+.3f")]
@@ -210,13 +233,22 @@ TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", 
                 ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f")]
 
 
+def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str]:
+    """``(tok/s, vs stock)`` of ``config`` in the throughput part (stock: its two runs), dashes without one."""
+    runs = [r for r in result.get("throughput", {}).get("rows", []) if r["config"] == config]
+    if not runs:
+        return "-", "-"
+    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs), " / ".join(f"{r['vs_stock']:.2f}" for r in runs)
+
+
 def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
     rows = []
     for row in result["serving"]:
         longest = max(row["concurrent"], key=int)
         same = ", ".join(f"{g['same_tokens']}/{g['of']}" for g in row["greedy_vs_stock"])
-        rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": row["throughput"]["tokens_per_s"],
-                     "greedy": same})
+        tokens_per_s, vs_stock = throughput_cells(result, row["config"])
+        rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": tokens_per_s,
+                     "throughput_vs_stock": vs_stock, "greedy": same})
     return table(rows, SERVING_COLUMNS)
 
 
@@ -246,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of the serving part")
     parser.add_argument("--batch", type=int, default=8, help="prompts of the throughput batch (1k to 4k tokens)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per prompt of that batch")
+    parser.add_argument("--throughput-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype in the throughput part")
     parser.add_argument("--seq-lens", default="1088,4160", help="sequence lengths of the concurrency column")
     parser.add_argument("--windows", type=int, default=2, help="windows of the quality part")
     parser.add_argument("--window-tokens", type=int, default=1024)
@@ -256,11 +290,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default=None, help="comma-separated configuration names to run (e.g. 'stock vLLM,"
                         "int8'; 'twins': the FlashCodecCache part), to split a run over processes (--merge)")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="JSONs of parts run apart: one result "
-                        "(each part's date, machine, load and versions kept under runs) to --out or results/vllm.json")
+                        "(each part's date, machine, load and versions kept under runs; a configuration's later row "
+                        "replaces its earlier one) to --out or results/vllm.json")
     args = parser.parse_args(argv)
     if args.merge:
         merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}, "runs": {}}
-        serving_rows, quality_rows, twins = [], [], []
+        serving_rows, quality_rows, twins, throughput_part = [], [], [], None
         for path in args.merge:
             part = json.loads(path.read_text())
             if "runs" in part:  # an earlier merge: its runs as they were
@@ -269,13 +304,20 @@ def main(argv: list[str] | None = None) -> None:
                 run = {k: part[k] for k in ("date", "machine", "versions") if k in part}
                 merged["runs"][path.stem] = {**run, "config": part["config"]}
             serving_rows += part.get("serving", [])
+            throughput_part = part.get("throughput", throughput_part)
             if "quality" in part:
                 quality_rows += part["quality"]["vllm"]
                 twins += part["quality"]["flashcodec"]
                 merged["quality"] = {**part["quality"], "vllm": [], "flashcodec": []}
-        stock_first = lambda rows: sorted(rows, key=lambda r: r["preset"] is not None)  # noqa: E731
+        def stock_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            """One row per configuration (a later part's replaces an earlier one's), stock first."""
+            latest = {r["config"]: r for r in rows}
+            return sorted(latest.values(), key=lambda r: r["preset"] is not None)
+
         if serving_rows:
             merged["serving"] = compare_serving(stock_first(serving_rows))
+        if throughput_part is not None:
+            merged["throughput"] = throughput_part
         if "quality" in merged:
             merged["quality"].update(vllm=compare_quality(stock_first(quality_rows)), flashcodec=twins)
         loads = [r["machine"] for r in merged["runs"].values() if "machine" in r]
@@ -302,7 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     config = {k: v for k, v in vars(args).items() if k != "out"}
     result: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": config}
     if "serving" in args.parts:
-        result["serving"] = serving(args, tokenizer, texts)
+        result["serving"] = serving(args)
+    if "throughput" in args.parts:
+        result["throughput"] = throughput(args, tokenizer, texts)
     if "quality" in args.parts:
         result["quality"] = quality(args, tokenizer, texts)
     full = set(args.parts) == set(PARTS) and args.presets == list(VLLM_PRESETS)
