@@ -238,7 +238,8 @@ def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str]:
     runs = [r for r in result.get("throughput", {}).get("rows", []) if r["config"] == config]
     if not runs:
         return "-", "-"
-    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs), " / ".join(f"{r['vs_stock']:.2f}" for r in runs)
+    ratios = " / ".join("-" if r["vs_stock"] is None else f"{r['vs_stock']:.2f}" for r in runs)
+    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs), ratios
 
 
 def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:

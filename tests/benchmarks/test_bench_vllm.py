@@ -48,3 +48,10 @@ def test_merge_keeps_one_row_per_configuration_the_later_part_replacing_the_earl
     assert merged["serving"][1]["capacity_vs_stock"] == 233856 / 46592
     assert merged["throughput"]["rows"][1]["vs_stock"] == 0.9
     assert sorted(merged["runs"]) == ["new", "old"]
+
+
+def test_a_throughput_run_without_stock_shows_its_speed_and_no_ratio():
+    rows = bench_vllm.compare_serving([serving_row("stock vLLM", None, 46592), serving_row("3bit", "3bit", 233856)])
+    part = {"rows": [{"config": "3bit", "preset": "3bit", "tokens_per_s": 126.0, "vs_stock": None}]}
+    table = bench_vllm.serving_markdown({"serving": rows, "throughput": part}).splitlines()
+    assert "| 126 | - |" in table[3]
