@@ -272,6 +272,63 @@ def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
     return table(vllm, QUALITY_COLUMNS) + "\n\n" + table(twins, TWIN_COLUMNS)
 
 
+def source_run(runs: dict[str, Any], part: str, config: str | None) -> str | None:
+    """The run of an earlier merge that measured ``config``'s row of ``part`` (its ``parts`` and ``only``)."""
+    for name, run in runs.items():
+        c = run["config"]
+        if part in c.get("parts", PARTS) and (config is None or c.get("only") is None or config in c["only"]):
+            return name
+    return None
+
+
+def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Parts run apart (``(run name, JSON)``, earlier merges included) -> one result: a configuration's (or a twin
+    tier's) later row replaces its earlier one, a later throughput part the earlier one; ``runs`` keeps the date, machine,
+    load and versions of the runs whose rows remain, and ``machine`` is the busiest of them."""
+    merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}}
+    runs: dict[str, Any] = {}
+    serving_rows: dict[str, tuple[str, dict]] = {}
+    quality_rows: dict[str, tuple[str, dict]] = {}
+    twin_rows: dict[str, tuple[str, dict]] = {}
+    throughput_part = quality_part = None
+    for name, part in parts:
+        earlier = part.get("runs")
+        if earlier is not None:
+            runs.update(earlier)
+        else:
+            runs[name] = {**{k: part[k] for k in ("date", "machine", "versions") if k in part},
+                          "config": part["config"]}
+
+        def run_of(kind: str, config: str | None, earlier=earlier, name=name) -> str:
+            return name if earlier is None else source_run(earlier, kind, config)
+
+        for row in part.get("serving", []):
+            serving_rows[row["config"]] = (run_of("serving", row["config"]), row)
+        if "throughput" in part:
+            throughput_part = (run_of("throughput", None), part["throughput"])
+        if "quality" in part:
+            quality_part = part["quality"]
+            for row in quality_part["vllm"]:
+                quality_rows[row["config"]] = (run_of("quality", row["config"]), row)
+            for row in quality_part["flashcodec"]:
+                twin_rows[row["tier"]] = (run_of("quality", "twins"), row)
+    stock_first = lambda rows: sorted(rows, key=lambda r: r["preset"] is not None)  # noqa: E731
+    used = {run for run, _ in [*serving_rows.values(), *quality_rows.values(), *twin_rows.values()]}
+    if serving_rows:
+        merged["serving"] = compare_serving(stock_first([row for _, row in serving_rows.values()]))
+    if throughput_part is not None:
+        used.add(throughput_part[0])
+        merged["throughput"] = throughput_part[1]
+    if quality_part is not None:
+        merged["quality"] = {**quality_part, "vllm": compare_quality(stock_first([r for _, r in quality_rows.values()])),
+                             "flashcodec": [row for _, row in twin_rows.values()]}
+    merged["runs"] = {name: run for name, run in runs.items() if name in used}
+    loads = [r["machine"] for r in merged["runs"].values() if "machine" in r]
+    if loads:  # the busiest run's machine and load, not the merge's
+        merged["machine"] = max(loads, key=lambda m: (m.get("load_avg_1_5_15m") or [0.0])[0])
+    return merged
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
@@ -295,36 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                         "replaces its earlier one) to --out or results/vllm.json")
     args = parser.parse_args(argv)
     if args.merge:
-        merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}, "runs": {}}
-        serving_rows, quality_rows, twins, throughput_part = [], [], [], None
-        for path in args.merge:
-            part = json.loads(path.read_text())
-            if "runs" in part:  # an earlier merge: its runs as they were
-                merged["runs"].update(part["runs"])
-            else:
-                run = {k: part[k] for k in ("date", "machine", "versions") if k in part}
-                merged["runs"][path.stem] = {**run, "config": part["config"]}
-            serving_rows += part.get("serving", [])
-            throughput_part = part.get("throughput", throughput_part)
-            if "quality" in part:
-                quality_rows += part["quality"]["vllm"]
-                twins += part["quality"]["flashcodec"]
-                merged["quality"] = {**part["quality"], "vllm": [], "flashcodec": []}
-        def stock_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            """One row per configuration (a later part's replaces an earlier one's), stock first."""
-            latest = {r["config"]: r for r in rows}
-            return sorted(latest.values(), key=lambda r: r["preset"] is not None)
-
-        if serving_rows:
-            merged["serving"] = compare_serving(stock_first(serving_rows))
-        if throughput_part is not None:
-            merged["throughput"] = throughput_part
-        if "quality" in merged:
-            merged["quality"].update(vllm=compare_quality(stock_first(quality_rows)), flashcodec=twins)
-        loads = [r["machine"] for r in merged["runs"].values() if "machine" in r]
-        if loads:  # the busiest run's machine and load, not the merge's
-            merged["machine"] = max(loads, key=lambda m: (m.get("load_avg_1_5_15m") or [0.0])[0])
-        path = write_result("vllm", merged, out=args.out)
+        path = write_result("vllm", merge([(path.stem, json.loads(path.read_text())) for path in args.merge]),
+                            out=args.out)
         print(f"wrote {path}", file=sys.stderr)
         return
     if args.markdown:

@@ -55,3 +55,20 @@ def test_a_throughput_run_without_stock_shows_its_speed_and_no_ratio():
     part = {"rows": [{"config": "3bit", "preset": "3bit", "tokens_per_s": 126.0, "vs_stock": None}]}
     table = bench_vllm.serving_markdown({"serving": rows, "throughput": part}).splitlines()
     assert "| 126 | - |" in table[3]
+
+
+def test_merge_drops_the_runs_of_an_earlier_merge_whose_rows_were_all_replaced():
+    def run(parts: list[str], only: list[str] | None, load: float) -> dict:
+        return {"date": "2026-12-01", "machine": {"load_avg_1_5_15m": [load] * 3}, "versions": {},
+                "config": {"parts": parts, "only": only}}
+
+    quality = {"vllm": [{"config": "stock vLLM", "preset": None, "ppl": 20.0}], "flashcodec": [{"tier": "raw"}]}
+    earlier = {"runs": {"s": run(["serving"], ["stock vLLM"], 28.0), "q": run(["quality"], None, 2.0)},
+               "serving": [serving_row("stock vLLM", None, 46592)], "quality": quality}
+    later = {"date": "2026-12-02", "machine": {"load_avg_1_5_15m": [1.0] * 3}, "versions": {},
+             "config": {"parts": ["serving"]}, "serving": [serving_row("stock vLLM", None, 93184)]}
+    merged = bench_vllm.merge([("vllm", earlier), ("new", later)])
+    assert sorted(merged["runs"]) == ["new", "q"]
+    assert merged["machine"]["load_avg_1_5_15m"][0] == 2.0
+    assert merged["serving"][0]["kv_tokens"] == 93184
+    assert merged["quality"]["vllm"][0]["delta_ppl"] == 0.0 and merged["quality"]["flashcodec"] == [{"tier": "raw"}]
