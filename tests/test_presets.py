@@ -15,7 +15,10 @@ from flashcodec_fx.presets import PRESETS, RECIPES, preset_options  # noqa: E402
 
 # Stored bits per value of each preset on SmolLM2-135M's shape (30 layers x 3 KV heads x head_dim 64, bf16), after
 # the streaming protocol's 1024 tokens (prefill 128, chunks of 16); the README's figures come from the same count.
-BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.495, "3bit": 3.231, "2.5bit": 2.642, "2bit": 1.929}
+BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.173, "3bit": 2.967, "2.5bit": 2.467, "2bit": 1.956}
+# What each lossy preset may store at most from the protocol's length on (issue 20): its name, except 4bit, whose
+# 4-bit codes keep their scale on top (4.25 bits/value, what TurboQuant-style K4V4 stores).
+BUDGET = {"4bit": 4.25, "3bit": 3.0, "2.5bit": 2.5, "2bit": 2.0}
 
 
 def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk: int = 16) -> float:
@@ -41,6 +44,24 @@ def test_bits_as_stored_at_the_protocol_length(preset):
     assert _bits_at(config, preset) == pytest.approx(BITS_AT_1024[preset], abs=1e-3)
 
 
+@pytest.mark.parametrize("preset", sorted(BUDGET))
+def test_a_preset_stores_at_most_its_budget_in_bits_from_the_protocol_length_on(preset):
+    """The name is an upper bound a user can plan memory with (``BUDGET``): from 897 tokens (the shortest length the streaming
+    protocol's worst case covers) every later length keeps at most the name's bits per value as stored (bf16,
+    SmolLM2's head shape), the raw sinks and newest tokens included; shorter caches are dominated by those."""
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, num_attention_heads=9,
+                                      hidden_size=576, head_dim=64)
+    cache = fx.FlashCodecCache.from_config(config, preset=preset)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for length in [896] + [1] * 160:
+        for layer in cache.layers:
+            k, v = (torch.randn(1, 3, length, 64, generator=gen).bfloat16() for _ in range(2))
+            layer.codec_cache.append(k, v)
+        worst = max(worst, cache.bits_per_value())
+    assert worst <= BUDGET[preset]
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_generates_on_the_stored_form(preset):
     model = fresh_tiny_model("llama")
@@ -63,7 +84,7 @@ def test_overrides_apply_over_the_preset_streams():
     merged = cache_config(preset="3bit", window=8, value_options={"quant_bits": 4}).layers
     assert merged.key.as_dict == {**base.key.as_dict, "window": 8}
     assert merged.value.as_dict == {**base.value.as_dict, "window": 8, "quant_bits": 4}
-    assert PRESETS["3bit"].layers == base and RECIPES["3bit"]["key_options"]["window"] == 32
+    assert PRESETS["3bit"].layers == base and RECIPES["3bit"]["key_options"]["window"] == 24
     options = preset_options("3bit")
     options["key_options"]["sinks"] = 99
     assert RECIPES["3bit"]["key_options"]["sinks"] != 99  # copies, never the table itself

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -10,7 +12,10 @@ pytest.importorskip("transformers")
 from conftest import cache_kwargs, fresh_tiny_model, tiny_prompt  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from flashcodec_fx.evaluate import RAW, Tier, make_cache, prepared, token_kl  # noqa: E402
+from flashcodec_fx.evaluate.drive import streamed_logprobs  # noqa: E402
 from flashcodec_fx.evaluate.outliers import add_outlier_channels  # noqa: E402
+from flashcodec_fx.presets import preset_options  # noqa: E402
 
 
 def _keys_values_logits(model, ids):
@@ -40,3 +45,47 @@ def test_outlier_channels_refuse_what_they_cannot_build():
         add_outlier_channels(fresh_tiny_model("llama"), 4.0, key_channels=(8,))
     with pytest.raises(ValueError, match="q_norm / k_norm"):
         add_outlier_channels(fresh_tiny_model("qwen3"), 4.0, key_channels=(1,), value_channels=(2,))
+
+
+OUTLIER_FACTOR = 16.0
+OUTLIER_KEYS, OUTLIER_VALUES = (1, 5), (2,)  # 4 of the tiny model's 16 key channels (with rotary partners), 1 value
+
+
+def _unrotated(preset: str) -> dict:
+    options = preset_options(preset)
+    for stream in ("key_options", "value_options"):
+        options[stream]["rotate"] = False
+    return options
+
+
+@functools.cache
+def _outlier_kl(options_key: str, factor: float | None) -> float:
+    """Streaming KL vs the raw cache of the tier ``options_key`` (a preset, or ``"<preset> unrotated"``) on the tiny
+    Llama, with outlier channels of ``factor`` (None: the model as initialised)."""
+    model = fresh_tiny_model("llama")
+    if factor is not None:
+        add_outlier_channels(model, factor, key_channels=OUTLIER_KEYS, value_channels=OUTLIER_VALUES)
+    preset, _, variant = options_key.partition(" ")
+    options = _unrotated(preset) if variant == "unrotated" else {"preset": preset}
+    ids = tiny_prompt(2, 120)
+    ref = streamed_logprobs(model, ids, make_cache(model, RAW), 8, 8)
+    tier = Tier(options_key, options)
+    with prepared(model, tier):  # attention on the stored form, as bench_ppl runs it
+        lossy = streamed_logprobs(model, ids, make_cache(model, tier), 8, 8)
+    return float(token_kl(ref, lossy).mean())
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit"])
+def test_the_rotation_keeps_outlier_channels_from_swamping_the_per_token_scale(preset):
+    """With a few key channels 16x larger, the rotated preset's KL stays at most half the same codes' without the
+    rotation (measured: 3.8x lower for 4bit, 5.5x for 3bit); without outliers the two are within 2x."""
+    assert _outlier_kl(preset, OUTLIER_FACTOR) < 0.5 * _outlier_kl(f"{preset} unrotated", OUTLIER_FACTOR)
+    assert _outlier_kl(preset, None) < 2.0 * _outlier_kl(f"{preset} unrotated", None)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 20, a known miss: a per-token scale grows with the outlier channels, "
+                   "so the other channels' error grows too (the tiny model's KL rises 6-10x at factor 16; the "
+                   "rotation only spreads it). Per-channel key scales (folded into q) are the open fix")
+@pytest.mark.parametrize("preset", ["4bit", "3bit"])
+def test_preset_quality_holds_with_outlier_channels(preset):
+    assert _outlier_kl(preset, OUTLIER_FACTOR) < 2.0 * _outlier_kl(preset, None)
