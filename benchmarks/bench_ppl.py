@@ -68,6 +68,7 @@ from flashcodec_fx.evaluate import (
     token_nll,
 )
 from flashcodec_fx.evaluate.outliers import add_outlier_channels
+from flashcodec_fx.presets import preset_options
 
 FLASHCODEC = "flashcodec"
 CUSTOM = "flashcodec (--tier-json)"
@@ -165,7 +166,8 @@ def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill:
         reported = getattr(cache, "bits_per_value", None)
         rows.append({
             "tier": cand.tier.name, "family": cand.family, "options": None if cand.tier.options is None else
-            dict(cand.tier.options), "note": cand.tier.note, "run_kv_bytes_end": kv, "run_values_end": values,
+            dict(cand.tier.options), "recipe": _recipe(cand.tier), "note": cand.tier.note, "run_kv_bytes_end": kv,
+            "run_values_end": values,
             "run_bits_end": bits_per_value(kv, values),
             "reported_bits_per_value": reported() if callable(reported) else None,
             "kl": float(k.sum() / (scored * batch.shape[0])), "kl_per_window": (k / scored).tolist(),
@@ -177,6 +179,12 @@ def stream_all(model: Any, batch: torch.Tensor, tiers: list[Candidate], prefill:
         rows[-1]["ppl"] = math.exp(rows[-1]["nll"])
         rows[-1]["delta_ppl"] = rows[-1]["ppl"] - rows[0]["ppl"]
     return rows
+
+
+def _recipe(tier: Tier) -> dict[str, Any] | None:
+    """The options a preset tier resolves to when it ran (presets change between releases), else None."""
+    name = (tier.options or {}).get("preset")
+    return None if name is None else preset_options(name)
 
 
 def position_bins(kl: torch.Tensor, prefill: int, width: int = POSITION_BIN) -> dict[str, Any]:
@@ -461,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:
             parser.error(str(err))
         path = write_result("ppl", payload, out=out)
-        print(f"wrote {path} and {plot(json.loads(path.read_text()), plot_path)}")
+        written = json.loads(path.read_text())
+        print(f"wrote {path}, {plot(written, plot_path)} and "
+              f"{plot_positions(written, plot_path.with_name(f'{plot_path.stem}_positions.png'))}")
         return
     if count < 1 or length < 2 or not 1 <= args.prefill < length or args.chunk < 1:
         parser.error(f"need windows >= 1, 1 <= prefill < window tokens, chunk >= 1; got windows={count}, "

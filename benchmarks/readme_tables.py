@@ -110,6 +110,60 @@ def presets_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance("ppl")
 
 
+def bits_table() -> str:
+    """bits.json: bits as stored at each measured length (and the worst case over its last 128 lengths), every
+    preset and peer, one column per model and length."""
+    result = load("bits")
+    models, lengths = result["models"], result["lengths"]
+    heads = [f"{_short(m)}: {n // 1024}k" if n % 1024 == 0 else f"{_short(m)}: {n}" for m in models for n in lengths]
+    lines = ["| tier | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    names = list(dict.fromkeys(r["tier"] for data in models.values() for r in data["rows"]))
+    for name in names:
+        cells = []
+        for data in models.values():
+            row = next((r for r in data["rows"] if r["tier"] == name), {})
+            by_length = {p["length"]: p for p in row.get("by_length", [])}
+            cells += [f"{by_length[n]['bits']:.2f} ({by_length[n]['bits_worst']:.2f})" if n in by_length else "-"
+                      for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance("bits")
+
+
+def budget_table() -> str:
+    """The in-budget recipe search (budget_search_a / _b.json: bench_ppl, SmolLM2, 2 windows): the presets' earlier
+    recipes and the candidates within their names' bits, bits as stored and KL."""
+    import bench_ppl
+
+    columns = [c for c in bench_ppl.COLUMNS if c[1] in ("tier", "family", "bits_end", "bits_worst", "kl", "ppl")]
+    parts = [markdown(next(iter(load(name)["models"].values()))["rows"], columns)
+             for name in ("budget_search_a", "budget_search_b")]
+    return "\n\n".join(parts) + "\n\n" + provenance("budget_search_a", "budget_search_b")
+
+
+QUALITY_RUNS = ("ppl", "ppl_texts", "ppl_4k", "ppl_outliers_none", "ppl_outliers")  # SmolLM2: each file's first model
+
+
+def quality_table() -> str:
+    """KL vs raw of the presets and peers beyond the main protocol, one column per run: the prose windows of
+    ppl.json (SmolLM2), each text of ppl_texts.json, 4k-token windows, and 2 windows without / with outlier
+    channels (the same tiers, bench_ppl --outliers 1 / 16)."""
+    runs = {name: next(iter(load(name)["models"].values())) for name in QUALITY_RUNS}
+    texts = list(runs["ppl_texts"]["texts"])
+    heads = ["prose 6 x 1k", *(f"{t} ({runs['ppl_texts']['text_kinds'][t]}) 2 x 1k" for t in texts),
+             "prose 2 x 4k", "prose 2 x 1k", "outliers x16", "x16 / x1"]
+    tiers = [r["tier"] for r in runs["ppl_outliers"]["rows"] if r["family"] != "raw"]
+    lines = ["| tier | bits (1k worst) | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    for tier in tiers:
+        row = {name: next((r for r in data["rows"] if r["tier"] == tier), None) for name, data in runs.items()}
+        cells = [f"{row['ppl']['bits_worst']:.2f}" if row["ppl"] else "-", kl_cell(row["ppl"]) if row["ppl"] else "-"]
+        cells += [f"{row['ppl_texts']['kl_per_text'][t]:.2e}" if row["ppl_texts"] else "-" for t in texts]
+        cells += [kl_cell(row[name]) if row[name] else "-" for name in ("ppl_4k", "ppl_outliers_none", "ppl_outliers")]
+        ratio = row["ppl_outliers"]["kl"] / row["ppl_outliers_none"]["kl"] if row["ppl_outliers_none"] else None
+        cells.append(f"{ratio:.1f}x" if ratio else "-")
+        lines.append(f"| {tier} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance(*QUALITY_RUNS)
+
+
 def reconstruct_table() -> str:
     import bench_reconstruct
 
@@ -286,7 +340,8 @@ def vllm_quality_table() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {
-    "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "reconstruct": reconstruct_table,
+    "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
+    "budget": budget_table, "quality": quality_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
     "vllm": vllm_table, "vllm-quality": vllm_quality_table,
