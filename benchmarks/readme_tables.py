@@ -129,24 +129,49 @@ def bits_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance("bits")
 
 
+def _as_run(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with a preset tier's name followed by the recipe it ran with (``recipe``: presets change)."""
+    recipe = row.get("recipe")
+    if not recipe or "key_options" not in recipe:
+        return row
+    k, v = recipe["key_options"], recipe["value_options"]
+    return dict(row, tier=f"{row['tier']} (as run: K{k['quant_bits']} W{k.get('window', 0)} + V{v['quant_bits']} "
+                          f"W{v.get('window', 0)})")
+
+
+BUDGET_RUNS = {"budget_search_a": "streaming, 2 x 1k", "budget_search_b": "streaming, 2 x 1k",
+               "budget_search_decode": "token by token: prefill 896, then 128 tokens one at a time, 6 windows"}
+
+
 def budget_table() -> str:
-    """The in-budget recipe search (budget_search_a / _b.json: bench_ppl, SmolLM2, 2 windows): the presets' earlier
-    recipes and the candidates within their names' bits, bits as stored and KL."""
+    """The in-budget recipe search (bench_ppl on SmolLM2): the presets' earlier recipes and the candidates within
+    their names' bits, on the streaming protocol (budget_search_a / _b.json) and token by token
+    (budget_search_decode.json); bits as stored and KL."""
     import bench_ppl
 
     columns = [c for c in bench_ppl.COLUMNS if c[1] in ("tier", "family", "bits_end", "bits_worst", "kl", "ppl")]
-    parts = [markdown(next(iter(load(name)["models"].values()))["rows"], columns)
-             for name in ("budget_search_a", "budget_search_b")]
-    return "\n\n".join(parts) + "\n\n" + provenance("budget_search_a", "budget_search_b")
+    parts = [f"*{name}.json: {how}*\n\n" + markdown([_as_run(r) for r in next(iter(load(name)["models"].values()))["rows"]],
+                                                    columns) for name, how in BUDGET_RUNS.items()]
+    return "\n\n".join(parts) + "\n\n" + provenance(*BUDGET_RUNS)
 
 
 QUALITY_RUNS = ("ppl", "ppl_texts", "ppl_4k", "ppl_outliers_none", "ppl_outliers")  # SmolLM2: each file's first model
 
 
+def _current(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``row`` unless it is a preset's row measured with a recipe other than the preset's today (then None)."""
+    from flashcodec_fx.presets import PRESETS, preset_options
+
+    if row is None or not row.get("recipe"):
+        return row
+    name = (row.get("options") or {}).get("preset")
+    return row if name in PRESETS and row["recipe"] == preset_options(name) else None
+
+
 def quality_table() -> str:
     """KL vs raw of the presets and peers beyond the main protocol, one column per run: the prose windows of
     ppl.json (SmolLM2), each text of ppl_texts.json, 4k-token windows, and 2 windows without / with outlier
-    channels (the same tiers, bench_ppl --outliers 1 / 16)."""
+    channels (the same tiers, bench_ppl --outliers 1 / 16). A preset row run with an earlier recipe shows "-"."""
     runs = {name: next(iter(load(name)["models"].values())) for name in QUALITY_RUNS}
     texts = list(runs["ppl_texts"]["texts"])
     heads = ["prose 6 x 1k", *(f"{t} ({runs['ppl_texts']['text_kinds'][t]}) 2 x 1k" for t in texts),
@@ -154,7 +179,7 @@ def quality_table() -> str:
     tiers = [r["tier"] for r in runs["ppl_outliers"]["rows"] if r["family"] != "raw"]
     lines = ["| tier | bits (1k worst) | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
     for tier in tiers:
-        row = {name: next((r for r in data["rows"] if r["tier"] == tier), None) for name, data in runs.items()}
+        row = {name: _current(next((r for r in data["rows"] if r["tier"] == tier), None)) for name, data in runs.items()}
         cells = [f"{row['ppl']['bits_worst']:.2f}" if row["ppl"] else "-", kl_cell(row["ppl"]) if row["ppl"] else "-"]
         cells += [f"{row['ppl_texts']['kl_per_text'][t]:.2e}" if row["ppl_texts"] else "-" for t in texts]
         cells += [kl_cell(row[name]) if row[name] else "-" for name in ("ppl_4k", "ppl_outliers_none", "ppl_outliers")]

@@ -106,7 +106,7 @@ def test_other_tokens_after_a_crop_into_the_first_call_set_the_mean_at_conversio
 def test_attention_while_raw_reads_the_tokens_exactly():
     """Attention on the stored form while both streams are raw, and while only the keys still are (the values
     converted): SDPA over the tokens held raw and the values' decoded view."""
-    key, value = preset_codecs("4bit", layer_idx=1)
+    key, value = preset_codecs("3bit", layer_idx=1)
     until_k, until_v = (prefix_length(c, D, torch.float32) for c in (key, value))
     assert until_v < until_k
     x, y = kv_like((2, 2, until_k, D), torch.float32, seed=7), kv_like((2, 2, until_k, D), torch.float32, seed=8)
@@ -185,8 +185,8 @@ def test_a_compiled_step_converts_first():
 def test_prefix_lengths():
     """SmolLM2's shapes (head_dim 64, bf16): a few dozen tokens for the lossy presets, 64 for lossless; none for png."""
     lengths = {name: [prefix_length(c, 64, torch.bfloat16) for c in preset_codecs(name)] for name in PRESETS}
-    assert lengths == {"lossless": [64, 64], "int8": [3, 3], "4bit": [47, 11], "3bit": [49, 43], "2.5bit": [45, 24],
-                       "2bit": [27, 6]}
+    assert lengths == {"lossless": [64, 64], "int8": [3, 3], "4bit": [47, 46], "3bit": [34, 10], "2.5bit": [29, 10],
+                       "2bit": [22, 14]}
     assert RAW_CODEC_PREFIX == 64 and prefix_length(make_codec("png", block_size=8), 64, torch.bfloat16) == 0
     barely = make_codec("jpeg", block_size=8, keep_freqs=7, sinks=4, window=64)  # compresses by 1/8 only
     assert prefix_length(barely, 64, torch.bfloat16) == MAX_PREFIX

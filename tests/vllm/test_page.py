@@ -49,7 +49,7 @@ def test_bits_per_value_at_block_128():
     """D = 64, bf16, vLLM's CPU default block size: int8 8.25 (no raw rows); 4 raw rows per 128-token page cost
     4 * 16 / 128 = 0.5 bit on top of the codes, less the padding of the last byte."""
     bits = {name: page_format(name, 0, 64, torch.bfloat16).bits_per_value(128) for name in (*VLLM_PRESETS, RAW)}
-    assert bits == {"int8": 8.25, "4bit": 4.625, "3bit": 3.1875, "2.5bit": 2.6875, "2bit": 2.25, RAW: 16.0}
+    assert bits == {"int8": 8.25, "4bit": 4.1875, "3bit": 3.1875, "2.5bit": 2.6875, "2bit": 2.25, RAW: 16.0}
 
 
 def test_raw_format_and_anchor_override():
