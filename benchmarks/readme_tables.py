@@ -155,40 +155,6 @@ def budget_table() -> str:
     return "\n\n".join(parts) + "\n\n" + provenance(*BUDGET_RUNS)
 
 
-QUALITY_RUNS = ("ppl", "ppl_texts", "ppl_4k", "ppl_outliers_none", "ppl_outliers")  # SmolLM2: each file's first model
-
-
-def _current(row: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``row`` unless it is a preset's row measured with a recipe other than the preset's today (then None)."""
-    from flashcodec_fx.presets import PRESETS, preset_options
-
-    if row is None or not row.get("recipe"):
-        return row
-    name = (row.get("options") or {}).get("preset")
-    return row if name in PRESETS and row["recipe"] == preset_options(name) else None
-
-
-def quality_table() -> str:
-    """KL vs raw of the presets and peers beyond the main protocol, one column per run: the prose windows of
-    ppl.json (SmolLM2), each text of ppl_texts.json, 4k-token windows, and 2 windows without / with outlier
-    channels (the same tiers, bench_ppl --outliers 1 / 16). A preset row run with an earlier recipe shows "-"."""
-    runs = {name: next(iter(load(name)["models"].values())) for name in QUALITY_RUNS}
-    texts = list(runs["ppl_texts"]["texts"])
-    heads = ["prose 6 x 1k", *(f"{t} ({runs['ppl_texts']['text_kinds'][t]}) 2 x 1k" for t in texts),
-             "prose 2 x 4k", "prose 2 x 1k", "outliers x16", "x16 / x1"]
-    tiers = [r["tier"] for r in runs["ppl_outliers"]["rows"] if r["family"] != "raw"]
-    lines = ["| tier | bits (1k worst) | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
-    for tier in tiers:
-        row = {name: _current(next((r for r in data["rows"] if r["tier"] == tier), None)) for name, data in runs.items()}
-        cells = [f"{row['ppl']['bits_worst']:.2f}" if row["ppl"] else "-", kl_cell(row["ppl"]) if row["ppl"] else "-"]
-        cells += [f"{row['ppl_texts']['kl_per_text'][t]:.2e}" if row["ppl_texts"] else "-" for t in texts]
-        cells += [kl_cell(row[name]) if row[name] else "-" for name in ("ppl_4k", "ppl_outliers_none", "ppl_outliers")]
-        ratio = row["ppl_outliers"]["kl"] / row["ppl_outliers_none"]["kl"] if row["ppl_outliers_none"] else None
-        cells.append(f"{ratio:.1f}x" if ratio else "-")
-        lines.append(f"| {tier} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + provenance(*QUALITY_RUNS)
-
-
 def reconstruct_table() -> str:
     import bench_reconstruct
 
@@ -366,7 +332,7 @@ def vllm_quality_table() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
-    "budget": budget_table, "quality": quality_table, "reconstruct": reconstruct_table,
+    "budget": budget_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
     "vllm": vllm_table, "vllm-quality": vllm_quality_table,
