@@ -1,13 +1,14 @@
 """Bits per cached value as stored, by length: every preset and peer at 1k, 4k and 16k tokens (issue 20).
 
-    python benchmarks/bench_bits.py                  # both models, 1024 / 4096 / 16384 tokens: about a minute
+    python benchmarks/bench_bits.py --model smollm2  # 1024 / 4096 / 16384 tokens: minutes (both models: longer)
     python benchmarks/bench_bits.py --lengths 512 1024 --model smollm2
 
 The raw sinks and newest tokens are a fixed cost, so a preset's bits fall with the length. Per length ``L``: one
-prefill of ``L - 127`` tokens, then single tokens (decode) up to ``L``; ``bits`` at ``L`` and ``bits_worst``, the
-most over those last 128 lengths (where a raw window or an open group costs most). Counted on a bf16 replica of each
-cache fed random states (bench_ppl's ``replica_bits``: every method here keeps bytes that depend on the lengths only),
-bits = 8 * bytes kept / values a raw ``DynamicCache`` keeps (a sliding layer's window only), so a bf16 cache is 16.
+prefill of ``L - 128`` tokens, then single tokens (decode) up to ``L`` (bench_ppl's worst-case schedule); ``bits``
+at ``L`` and ``bits_worst``, the most over lengths ``L - 127 .. L`` (where a raw window or an open group costs
+most). Counted on a bf16 replica of each cache fed random states (bench_ppl's ``replica_bits``: every method here
+keeps bytes that depend on the lengths only), bits = 8 * bytes kept / values a raw ``DynamicCache`` keeps (a
+sliding layer's window only), so a bf16 cache is 16.
 Output: ``results/bits.json``.
 """
 
@@ -29,7 +30,7 @@ def bits_by_length(model, tier, lengths: tuple[int, ...], span: int = WORST_SPAN
     """``[{"length", "bits", "bits_worst", "worst_at"}]`` per length (one decode run of ``span`` tokens each)."""
     rows = []
     for length in lengths:
-        steps = [(0, length - span + 1)] + [(n - 1, n) for n in range(length - span + 2, length + 1)]
+        steps = [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]
         curve = replica_bits(model, tier, 1, steps, length - span + 1)
         worst_at, worst = max(curve, key=lambda point: point[1])
         rows.append({"length": length, "bits": curve[-1][1], "bits_worst": worst, "worst_at": worst_at})
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             print(cand.tier.name, rows[-1].get("by_length", rows[-1].get("skipped")), flush=True)
         models[MODELS[key]] = {"rows": rows}
     payload = {"stored_dtype": "bfloat16", "raw_bits_per_value": 16, "lengths": args.lengths, "worst_span": WORST_SPAN,
-               "method": "per length L: a bf16 replica of each cache, random states, one prefill of L - 127 tokens "
-                         "then single tokens to L; bits at L and the most over the last 128 lengths",
+               "method": "per length L: a bf16 replica of each cache, random states, one prefill of L - 128 tokens "
+                         "then single tokens to L; bits at L and the most over lengths L - 127 .. L",
                "total_seconds": time.perf_counter() - start, "models": models}
     print(f"wrote {write_result('bits', payload, out=args.out)}")
 
