@@ -6,7 +6,7 @@
 The raw sinks and newest tokens are a fixed cost, so a preset's bits fall with the length. Per length ``L``: one
 prefill of ``L - 128`` tokens, then single tokens (decode) up to ``L`` (bench_ppl's worst-case schedule); ``bits``
 at ``L`` and ``bits_worst``, the most over lengths ``L - 127 .. L`` (where a raw window or an open group costs
-most). Counted on a bf16 replica of each cache fed random states (bench_ppl's ``replica_bits``: every method here
+most). Counted on a bf16 replica of each cache fed random states (bench_ppl's ``decode_bits``: every method here
 keeps bytes that depend on the lengths only), bits = 8 * bytes kept / values a raw ``DynamicCache`` keeps (a
 sliding layer's window only), so a bf16 cache is 16.
 Output: ``results/bits.json``.
@@ -18,7 +18,7 @@ import argparse
 import time
 
 import torch
-from bench_ppl import MODELS, WORST_SPAN, candidates, replica_bits
+from bench_ppl import MODELS, WORST_SPAN, candidates, decode_bits
 from common import write_result
 
 from flashcodec_fx.pretrained import load_pretrained
@@ -30,8 +30,7 @@ def bits_by_length(model, tier, lengths: tuple[int, ...], span: int = WORST_SPAN
     """``[{"length", "bits", "bits_worst", "worst_at"}]`` per length (one decode run of ``span`` tokens each)."""
     rows = []
     for length in lengths:
-        steps = [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]
-        curve = replica_bits(model, tier, 1, steps, length - span + 1)
+        curve = decode_bits(model, tier, 1, length, span)
         worst_at, worst = max(curve, key=lambda point: point[1])
         rows.append({"length": length, "bits": curve[-1][1], "bits_worst": worst, "worst_at": worst_at})
     return rows

@@ -251,6 +251,13 @@ def replica_bits(model: Any, tier: Tier, batch: int, steps: list[tuple[int, int]
     return curve
 
 
+def decode_bits(model: Any, tier: Tier, batch: int, length: int, span: int = WORST_SPAN) -> list[tuple[int, float]]:
+    """``(length, bits/value)`` at lengths ``length - span + 1 .. length`` when one prefill of ``length - span``
+    tokens is followed by single tokens (decode): the worst-case schedule."""
+    steps = [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1, length + 1)]
+    return replica_bits(model, tier, batch, steps, length - span + 1)
+
+
 def stored_bits(model: Any, tier: Tier, batch: int, length: int, prefill: int, chunk: int,
                 span: int = WORST_SPAN) -> dict[str, float | int]:
     """Bits/value of ``tier`` as a bf16 cache keeps them: ``bits_end`` after the streaming protocol's own updates
@@ -260,10 +267,7 @@ def stored_bits(model: Any, tier: Tier, batch: int, length: int, prefill: int, c
         raise ValueError(f"span must be in [1, length), got span={span}, length={length}")
     streamed = replica_bits(model, tier, batch, [(f.start, f.stop) for f, _ in stream_steps(length, prefill, chunk)],
                             length)
-    decoded = replica_bits(model, tier, batch, [(0, length - span)] + [(n - 1, n) for n in range(length - span + 1,
-                                                                                              length + 1)],
-                           length - span + 1)
-    worst_at, worst = max(decoded, key=lambda point: point[1])
+    worst_at, worst = max(decode_bits(model, tier, batch, length, span), key=lambda point: point[1])
     return {"bits_end": streamed[-1][1], "bits_worst": worst, "worst_at": worst_at}
 
 
