@@ -1,7 +1,8 @@
 """`CodecKVCache`: the storage engine for one attention layer's K and V streams (no transformers import).
 
-A stream keeps the state of ``ops/state.py`` (archive groups, fp16 scales, raw sinks and tail, the per-channel mean,
-a 0-dim device length) and, optionally, a memo: the decoded view attention reads, updated once per archived group.
+A stream keeps the state of ``ops/state.py`` (archive groups, fp16 scales, raw sinks and tail, the per-channel mean
+and channel exponents, a 0-dim device length) and, optionally, a memo: the decoded view attention reads, updated
+once per archived group.
 
 Layouts:
 - ``dynamic``: the first tokens are held raw, one ``(B, H, n, D)`` tensor as a DynamicCache holds them, until the
@@ -22,8 +23,9 @@ import torch
 
 from . import _compat, ops, raw_prefix
 from .codecs import Codec, Encoded, PNGCodec, make_codec
+from .ops.reference.normalize import from_stored, to_stored
 from .ops.reference.read import overlay_new
-from .ops.state import StreamState, advance, capacity
+from .ops.state import BATCHED_FIELDS, StreamState, advance, capacity
 from .raw_prefix import RAW_CODEC, RAW_SPEC, compresses, first_call_after, prefix_length, raw_state, replay_calls
 
 LAYOUTS = ("dynamic", "static")
@@ -31,7 +33,7 @@ CROP_MODES = ("exact", "decode")
 INITIAL_POSITIONS = 256
 GROWTH_DIVISOR = 16  # a full dynamic archive grows by 1/16 of its capacity (held <= 1.07x stored, amortized O(1) copies)
 GROWTH_MIN_POSITIONS = 64
-STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "memo")
+STORAGE_PARTS = ("archive", "scales", "sinks", "tail", "mean", "norm", "memo")
 GROUP_PARTS = ("archive_held", "archive_used")  # archive groups with their scales: allocated, filled (not in total)
 
 
@@ -404,7 +406,7 @@ class CodecStream:
             reopened = self._reopened(keep)
             rows = torch.zeros_like(st.tail)
             if keep > reopened:
-                rows[:, :, : keep - reopened] = self.read()[:, :, reopened:keep]
+                rows[:, :, : keep - reopened] = to_stored(codec, st, self.read()[:, :, reopened:keep])
             st.tail.copy_(rows)
             st.start.fill_(reopened)
             first_open = (reopened - codec.sinks) // codec.group
@@ -416,6 +418,9 @@ class CodecStream:
             st.sink[:, :, keep:].zero_()
         if codec.center and keep <= codec.sinks:
             st.mean.zero_()
+        if codec.normalize and keep <= codec.sinks:  # as the mean: the next call past the sinks measures again
+            st.sink.copy_(from_stored(codec, st, st.sink))
+            st.norm.zero_()
         if self.memo is not None:
             self.memo[:, :, keep:].zero_()
         st.length.fill_(keep)
@@ -497,15 +502,20 @@ class CodecStream:
             return
         self._repay_memo()
         indices = indices.to(self.state.tail.device)
-        tensors = [t for t in (*self.state[:7], self.memo) if t is not None]  # every batched tensor
+        tensors = [t for t in (*self._batched(), self.memo) if t is not None]  # every batched tensor
         if self.layout == "static" and indices.shape[0] == self.state.tail.shape[0]:
             for t in tensors:  # same batch size (beam reorder): stable addresses for CUDA graphs
                 t.copy_(t.index_select(0, indices))
             return
-        self.state = StreamState(*(t.index_select(0, indices) for t in self.state[:7]), *self.state[7:])
+        self.state = self.state._replace(**{f: t.index_select(0, indices) for f, t in zip(
+            BATCHED_FIELDS, self._batched(), strict=True)})
         if self.memo is not None:
             self.memo = self.memo.index_select(0, indices)
         self._mark_static_shapes()
+
+    def _batched(self) -> list[torch.Tensor]:
+        """The state's tensors with a batch dim (every field but the lengths), in :data:`BATCHED_FIELDS` order."""
+        return [getattr(self.state, f) for f in BATCHED_FIELDS]
 
     def repeat_interleave(self, repeats: int) -> None:
         if self._raw is not None:
@@ -514,7 +524,8 @@ class CodecStream:
         if self.state is None:
             return
         self._repay_memo()
-        self.state = StreamState(*(t.repeat_interleave(repeats, dim=0) for t in self.state[:7]), *self.state[7:])
+        self.state = self.state._replace(**{f: t.repeat_interleave(repeats, dim=0) for f, t in zip(
+            BATCHED_FIELDS, self._batched(), strict=True)})
         if self.memo is not None:
             self.memo = self.memo.repeat_interleave(repeats, dim=0)
         self._mark_static_shapes()
@@ -548,10 +559,11 @@ class CodecStream:
 
     def storage_breakdown(self) -> dict[str, int]:
         """Every byte held, by part: ``archive`` (codes / coefficients, allocated capacity), ``scales`` (scales, zero
-        points, png indices), ``sinks``, ``tail`` (raw rows + length), ``mean``, ``memo``, and ``total``.
+        points, png indices), ``sinks``, ``tail`` (raw rows + length), ``mean``, ``norm`` (channel exponents), ``memo``,
+        and ``total``.
         Not added into ``total``: ``archive_held``, every allocated group's archive + scales; ``archive_used``, the
         filled groups' archive + scales (at most ``archive_held``); ``stored``, what the stored tokens take as stored
-        (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean). Tokens held raw
+        (:meth:`stored_bits` / 8: filled groups, sinks, the tail rows holding tokens, the mean and norm). Tokens held raw
         (:attr:`raw_prefix`) are all ``tail``: exactly a DynamicCache's bytes."""
         if self.state is None:
             held = 0 if self._raw is None else self._raw.nbytes
@@ -560,7 +572,7 @@ class CodecStream:
         st = self.state
         nbytes = {"archive": st.data.nbytes, "scales": st.scale.nbytes + st.zero.nbytes + st.index.nbytes,
                   "sinks": st.sink.nbytes, "tail": st.tail.nbytes + st.length.nbytes + st.start.nbytes, "mean": st.mean.nbytes,
-                  "memo": 0 if self.memo is None else self.memo.nbytes}
+                  "norm": st.norm.nbytes, "memo": 0 if self.memo is None else self.memo.nbytes}
         nbytes["total"] = sum(nbytes.values())
         nbytes["archive_held"] = st.data.nbytes + nbytes["scales"]
         nbytes["archive_used"] = self.filled_groups * nbytes["archive_held"] // max(1, st.data.shape[2])
@@ -573,7 +585,7 @@ class CodecStream:
 
     def stored_bits(self) -> int:
         """Bits that the stored tokens take as stored: filled archive groups (codes, scales, zero points), the sinks
-        and tail rows holding tokens (in the stream dtype), and the mean; no unused capacity, no memo. Tokens held raw:
+        and tail rows holding tokens (in the stream dtype), the mean and norm; no unused capacity, no memo. Tokens held raw:
         their bytes."""
         if self.state is None:
             return 0 if self._raw is None else 8 * self._raw.nbytes
@@ -583,7 +595,7 @@ class CodecStream:
         archived = self.archived_tokens
         raw = min(n, codec.sinks) + (n - archived if n > archived else 0)
         return 8 * (lead * self.filled_groups * codec.group_bytes(d, st.tail.dtype) + lead * raw * d * item
-                    + st.mean.nbytes)
+                    + st.mean.nbytes + st.norm.nbytes)
 
     def held_raw(self) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
         """While the tokens are held raw: ``(tokens (B, H, n, D), first_call)``, ``first_call`` the positions of the
@@ -704,6 +716,10 @@ class CodecKVCache:
         self.values.index_select(indices)
 
     reorder = index_select
+
+    def _batched(self) -> list[torch.Tensor]:
+        """The state's tensors with a batch dim (every field but the lengths), in :data:`BATCHED_FIELDS` order."""
+        return [getattr(self.state, f) for f in BATCHED_FIELDS]
 
     def repeat_interleave(self, repeats: int) -> None:
         self.keys.repeat_interleave(repeats)

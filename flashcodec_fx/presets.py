@@ -9,19 +9,22 @@ Recipes (docs/quantization.md; chosen by ``benchmarks/bench_ppl.py`` measurement
 streaming protocol): every lossy preset quantizes per token after a random-sign Walsh-Hadamard rotation along
 head_dim (one fp16 scale per token and head; the rotation is what makes one scale per vector work), on Lloyd-Max
 levels of a Gaussian with a least-squares scale search; keys are centered first (a per-channel mean of the prompt:
-keys carry large channel offsets; values do not, and centering them measured worse). The first ``SINKS`` tokens and
-the newest keys (``window``) stay raw: raw recent keys halve the KL at 3 bits. Every lossy preset stores at most
-its name in bits per value from 897 tokens on (``4bit``: 4.25, its 4-bit codes' scale included; issue 20), the raw
-sinks and windows counted (shorter caches store more: they are a fixed cost). Among recipes within that budget they
-were chosen by KL both on the streaming protocol and token by token (decode, where even the newest values are read
-from their codes, so a few raw values pay; docs/quantization.md): ``4bit`` 4-bit keys (newest 28 raw) and 3-bit
-values (newest 32 raw), 4.17 bits/value at 1024 tokens (4.23 worst); ``3bit`` 3-bit keys (newest 20 raw), 2-bit
-values (newest 4 raw), 2.97 (3.00); ``2.5bit`` 2-bit keys (newest 18 raw), 2-bit values (newest 4 raw), 2.47
-(2.50); ``2bit`` 2-bit keys (newest 12 raw) and 1-bit values (sign times the least-squares scale, newest 8 raw),
-1.96 (1.99). ``int8``: both streams 8-bit mid-rise after
-the rotation, no raw tokens (8.25 bits/value at head_dim 64). ``lossless``: every token kept as given (per-token
-jpeg groups, no transform, no quantization: what a raw cache stores, 16 bits/value in bf16); attention reads it
-through the model's own implementation, so its tokens equal an uncompressed run's, and every crop is exact.
+keys carry large channel offsets; values do not, and centering them measured worse). Both streams are normalized
+(``normalize=True``: a channel more than twice as wide as the median channel on the prompt is stored divided by a
+power of two, so outlier channels such as Qwen2's do not set every channel's step after the rotation; a model
+without them stores what it stored before). The first ``SINKS`` tokens and the newest keys (``window``) stay raw:
+raw recent keys halve the KL at 3 bits. Every lossy preset stores at most its name in bits per value from 897 tokens
+on (``4bit``: 4.25, its 4-bit codes' scale included; issue 20), the raw sinks, windows, mean and channel exponents
+counted (shorter caches store more: they are a fixed cost). Among recipes within that budget they were chosen by KL
+both on the streaming protocol and token by token (decode, where even the newest values are read from their codes,
+so a few raw values pay; docs/quantization.md): ``4bit`` 4-bit keys (newest 28 raw) and 3-bit values (newest 32
+raw), 4.18 bits/value at 1024 tokens (4.24 worst); ``3bit`` 3-bit keys (newest 18 raw), 2-bit values (newest 4 raw),
+2.96 (2.99); ``2.5bit`` 2-bit keys (newest 17 raw), 2-bit values (newest 4 raw), 2.47 (2.50); ``2bit`` 2-bit keys
+(newest 12 raw) and 1-bit values (sign times the least-squares scale, newest 8 raw), 1.97 (2.00). ``int8``: both
+streams 8-bit mid-rise after the rotation, no raw tokens (8.25 bits/value at head_dim 64). ``lossless``: every token
+kept as given (per-token jpeg groups, no transform, no quantization: what a raw cache stores, 16 bits/value in
+bf16); attention reads it through the model's own implementation, so its tokens equal an uncompressed run's, and
+every crop is exact.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ SINKS = 4
 def _rotated(bits: int, window: int, center: bool) -> dict[str, Any]:
     """Per-token ``bits``-bit Lloyd-Max codes after the rotation, ``SINKS`` raw sinks and ``window`` raw newest."""
     return {"mode": "jpeg", "block_size": 1, "quant_bits": bits, "levels": "lloyd", "rotate": True, "center": center,
-            "scale_search": True, "sinks": SINKS, "window": window}
+            "normalize": True, "scale_search": True, "sinks": SINKS, "window": window}
 
 
 def _preset(key_bits: int, key_window: int, value_bits: int, value_window: int) -> dict[str, Any]:
@@ -52,8 +55,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "lossless": {"mode": "jpeg", "block_size": 1, "quant_bits": None},
     "int8": {"key_options": dict(_INT8), "value_options": dict(_INT8)},
     "4bit": _preset(4, 28, 3, 32),
-    "3bit": _preset(3, 20, 2, 4),
-    "2.5bit": _preset(2, 18, 2, 4),
+    "3bit": _preset(3, 18, 2, 4),
+    "2.5bit": _preset(2, 17, 2, 4),
     "2bit": _preset(2, 12, 1, 8),
 }
 DEFAULT_PRESET = "int8"

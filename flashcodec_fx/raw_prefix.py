@@ -1,13 +1,14 @@
 """The raw prefix of a dynamic stream: its first tokens held as a DynamicCache holds them, until the codec fits.
 
-A codec's state has rows whatever the length (raw sinks ``(B, H, sinks, D)``, the raw tail ``(B, H, window + G, D)``,
-the fp32 mean ``(B, H, D)``, two 0-dim int64 lengths, at least one archive group), which below a few dozen tokens take
-more bytes than the tokens themselves. So a dynamic stream (eager) holds its tokens as one ``(B, H, n, D)`` tensor in
-the stream dtype, nothing else, until :func:`prefix_length`; then it converts once: the codec's state is allocated for
-that length and the held tokens are appended into it as the calls of :func:`replay_calls`. The first call reaching
-past the sinks sets the mean (``ops/reference/append.py``), so it is replayed with its own length; how the other tokens are
-split into calls does not change what an append stores (tested bitwise for every preset and tier). The state after
-conversion is therefore bitwise the state the original calls build without the prefix.
+A codec's state has rows whatever the length (raw sinks ``(B, H, sinks, D)``, the raw tail ``(B, H, window + G,
+D)``, the fp32 mean ``(B, H, D)``, the uint8 channel exponents, two 0-dim int64 lengths, at least one archive
+group), which below a few dozen tokens take more bytes than the tokens themselves. So a dynamic stream (eager) holds
+its tokens as one ``(B, H, n, D)`` tensor in the stream dtype, nothing else, until :func:`prefix_length`; then it
+converts once: the codec's state is allocated for that length and the held tokens are appended into it as the calls
+of :func:`replay_calls`. The first call reaching past the sinks sets the mean and the channel exponents
+(``ops/reference/append.py``), so it is replayed with its own length; how the other tokens are split into calls does
+not change what an append stores (tested bitwise for every preset and tier). The state after conversion is therefore
+bitwise the state the original calls build without the prefix.
 
 While held raw, the tokens are read exactly (the view is the tokens, as for the raw tail), and the ops read them as
 the state of :data:`RAW_CODEC` (:func:`raw_state`: the archive a view of the tokens, no copy).
@@ -20,12 +21,14 @@ import itertools
 import torch
 
 from .codecs import Codec, make_codec
+from .codecs.channel_norm import NORM_DTYPE
 
 RAW_CODEC = make_codec("jpeg", block_size=1, quant_bits=None)  # stores raw: its archive is the tokens themselves
 RAW_SPEC = RAW_CODEC.spec
 MAX_PREFIX = 256  # tokens a prefix holds at most (its per-step re-allocation is bounded by it)
 RAW_CODEC_PREFIX = 64  # a codec storing raw (lossless) converts here: its spare tail row is then <= 1/64 of its bytes
 LENGTH_BYTES = 16  # the state's two 0-dim int64 lengths (length, start)
+NORM_BYTES = torch.empty((), dtype=NORM_DTYPE).element_size()  # a channel's exponent (normalized codecs)
 
 
 def groups_for(codec: Codec, positions: int) -> int:
@@ -47,7 +50,8 @@ def raw_budget_groups(codec: Codec, head_dim: int, dtype: torch.dtype, length: i
 
 
 def _budget(codec: Codec, head_dim: int, item: int, group_bytes: int, length: int) -> int:
-    fixed = head_dim * ((codec.sinks + codec.tail_capacity) * item + (4 if codec.center else 0)) + LENGTH_BYTES
+    stats = (4 if codec.center else 0) + (NORM_BYTES if codec.normalize else 0)  # per channel: mean, exponent
+    fixed = head_dim * ((codec.sinks + codec.tail_capacity) * item + stats) + LENGTH_BYTES
     return (head_dim * length * item - fixed) // group_bytes
 
 
@@ -86,7 +90,7 @@ def replay_calls(first_call: tuple[int, int] | None, held: int, new: int) -> lis
 
 def raw_state(tokens: torch.Tensor) -> list[torch.Tensor]:
     """The state of :data:`RAW_CODEC` holding ``tokens (B, H, n, D)``, as the ops take it: the archive a view of the
-    tokens (no copy), empty scales, sinks and mean, one zero tail row, ``length = start = n`` (all archived)."""
+    tokens (no copy), empty scales, sinks, mean and norm, one zero tail row, ``length = start = n`` (all archived)."""
     b, h, n, d = tokens.shape
     dev = tokens.device
     shapes = RAW_CODEC.archive_shapes(d, tokens.dtype)
@@ -94,7 +98,8 @@ def raw_state(tokens: torch.Tensor) -> list[torch.Tensor]:
              if field != "data"]
     return [tokens.unsqueeze(3), *empty, torch.zeros(b, h, 0, dtype=torch.float32, device=dev),
             tokens.new_zeros(b, h, 0, d), tokens.new_zeros(b, h, RAW_CODEC.tail_capacity, d),
-            torch.full((), n, dtype=torch.int64, device=dev), torch.full((), n, dtype=torch.int64, device=dev)]
+            torch.full((), n, dtype=torch.int64, device=dev), torch.full((), n, dtype=torch.int64, device=dev),
+            torch.zeros(b, h, 0, dtype=NORM_DTYPE, device=dev)]
 
 
 __all__ = ["MAX_PREFIX", "RAW_CODEC", "RAW_CODEC_PREFIX", "RAW_SPEC", "compresses", "first_call_after",

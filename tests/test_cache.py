@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from codec_tiers import grid_data
 
 from flashcodec_fx import CodecKVCache, CodecOverflowError, CodecStream, make_codec
+from flashcodec_fx.ops.state import BATCHED_FIELDS
 
 ops = torch.ops.flashcodec
 D = 16
@@ -303,8 +304,8 @@ def test_index_select_moves_everything_together(k_tier, v_tier, layout):
     for row, src in enumerate(pick.tolist()):
         alone = run(None, slice(src, src + 1), (later[0][row: row + 1], later[1][row: row + 1]))
         for mine, theirs in ((cache.keys, alone.keys), (cache.values, alone.values)):
-            for a, b in zip(mine.state[:7], theirs.state[:7], strict=True):
-                assert torch.equal(a[row: row + 1], b)
+            for field in BATCHED_FIELDS:
+                assert torch.equal(getattr(mine.state, field)[row: row + 1], getattr(theirs.state, field))
             assert torch.equal(mine.memo[row: row + 1], theirs.memo)
         torch.testing.assert_close(out[row: row + 1], alone.attention(q[row: row + 1]), atol=1e-6, rtol=0)
 
@@ -358,7 +359,8 @@ def test_static_reset_zeroes_in_place():
     pointers = [t.data_ptr() for t in cache.keys.state]
     cache.reset()
     assert [t.data_ptr() for t in cache.keys.state] == pointers
-    assert all(not t.any() for t in cache.keys.state[:-1]) and int(cache.keys.state.start) == cache.keys.codec.sinks
+    st = cache.keys.state
+    assert all(not t.any() for t in st._replace(start=st.length)) and int(st.start) == cache.keys.codec.sinks
     cache.append(x, x)
     fresh = CodecKVCache(TIERS["v-token-lloyd"], layout="static", max_length=40)
     fresh.append(x, x)

@@ -60,6 +60,7 @@ class Codec:
     sinks: int = 0
     window: int = 0
     center: bool = False
+    normalize: bool = False  # stored divided by per-channel powers of two (``channel_norm.py``)
     rotate: int | None = None  # rotation seed
     quantizer = None
 

@@ -93,15 +93,17 @@ class JPEGCodec(Codec):
     see ``levels.py``), ``scale_axis`` ``"token"`` (an fp16 scale per (block, frequency) over head_dim) or
     ``"channel"`` (per channel over ``group`` tokens, DC and AC classes; ``levels`` may then be a ``(dc, ac)`` pair),
     ``scale_search`` (least-squares clipping search). ``rotate`` (True or a seed) applies a fixed random-sign
-    Walsh-Hadamard rotation along head_dim, ``center`` subtracts a per-channel mean taken from the first append.
-    ``sinks`` / ``window``: raw first / newest tokens. Unquantized coefficients keep the stream dtype.
+    Walsh-Hadamard rotation along head_dim, ``center`` subtracts a per-channel mean taken from the first append,
+    ``normalize`` stores the stream divided by per-channel powers of two that bring outlier channels back towards the
+    others (``channel_norm.py``). ``sinks`` / ``window``: raw first / newest tokens. Unquantized coefficients keep the
+    stream dtype.
     """
 
     name = "jpeg"
 
     def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits=None, *, levels=None,
                  scale_axis: str = "token", group: int | None = None, scale_search: bool = False, rotate=None,
-                 center: bool = False, sinks: int = 0, window: int = 0):
+                 center: bool = False, normalize: bool = False, sinks: int = 0, window: int = 0):
         block_size = check_count("block_size", block_size, least=1)
         if block_size > MAX_BLOCK:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK}, got {block_size}")
@@ -112,6 +114,7 @@ class JPEGCodec(Codec):
             raise ValueError(f"keep_freqs must be in 1..{block_size} (block_size), got {keep_freqs!r}")
         self.block_size, self.keep_freqs, self.rows = block_size, keep, keep
         self.rotate, self.center = _seed(rotate), _check_bool("center", center)
+        self.normalize = _check_bool("normalize", normalize)
         self._set_residual(sinks, window)
         bits = _bits(quant_bits, keep)
         if not isinstance(scale_axis, str):
@@ -146,13 +149,16 @@ class JPEGCodec(Codec):
             fields.update(bits=".".join(map(str, q.bits)), levels=".".join(q.levels), axis=q.axis, blocks=q.blocks,
                           search=int(q.search))
         fields.update(rotate="-" if self.rotate is None else self.rotate, center=int(self.center))
+        if self.normalize:  # only when set: specs written before the option read back unchanged
+            fields["norm"] = 1
         return fields
 
     @classmethod
     def from_spec_fields(cls, fields: SpecFields) -> JPEGCodec:
         r = fields.int("r")
         options = dict(rotate=None if fields.str("rotate") == "-" else fields.int("rotate"),
-                       center=bool(fields.int("center")), sinks=fields.int("sinks"), window=fields.int("window"))
+                       center=bool(fields.int("center")), normalize=fields.has("norm") and bool(fields.int("norm")),
+                       sinks=fields.int("sinks"), window=fields.int("window"))
         if fields.has("bits"):
             options.update(quant_bits=fields.ints("bits"), levels=tuple(fields.str("levels").split(".")),
                            scale_axis=fields.str("axis"), group=fields.int("blocks") * r,
@@ -162,7 +168,7 @@ class JPEGCodec(Codec):
     @property
     def stores_raw(self) -> bool:
         return self.block_size == 1 and self.quantizer is None and self.rotate is None and not self.center \
-            and not self.sinks and not self.window
+            and not self.normalize and not self.sinks and not self.window
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.quantizer is not None:

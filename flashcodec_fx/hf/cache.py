@@ -725,7 +725,7 @@ class FlashCodecCache(Cache):
     def storage_breakdown(self, per_layer: bool = False) -> dict[str, int] | dict[int, dict[str, int]]:
         """Every byte the cache holds, by part, summed over layers: the codec parts of
         :meth:`flashcodec_fx.CodecStream.storage_breakdown` (``archive``, ``scales``, ``sinks``, ``tail``, ``mean``,
-        ``memo``; not in ``total``: ``archive_held`` / ``archive_used``, allocated / filled groups with their scales,
+        ``norm``, ``memo``; not in ``total``: ``archive_held`` / ``archive_used``, allocated / filled groups with their scales,
         and ``stored``, the tokens as stored),
         ``native``: tensors of the layers without a codec, ``total``. ``raw_equivalent``: what the codec layers'
         stored tokens would take uncompressed (not in ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead."""
@@ -736,7 +736,8 @@ class FlashCodecCache(Cache):
             else:
                 native = _tensor_bytes([v for k, v in vars(layer).items() if k != "device"])
                 row = {**dict.fromkeys(("archive", "archive_held", "archive_used", "stored", "scales", "sinks", "tail",
-                                        "mean", "memo", "raw_equivalent"), 0), "native": native, "total": native}
+                                        "mean", "norm", "memo", "raw_equivalent"), 0), "native": native,
+                       "total": native}
             rows[idx] = row
         if per_layer:
             return rows
@@ -749,7 +750,8 @@ class FlashCodecCache(Cache):
 
     def bits_per_value(self) -> float:
         """Stored bits per cached K/V value of the codec layers, as stored: filled archive groups with their scales
-        and zero points, raw sinks and tail rows, the mean; no unused capacity, no memo. A bf16 raw cache is 16."""
+        and zero points, raw sinks and tail rows, the mean and channel exponents; no unused capacity, no memo. A bf16 raw
+        cache is 16."""
         layers = [layer for layer in self.layers if isinstance(layer, FlashCodecLayer)]
         bits = sum(layer.stored_bits() for layer in layers)
         return bits / max(1, sum(layer.cached_values() for layer in layers))

@@ -12,7 +12,13 @@ sink       ``(B, H, sinks, D)`` stream dtype            raw first tokens
 tail       ``(B, H, window + G, D)`` stream dtype       raw tokens between the archive and the length
 length     ``()`` int64                                 tokens stored, on the device
 start      ``()`` int64                                 end of the archive: the position of tail row 0 (>= sinks)
+norm       ``(B, H, D)`` uint8, or ``(B, H, 0)``          per-channel exponents ``e``: every stored row is the token
+                                                        divided by ``2 ** e`` (codecs with ``normalize=True``)
 =========  ===========================================  ===========================================================
+
+``norm`` comes last so that the fields the kernels address keep their places: the kernels see only the stored
+domain (tokens divided by ``2 ** e``); the ops' launchers scale what enters and leaves it
+(``ops/reference/normalize.py``).
 
 Positions (all on the device, never read on the host): sinks hold ``0 .. sinks - 1``; archive group ``n`` holds
 ``sinks + n * G ..``; the archive holds ``sinks .. start - 1``; tail row ``i`` holds position ``start + i`` for
@@ -29,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from ..codecs import Codec, JPEGCodec, PNGCodec, codec_from_spec
+from ..codecs.channel_norm import NORM_DTYPE
 
 KERNEL_CODECS = (JPEGCodec, PNGCodec)  # what the fast kernels (C++, Triton) know; other codecs run the reference
 KERNEL_HEAD_DIM_MULTIPLE = 8  # the fast kernels pack and load channels 8 at a time
@@ -44,7 +51,10 @@ class StreamState(NamedTuple):
     tail: torch.Tensor
     length: torch.Tensor
     start: torch.Tensor
+    norm: torch.Tensor
 
+
+BATCHED_FIELDS = tuple(f for f in StreamState._fields if f not in ("length", "start"))  # (B, H, ...) tensors
 
 def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str | None) -> StreamState:
@@ -58,6 +68,7 @@ def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int
         torch.zeros(batch, heads, codec.tail_capacity, head_dim, dtype=dtype, device=device),
         torch.zeros((), dtype=torch.int64, device=device),
         torch.full((), codec.sinks, dtype=torch.int64, device=device),
+        torch.zeros(batch, heads, head_dim if codec.normalize else 0, dtype=NORM_DTYPE, device=device),
     )
 
 
@@ -117,7 +128,8 @@ def check_state(name: str, codec: Codec, state) -> StreamState:
         if tuple(t.shape) != want or t.dtype != want_dtype:
             raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
     expect = {"mean": ((b, h, d if codec.center else 0), torch.float32),
-              "sink": ((b, h, codec.sinks, d), dtype), "tail": ((b, h, codec.tail_capacity, d), dtype)}
+              "sink": ((b, h, codec.sinks, d), dtype), "tail": ((b, h, codec.tail_capacity, d), dtype),
+              "norm": ((b, h, d if codec.normalize else 0), NORM_DTYPE)}
     for field, (want, want_dtype) in expect.items():
         t = getattr(state, field)
         if tuple(t.shape) != want or t.dtype != want_dtype:

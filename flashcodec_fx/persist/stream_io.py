@@ -1,7 +1,8 @@
 """A :class:`~flashcodec_fx.cache.CodecStream` as named tensors and a JSON-able description, and back (bitwise).
 
 Exported: the filled archive groups of ``data`` / ``scale`` / ``zero`` / ``index`` (the unused capacity is not
-stored), ``mean``, ``sink``, ``tail``, ``length``, ``start`` (the fields of ``ops/state.py``), and the host side (codec
+stored), ``mean``, ``sink``, ``tail``, ``length``, ``start``, ``norm`` (the fields of ``ops/state.py``; a file without
+``norm``, written before it existed, loads into a codec without ``normalize``), and the host side (codec
 spec, layout, lengths, allocated groups). A lossless png archive is exported as the tokens it encodes (``tokens``, in
 the stream dtype) where encoding them gives back the archive bitwise (checked at export): half the bytes of its fp32
 deltas, and what the lossless coders code best; import encodes them again. A stream holding its tokens raw (its raw
@@ -20,6 +21,7 @@ import torch
 from .. import ops
 from ..cache import CodecStream
 from ..codecs import PNGCodec
+from ..codecs.channel_norm import NORM_DTYPE
 from ..ops.state import StreamState, check_state
 from ..raw_prefix import prefix_length
 from .lossless import dtype_name
@@ -116,6 +118,8 @@ def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tenso
         if "tokens" not in tensors or not isinstance(codec, PNGCodec):
             raise ValueError(f"{name}: an archive stored as tokens needs a 'tokens' tensor and a png codec")
         tensors = {**tensors, "data": codec.encode(tensors["tokens"].to(device)).data}
+    if "norm" not in tensors and not codec.normalize and "tail" in tensors:  # written before the field existed
+        tensors = {**tensors, "norm": torch.zeros(*tensors["tail"].shape[:2], 0, dtype=NORM_DTYPE)}
     missing = sorted(set(StreamState._fields) - set(tensors))
     if missing:
         raise ValueError(f"{name}: tensors {missing} missing from the file")

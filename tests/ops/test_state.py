@@ -1,4 +1,4 @@
-"""The 8-tensor stream state: layout as documented, positions derived from the device length, clear errors for
+"""The 10-tensor stream state: layout as documented, positions derived from the device length, clear errors for
 state tensors of the wrong shape or dtype (naming the field) through every op."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ TIERS = tier_table(R, low_keep=2)
 def test_empty_state_layout(tier, dtype):
     codec = TIERS[tier]
     st_ = empty_state(codec, 2, 3, 5, 16, dtype, "cpu")
-    assert isinstance(st_, StreamState) and len(st_) == 9
+    assert isinstance(st_, StreamState) and len(st_) == 10
     for t, (shape, want) in zip(st_[:4], codec.archive_shapes(16, dtype).values(), strict=True):
         assert t.shape == (2, 3, 5, *shape) and t.dtype == want
     assert st_.mean.shape == (2, 3, 16 if codec.center else 0) and st_.mean.dtype == torch.float32
@@ -31,7 +31,8 @@ def test_empty_state_layout(tier, dtype):
     assert st_.tail.shape == (2, 3, codec.window + codec.group, 16) and st_.tail.dtype == dtype
     assert st_.length.shape == () and st_.length.dtype == torch.int64 and int(st_.length) == 0
     assert st_.start.shape == () and st_.start.dtype == torch.int64 and int(st_.start) == codec.sinks
-    assert all(not t.any() for t in st_[:8])
+    assert st_.norm.shape == (2, 3, 16 if codec.normalize else 0) and st_.norm.dtype == torch.uint8
+    assert all(not t.any() for t in (*st_[:8], st_.norm))
     assert capacity(codec, st_) == codec.sinks + 5 * codec.group
 
 
@@ -113,7 +114,7 @@ def test_tail_dtype_and_state_size_errors():
     state = valid_state(codec)
     with pytest.raises(TypeError, match="state.tail must be a floating tensor"):
         ops.read(state._replace(tail=state.tail.int()), codec.spec)
-    with pytest.raises(ValueError, match="state must hold the 9 tensors"):
+    with pytest.raises(ValueError, match="state must hold the 10 tensors"):
         ops.read(state[:8], codec.spec)
     with pytest.raises(ValueError, match=r"state.tail must be \(B, H, window \+ G, D\)"):
         ops.read(state._replace(tail=state.tail[0]), codec.spec)

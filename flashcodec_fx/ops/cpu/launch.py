@@ -14,9 +14,10 @@ import math
 
 import torch
 
-from ..reference.append import append_reference, check_append_args
+from ..reference.append import append_normalized, append_reference, check_append_args
 from ..reference.attention import check_attention_args, codec_attention_reference
-from ..state import fast_kernels_serve
+from ..reference.normalize import attention_inputs, attention_output
+from ..state import StreamState, fast_kernels_serve, spec_codec
 from .build import EXTENSION
 from .plan import codec_plan
 
@@ -86,8 +87,11 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     VALIDATED.check(key, lambda: check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask))
     d = q.shape[3]
     softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
-                                  mask, softmax_scale, True)
+    q, k_new, v_new, out_factors = attention_inputs(spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v),
+                                                    StreamState(*k_state), StreamState(*v_state), q, k_new, v_new)
+    out = module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
+                                 mask, softmax_scale, True)
+    return attention_output(out, out_factors)
 
 
 def cpu_append(state, new, spec, memo=None) -> None:
@@ -108,4 +112,8 @@ def cpu_append(state, new, spec, memo=None) -> None:
         return
     key = ("append", spec, _state_layout(state), _layout(new), _layout(memo))
     VALIDATED.check(key, lambda: check_append_args(state, new, spec, memo))
-    module.append(state, new, codec_plan(spec, new.shape[3], sum_width(module)), memo)
+    plan, codec = codec_plan(spec, new.shape[3], sum_width(module)), spec_codec("spec", spec)
+    if codec.normalize:
+        append_normalized(codec, StreamState(*state), new, memo, lambda stored: module.append(state, stored, plan, None))
+        return
+    module.append(state, new, plan, memo)

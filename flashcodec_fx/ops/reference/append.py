@@ -11,16 +11,22 @@ launch sequence every time (no host sync, capturable in a CUDA graph, compileabl
 4. the rows after the newly archived groups become the tail (zeros past the new length); ``start`` moves past the
    archived groups; ``length += T``.
 
-``memo`` (optional, ``(B, H, capacity, D)`` stream dtype): the view attention reads, kept up to date: new tokens are
-written raw at their positions, newly archived groups as their decoded values.
+A normalized stream (``normalize=True``) first sets its per-channel exponents (the same first append as the mean) and
+then appends the tokens divided by them (``normalize.py``).
+
+``memo`` (optional, ``(B, H, capacity, D)`` stream dtype): the view attention reads, kept up to date after the append
+(:func:`write_memo`): new tokens written as given at their positions, newly archived groups as their decoded values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ...codecs import Codec
+from ...codecs import Codec, Encoded
 from ..state import StreamState, advance, capacity, check_state, spec_codec
+from .normalize import from_stored, set_norm, to_stored
 
 
 def completable_groups(new_tokens: int, group: int) -> int:
@@ -75,22 +81,53 @@ def write_prefix(store: torch.Tensor, first: torch.Tensor, values: torch.Tensor,
     store.index_copy_(2, slots, torch.where(pick, values, keep.unsqueeze(2)))
 
 
-def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-                  memo: torch.Tensor | None) -> None:
-    """Encode the first groups of ``work`` (rows from position ``start``) and archive those complete by ``end``
-    that fit in the capacity (an overflowing append never writes past it)."""
-    b, h, _, d = work.shape
+def _archived_groups(codec: Codec, st: StreamState, new_tokens: int, start: torch.Tensor,
+                     end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, write)``: an append of ``new_tokens`` to an archive ending at ``start`` encodes
+    ``completable_groups(T, G)`` groups from slot ``first``; ``write (n,)`` marks those complete by ``end`` that fit
+    in the capacity (an overflowing append never writes past it)."""
     g, ng = codec.group, st.data.shape[2]
-    n = completable_groups(work.shape[2] - codec.tail_capacity, g)
-    enc = codec.encode(work[:, :, : n * g], st.mean)
     first = torch.div(start - codec.sinks, g, rounding_mode="floor")
-    k = torch.arange(n, device=work.device)
-    write = (start + (k + 1) * g <= end) & (first + k < ng)
+    k = torch.arange(completable_groups(new_tokens, g), device=st.tail.device)
+    return first, (start + (k + 1) * g <= end) & (first + k < ng)
+
+
+def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> None:
+    """Encode the first groups of ``work`` (rows from position ``start``) and archive those that
+    :func:`_archived_groups` writes."""
+    first, write = _archived_groups(codec, st, work.shape[2] - codec.tail_capacity, start, end)
+    enc = codec.encode(work[:, :, : write.shape[0] * codec.group], st.mean)
     for store, fresh in zip(st[:4], enc, strict=True):
         write_prefix(store, first, fresh, write)
+
+
+def write_memo(codec: Codec, st: StreamState, memo: torch.Tensor, new: torch.Tensor, length: torch.Tensor,
+               start: torch.Tensor) -> None:
+    """After appending ``new (B, H, T, D)`` (as given) to a stream that held ``length`` tokens and an archive ending
+    at ``start`` (0-dim device tensors, before the append): write the new tokens into ``memo`` at their positions,
+    then the groups the append archived, decoded from the archive (times the channel factors when normalized)."""
+    b, h, _, d = st.tail.shape
+    g, ng, t = codec.group, st.data.shape[2], new.shape[2]
+    write_prefix(memo, length, new, length + torch.arange(t, device=new.device) < memo.shape[2])
+    if ng == 0:
+        return
+    first, write = _archived_groups(codec, st, t, start, st.start)
+    slots = (first + torch.arange(write.shape[0], device=new.device)).clamp(0, ng - 1)
+    enc = Encoded(*(field.index_select(2, slots) for field in st[:4]))
+    rows = from_stored(codec, st, codec.decode(enc, memo.dtype, st.mean)).view(b, h, write.shape[0], g, d)
+    write_prefix(memo[:, :, codec.sinks:].view(b, h, ng, g, d), first, rows, write)
+
+
+def append_normalized(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None,
+                      kernel: Callable[[torch.Tensor], None]) -> None:
+    """Append ``new`` to a normalized stream with ``kernel(stored_new)``, a fast append over the stored domain (run
+    without the memo): set the channel exponents, append ``new / n``, then :func:`write_memo` (``normalize.py``)."""
+    length, start = st.length.clone(), st.start.clone()
+    set_norm(codec, st, new)
+    kernel(to_stored(codec, st, new))
     if memo is not None:
-        rows = codec.decode(enc, memo.dtype, st.mean).view(b, h, n, g, d)
-        write_prefix(memo[:, :, codec.sinks:].view(b, h, ng, g, d), first, rows, write)
+        write_memo(codec, st, memo, new, length, start)
+
 
 def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
     """Append ``new (B, H, T, D)`` to a stream (``state`` as in ``ops/state.py``, mutated in place).
@@ -101,28 +138,30 @@ def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, me
     """
     codec, st = check_append_args(state, new, spec, memo)
     t, dev = new.shape[2], new.device
-    end = st.length + t
+    given, length, start = new, st.length.clone(), st.start.clone()
+    end = length + t
+    if codec.normalize:
+        set_norm(codec, st, new)
+        new = to_stored(codec, st, new)
     if codec.sinks:
         _write_sinks(codec, st, new)
     if codec.center:
         _set_mean(st, codec, new)
-    start = st.start.clone()
     rows = torch.arange(codec.tail_capacity + t, device=dev)
     token = start + rows - st.length
     is_new = (token >= 0) & (token < t)
     old = torch.cat([st.tail, st.tail.new_zeros(*st.tail.shape[:2], t, st.tail.shape[3])], dim=2)
     work = torch.where(is_new.view(1, 1, -1, 1), new.index_select(2, token.clamp(0, t - 1)), old)
-    if memo is not None:
-        position = st.length + torch.arange(t, device=dev)
-        write_prefix(memo, st.length, new, position < memo.shape[2])
     new_start = advance(codec, start, end)
-    _write_groups(codec, st, work, start, new_start, memo)
+    _write_groups(codec, st, work, start, new_start)
     shift = new_start - start + torch.arange(codec.tail_capacity, device=dev)
     tail = work.index_select(2, shift.clamp(max=work.shape[2] - 1))
     st.tail.copy_(torch.where((new_start + torch.arange(codec.tail_capacity, device=dev) < end).view(1, 1, -1, 1),
                               tail, torch.zeros((), dtype=tail.dtype, device=dev)))
     st.start.copy_(new_start)
     st.length.add_(t)
+    if memo is not None:
+        write_memo(codec, st, memo, given, length, start)
 
 
 @torch.library.custom_op("flashcodec::append", mutates_args=("state", "memo"))

@@ -8,6 +8,8 @@ current call's own ``T`` new tokens (exact, as the prompt is). An archived block
 
 per block. Keys and values may archive at different positions (their own sinks, groups, windows): key scores are
 computed per key slot, normalized over every valid position once, moved to positions, and read back per value slot.
+A normalized stream is read in its stored domain: ``q * n_k`` against the stored keys, the output times ``n_v``
+(``normalize.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from ...codecs import Codec, Encoded
 from ..state import StreamState, check_state, spec_codec
+from .normalize import attention_inputs, attention_output
 from .read import check_new
 
 
@@ -136,11 +139,12 @@ def codec_attention_reference(q: torch.Tensor, k_state: list[torch.Tensor], v_st
     Accumulates in fp32; a row that sees nothing gives zeros.
     """
     ck, cv, ks, vs = check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask)
+    q_in, k_new, v_new, out_factors = attention_inputs(ck, cv, ks, vs, q, k_new, v_new)
     b, hq, t, d = q.shape
     hkv = ks.tail.shape[1]
     g = hq // hkv
     tn = 0 if k_new is None else k_new.shape[2]
-    qg = q.float().reshape(b, hkv, g * t, d)
+    qg = q_in.float().reshape(b, hkv, g * t, d)
     k_pos, k_ok = slot_positions(ck, ks, tn)
     scores = _key_scores(ck, ks, qg, k_new) * (1.0 / math.sqrt(d) if scale is None else scale)
     if mask is not None:
@@ -150,7 +154,7 @@ def codec_attention_reference(q: torch.Tensor, k_state: list[torch.Tensor], v_st
     n_pos = max(k_pos.shape[0], v_pos.shape[0])
     at_pos = probs.new_zeros(b, hkv, g * t, n_pos).scatter_add_(-1, k_pos.clamp(max=n_pos - 1).expand_as(probs), probs)
     w = at_pos.index_select(-1, v_pos.clamp(max=n_pos - 1)) * v_ok
-    return _value_sum(cv, vs, w, v_new).reshape(b, hq, t, d).to(q.dtype)
+    return attention_output(_value_sum(cv, vs, w, v_new).reshape(b, hq, t, d).to(q.dtype), out_factors)
 
 
 @torch.library.custom_op("flashcodec::codec_attention", mutates_args=())

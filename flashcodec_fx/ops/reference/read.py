@@ -1,4 +1,5 @@
-"""`flashcodec::read`: the view attention reads (sinks raw, archive decoded, tail raw, zeros past the length).
+"""`flashcodec::read`: the view attention reads (sinks raw, archive decoded, tail raw, zeros past the length; a
+normalized stream's rows times its channel factors).
 
 This is the full-precision view that the compile pass removes: attention over it equals
 ``flashcodec::codec_attention`` over the stored state. With ``new`` (the ``T`` tokens of the current call), the last
@@ -11,6 +12,7 @@ import torch
 
 from ...codecs import Codec, Encoded
 from ..state import StreamState, capacity, check_state, spec_codec
+from .normalize import from_stored
 
 
 def check_new(name: str, state, new: torch.Tensor | None) -> None:
@@ -40,7 +42,7 @@ def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | Non
     start = st.start
     in_tail = (pos >= start) & (pos < length)
     tail_rows = st.tail.index_select(2, (pos - start).clamp(0, codec.tail_capacity - 1))
-    view = torch.where(in_tail[:, None], tail_rows, view)
+    view = from_stored(codec, st, torch.where(in_tail[:, None], tail_rows, view))
     if new is not None:
         view = overlay_new(view, new, length)
     return torch.where((pos < length)[:, None], view, torch.zeros((), dtype=view.dtype, device=dev))

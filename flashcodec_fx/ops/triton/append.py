@@ -27,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...codecs import Codec
 from ..plan import CHANNEL_CODES, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
-from ..reference.append import check_append_args, completable_groups
+from ..reference.append import append_normalized, check_append_args, completable_groups
+from ..state import StreamState
 from .common import (
     F_CENTER,
     F_CLASSES,
@@ -775,6 +777,15 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
     if t == 0 or b * h == 0:
         return
+    if codec.normalize:
+        append_normalized(codec, st, new, memo, lambda stored: _launch(codec, st, stored, None, spec))
+    else:
+        _launch(codec, st, new, memo, spec)
+
+
+def _launch(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None, spec: str) -> None:
+    """The append's launches over the stored domain (checked arguments, at least one token and one row)."""
+    b, h, t, d = new.shape
     plan = stored_form_plan(spec, d)
     form = StreamForm.of(plan).constexpr()
     enc = EncodeTiles.of(plan, memo is not None)

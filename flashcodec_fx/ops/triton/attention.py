@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..plan import CHANNEL_CODES, FLOAT_ROWS, PRUNED_ROWS, TOKEN_CODES, stored_form_plan
 from ..reference.attention import check_attention_args
+from ..reference.normalize import attention_inputs, attention_output
 from ..state import StreamState, spec_codec
 from .common import (
     F_CENTER,
@@ -752,10 +753,11 @@ def triton_codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state
     stored form within the Triton limits (``common``). fp16/bf16/fp32 I/O, fp32 accumulation (docs/triton.md:
     which operands enter 16-bit dots). Tiles and split count: :func:`attention_plan` (``num_splits`` overrides the
     heuristic). Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph."""
-    o_part, lse_part, plan = split_partials(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale,
-                                            num_splits)
-    cv = spec_codec("spec_v", spec_v)
+    ck, cv = spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v)
     vs = StreamState(*v_state)
+    q_in, k_new, v_new, out_factors = attention_inputs(ck, cv, StreamState(*k_state), vs, q, k_new, v_new)
+    o_part, lse_part, plan = split_partials(q_in, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale,
+                                            num_splits)
     b, hq, t, d = q.shape
     hkv = vs.tail.shape[1]
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
@@ -765,4 +767,4 @@ def triton_codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state
                                         plan["n_mchunk"], o_part.shape[1], D=d, DP=tiles.dp,
                                         BLOCK_M=plan["BLOCK_M"], RC=tiles.rc, ROTATE=cv.rotate is not None,
                                         PREC="ieee" if q.dtype == torch.float32 else "tf32x3")
-    return out
+    return attention_output(out, out_factors)

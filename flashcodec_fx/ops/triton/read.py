@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.normalize import from_stored, to_stored
 from ..reference.read import check_read_args
 from ..state import capacity
 from .append import E_D, E_GP, E_RC, decode_group
@@ -100,9 +101,10 @@ def triton_read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None =
     form, tiles = block_form(codec, d, st.mean)
     tab = stream_tables(codec, d, st.tail.device)
     tensors = [nonempty(t, st.tail).contiguous() for t in st[:7]]
+    new = to_stored(codec, st, new)
     new_t = st.tail if new is None else new
     strides = (0, 0, 0, 0) if new is None else new.stride()
     _read_kernel[(b * h, ng + (1 if codec.sinks else 0), tiles.dp // tiles.rc)](
         *tensors, st.length, st.start, new_t, *strides, view, tab.synthesis, tab.rotation, tab.rows, tab.levels, h,
         ng, 0 if new is None else new.shape[2], F=form, E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.rc))
-    return view
+    return from_stored(codec, st, view)
