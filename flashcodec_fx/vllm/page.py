@@ -11,11 +11,12 @@ vLLM gives each layer a uint8 cache ``(num_blocks, H_kv, block_size, C)`` (``C``
   and V codes (``codecs/pack.py``), every field as the preset's per-token codec stores it (``Quantizer.quantize``).
 - then zero padding up to ``block_size * C``.
 
-Codes are the preset's per-token codecs (``presets.preset_codecs``: random-sign Walsh-Hadamard rotation seeded by the
-layer index, Lloyd-Max or mid-rise levels, one fp16 scale per token and head, the least-squares scale search) with
-two changes a fixed page forces (docs/vllm.md measures both): keys are not centered (a per-sequence prompt mean has
-no page of its own), and there is no raw recent window (the newest tokens are coded like the others; the call's own
-tokens are still read exactly). A *raw* format (``skip`` layers) stores every token raw.
+Codes are the preset's per-token codecs (``presets.preset_codecs``: random-sign Walsh-Hadamard rotation seeded by
+the layer index, Lloyd-Max or mid-rise levels, one fp16 scale per token and head, the least-squares scale search)
+with two changes a fixed page forces (docs/vllm.md measures both): keys are not centered and not normalized (a
+per-sequence prompt mean or channel exponents have no page of their own), and there is no raw recent window (the
+newest tokens are coded like the others; the call's own tokens are still read exactly). A *raw* format (``skip``
+layers) stores every token raw.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ RAW = "raw"  # the format name of layers stored raw (FLASHCODEC_VLLM_SKIP_LAYERS
 
 
 def paged_codec(codec: Codec, where: str) -> JPEGCodec:
-    """The per-token codec a page slot stores for preset stream ``codec``: its quantizer and rotation, not centered,
-    no sinks or window (the page holds those, or not). ValueError for a codec that is not per-token codes."""
+    """The per-token codec a page slot stores for preset stream ``codec``: its quantizer and rotation, not centered or
+    normalized, no sinks or window (the page holds those, or not). ValueError for a codec that is not per-token codes."""
     q = codec.quantizer
     if not isinstance(codec, JPEGCodec) or codec.block_size != 1 or q is None or q.axis != "token":
         raise ValueError(f"{where}: a vLLM page slot holds per-token codes (jpeg, block_size=1, quant_bits set, "

@@ -51,25 +51,30 @@ OUTLIER_FACTOR = 16.0
 OUTLIER_KEYS, OUTLIER_VALUES = (1, 5), (2,)  # 4 of the tiny model's 16 key channels (with rotary partners), 1 value
 
 
-def _unrotated(preset: str) -> dict:
+def _variant(preset: str, variant: str) -> dict:
+    """The preset's options, ``"plain"``: without the channel exponents (``normalize=False``), ``"unrotated"``: plain
+    and without the rotation; ``""``: the preset itself."""
+    if not variant:
+        return {"preset": preset}
     options = preset_options(preset)
     for stream in ("key_options", "value_options"):
-        options[stream]["rotate"] = False
+        options[stream]["normalize"] = False
+        if variant == "unrotated":
+            options[stream]["rotate"] = False
     return options
 
 
 @functools.cache
 def _outlier_kl(options_key: str, factor: float | None) -> float:
-    """Streaming KL vs the raw cache of the tier ``options_key`` (a preset, or ``"<preset> unrotated"``) on the tiny
-    Llama, with outlier channels of ``factor`` (None: the model as initialised)."""
+    """Streaming KL vs the raw cache of the tier ``options_key`` (a preset, or ``"<preset> <variant>"``, see
+    :func:`_variant`) on the tiny Llama, with outlier channels of ``factor`` (None: the model as initialised)."""
     model = fresh_tiny_model("llama")
     if factor is not None:
         add_outlier_channels(model, factor, key_channels=OUTLIER_KEYS, value_channels=OUTLIER_VALUES)
     preset, _, variant = options_key.partition(" ")
-    options = _unrotated(preset) if variant == "unrotated" else {"preset": preset}
     ids = tiny_prompt(2, 120)
     ref = streamed_logprobs(model, ids, make_cache(model, RAW), 8, 8)
-    tier = Tier(options_key, options)
+    tier = Tier(options_key, _variant(preset, variant))
     with prepared(model, tier):  # attention on the stored form, as bench_ppl runs it
         lossy = streamed_logprobs(model, ids, make_cache(model, tier), 8, 8)
     return float(token_kl(ref, lossy).mean())
@@ -77,15 +82,27 @@ def _outlier_kl(options_key: str, factor: float | None) -> float:
 
 @pytest.mark.parametrize("preset", ["4bit", "3bit"])
 def test_the_rotation_keeps_outlier_channels_from_swamping_the_per_token_scale(preset):
-    """With a few key channels 16x larger, the rotated preset's KL stays at most half the same codes' without the
-    rotation (measured: 3.3x lower for 4bit, 6.8x for 3bit); without outliers the two are within 2x."""
-    assert _outlier_kl(preset, OUTLIER_FACTOR) < 0.5 * _outlier_kl(f"{preset} unrotated", OUTLIER_FACTOR)
-    assert _outlier_kl(preset, None) < 2.0 * _outlier_kl(f"{preset} unrotated", None)
+    """Without the channel exponents, with a few key channels 16x larger, the rotated codes' KL stays at most half the
+    same codes' without the rotation (measured: 3.3x lower for 4bit, 6.8x for 3bit); without outliers the two are
+    within 2x."""
+    assert _outlier_kl(f"{preset} plain", OUTLIER_FACTOR) < 0.5 * _outlier_kl(f"{preset} unrotated", OUTLIER_FACTOR)
+    assert _outlier_kl(f"{preset} plain", None) < 2.0 * _outlier_kl(f"{preset} unrotated", None)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20, a known miss: a per-token scale grows with the outlier channels, "
-                   "so the other channels' error grows too (the tiny model's KL rises 6-19x at factor 16; the "
-                   "rotation only spreads it). Per-channel key scales (folded into q) are the open fix")
-@pytest.mark.parametrize("preset", ["4bit", "3bit"])
+# KL with outlier channels over KL without, at most (measured on this model: 4bit 2.2x, 3bit 2.0x, 2bit 1.4x; without
+# the channel exponents 18.7x, 6.2x and 2.6x). The tiny model makes a quarter of its key channels outliers.
+HOLDS = 2.5
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
 def test_preset_quality_holds_with_outlier_channels(preset):
-    assert _outlier_kl(preset, OUTLIER_FACTOR) < 2.0 * _outlier_kl(preset, None)
+    """The presets' channel exponents (``normalize=True``) bring the outlier channels back near the others: the KL
+    with 16x outlier channels stays within ``HOLDS`` times the KL of the model as initialised."""
+    assert _outlier_kl(preset, OUTLIER_FACTOR) < HOLDS * _outlier_kl(preset, None)
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit"])
+def test_without_the_channel_exponents_quality_does_not_hold(preset):
+    """The check above fails for the same codes without ``normalize``: the exponents are what holds the quality."""
+    assert _outlier_kl(f"{preset} plain", OUTLIER_FACTOR) > HOLDS * _outlier_kl(f"{preset} plain", None)
+    assert _outlier_kl(f"{preset} plain", None) == pytest.approx(_outlier_kl(preset, None), rel=0.05)
