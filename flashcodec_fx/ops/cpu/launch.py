@@ -88,7 +88,8 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     d = q.shape[3]
     softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, k_new, v_new, out_factors = attention_inputs(spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v),
-                                                    StreamState(*k_state), StreamState(*v_state), q, k_new, v_new)
+                                                    StreamState(*k_state), StreamState(*v_state), q, k_new, v_new,
+                                                    host=True)
     out = module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
                                  mask, softmax_scale, True)
     return attention_output(out, out_factors)
@@ -114,6 +115,7 @@ def cpu_append(state, new, spec, memo=None) -> None:
     VALIDATED.check(key, lambda: check_append_args(state, new, spec, memo))
     plan, codec = codec_plan(spec, new.shape[3], sum_width(module)), spec_codec("spec", spec)
     if codec.normalize:
-        append_normalized(codec, StreamState(*state), new, memo, lambda stored: module.append(state, stored, plan, None))
+        append_normalized(codec, StreamState(*state), new, memo, lambda stored: module.append(state, stored, plan, None),
+                          host=True)
         return
     module.append(state, new, plan, memo)

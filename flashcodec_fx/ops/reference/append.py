@@ -26,7 +26,7 @@ import torch
 
 from ...codecs import Codec, Encoded
 from ..state import StreamState, advance, capacity, check_state, spec_codec
-from .normalize import from_stored, set_norm, to_stored
+from .normalize import from_stored, measures, set_norm, to_stored
 
 
 def completable_groups(new_tokens: int, group: int) -> int:
@@ -119,12 +119,15 @@ def write_memo(codec: Codec, st: StreamState, memo: torch.Tensor, new: torch.Ten
 
 
 def append_normalized(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None,
-                      kernel: Callable[[torch.Tensor], None]) -> None:
+                      kernel: Callable[[torch.Tensor], None], host: bool = False) -> None:
     """Append ``new`` to a normalized stream with ``kernel(stored_new)``, a fast append over the stored domain (run
-    without the memo): set the channel exponents, append ``new / n``, then :func:`write_memo` (``normalize.py``)."""
+    without the memo): set the channel exponents, append ``new / n``, then :func:`write_memo` (``normalize.py``).
+    ``host``: the state lives in host memory (CPU), where the length is read without a device sync: only the append
+    that sets the exponents measures them, and a stream whose exponents are all zero appends its tokens as given."""
     length, start = st.length.clone(), st.start.clone()
-    set_norm(codec, st, new)
-    kernel(to_stored(codec, st, new))
+    if not host or bool(measures(codec, st, new.shape[2])):
+        set_norm(codec, st, new)
+    kernel(to_stored(codec, st, new, host))
     if memo is not None:
         write_memo(codec, st, memo, new, length, start)
 

@@ -20,9 +20,17 @@ from ...codecs.channel_norm import channel_exponents, channel_factors
 from ..state import StreamState
 
 
-def factors(codec: Codec, st: StreamState) -> torch.Tensor | None:
-    """``n (B, H, D)`` fp32 of a normalized stream, else None."""
-    return channel_factors(st.norm) if codec.normalize else None
+def factors(codec: Codec, st: StreamState, host: bool = False) -> torch.Tensor | None:
+    """``n (B, H, D)`` fp32 of a normalized stream, else None. ``host``: the state lives in host memory (CPU), where
+    reading it costs no device sync, so a stream whose exponents are all zero (``n = 1``) gives None too."""
+    if not codec.normalize or (host and not bool(st.norm.any())):
+        return None
+    return channel_factors(st.norm)
+
+
+def measures(codec: Codec, st: StreamState, new_tokens: int) -> torch.Tensor:
+    """0-dim bool: whether an append of ``new_tokens`` is the first to reach past the sinks (it sets the exponents)."""
+    return (st.length <= codec.sinks) & (st.length + new_tokens > codec.sinks)
 
 
 def set_norm(codec: Codec, st: StreamState, new: torch.Tensor) -> None:
@@ -30,7 +38,7 @@ def set_norm(codec: Codec, st: StreamState, new: torch.Tensor) -> None:
     tokens past the sinks and divides the sink rows stored before it by the new factors (in place, on the device)."""
     t = new.shape[2]
     position = st.length + torch.arange(t, device=new.device)
-    first = (st.length <= codec.sinks) & (st.length + t > codec.sinks)
+    first = measures(codec, st, t)
     st.norm.copy_(torch.where(first, channel_exponents(new, position >= codec.sinks), st.norm))
     if codec.sinks:
         stored = (torch.arange(codec.sinks, device=new.device) < st.length).view(1, 1, -1, 1)
@@ -38,11 +46,11 @@ def set_norm(codec: Codec, st: StreamState, new: torch.Tensor) -> None:
         st.sink.copy_(torch.where(first & stored, st.sink / n, st.sink))
 
 
-def to_stored(codec: Codec, st: StreamState, x: torch.Tensor | None) -> torch.Tensor | None:
-    """``x (B, H, T, D)`` tokens as the stream stores them: ``x / n`` (``x`` itself without ``normalize``)."""
-    if x is None or not codec.normalize:
-        return x
-    return x / channel_factors(st.norm)[:, :, None].to(x.dtype)
+def to_stored(codec: Codec, st: StreamState, x: torch.Tensor | None, host: bool = False) -> torch.Tensor | None:
+    """``x (B, H, T, D)`` tokens as the stream stores them: ``x / n`` (``x`` itself without ``normalize``; ``host``
+    as in :func:`factors`)."""
+    n = None if x is None else factors(codec, st, host)
+    return x if n is None else x / n[:, :, None].to(x.dtype)
 
 
 def from_stored(codec: Codec, st: StreamState, rows: torch.Tensor) -> torch.Tensor:
@@ -52,23 +60,24 @@ def from_stored(codec: Codec, st: StreamState, rows: torch.Tensor) -> torch.Tens
     return rows * channel_factors(st.norm)[:, :, None].to(rows.dtype)
 
 
-def query_factors(codec: Codec, st: StreamState, heads: int) -> torch.Tensor | None:
+def query_factors(codec: Codec, st: StreamState, heads: int, host: bool = False) -> torch.Tensor | None:
     """``n (B, Hq, 1, D)`` in fp32 for ``heads`` query heads (query head ``i`` reads kv head ``i // (Hq / H_kv)``),
-    or None without ``normalize``."""
-    n = factors(codec, st)
+    or None without ``normalize`` (``host`` as in :func:`factors`)."""
+    n = factors(codec, st, host)
     if n is None:
         return None
     return n.repeat_interleave(heads // n.shape[1], dim=1)[:, :, None]
 
 
 def attention_inputs(codec_k: Codec, codec_v: Codec, ks: StreamState, vs: StreamState, q: torch.Tensor,
-                     k_new: torch.Tensor | None, v_new: torch.Tensor | None):
+                     k_new: torch.Tensor | None, v_new: torch.Tensor | None, host: bool = False):
     """``(q, k_new, v_new, out_factors)`` as a kernel over the stored domain takes them (see the module docstring);
-    ``out_factors (B, Hq, 1, D)`` multiply its output (None: nothing to do)."""
-    qn = query_factors(codec_k, ks, q.shape[1])
+    ``out_factors (B, Hq, 1, D)`` multiply its output (None: nothing to do). ``host`` as in :func:`factors`."""
+    qn = query_factors(codec_k, ks, q.shape[1], host)
     if qn is not None:
         q = q * qn.to(q.dtype)
-    return q, to_stored(codec_k, ks, k_new), to_stored(codec_v, vs, v_new), query_factors(codec_v, vs, q.shape[1])
+    return (q, to_stored(codec_k, ks, k_new, host), to_stored(codec_v, vs, v_new, host),
+            query_factors(codec_v, vs, q.shape[1], host))
 
 
 def attention_output(out: torch.Tensor, out_factors: torch.Tensor | None) -> torch.Tensor:
