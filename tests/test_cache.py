@@ -158,6 +158,49 @@ def test_decode_crop_keeps_what_attention_read(tier, layout):
     torch.testing.assert_close(cache.attention(q), F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=0)
 
 
+# not centered: a mean summed over another call length may round apart (the raw prefix replays that call whole)
+NORMALIZED = make_codec("jpeg", block_size=1, quant_bits=3, levels="lloyd", rotate=1, normalize=True, sinks=4, window=3)
+
+
+def outlier_channels(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with channels 1 and 6 made 16x wider: a normalized codec stores them divided by powers of two."""
+    x = x.clone()
+    x[..., [1, 6]] *= 16
+    return x
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("keep", [2, 20])
+def test_normalized_crop_is_a_true_rollback(layout, keep):
+    """A crop to ``keep`` and the same tokens appended again store what was stored, bitwise: a crop into the sinks
+    restores the sink rows and forgets the exponents (the next call past the sinks measures the same tokens again);
+    a crop inside the archive of per-token codes keeps the exponents."""
+    x = outlier_channels(torch.randn(1, 2, 48, D, generator=torch.Generator().manual_seed(5)))
+    plain = CodecStream(NORMALIZED, layout, max_length=100)
+    plain.append(x)
+    assert plain.state.norm.any()
+    rolled = CodecStream(NORMALIZED, layout, max_length=100)
+    rolled.append(x)
+    rolled.crop(keep)
+    if keep < NORMALIZED.sinks:
+        assert not rolled.state.norm.any() and torch.equal(rolled.read()[:, :, :keep], x[:, :, :keep])
+    rolled.append(x[:, :, keep:])
+    assert_same_content(rolled, plain)
+    assert torch.equal(rolled.state.norm, plain.state.norm)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_normalized_decode_crop_keeps_what_attention_read(layout):
+    """crop='decode' reopens archived rows into the raw tail in the stored domain: the view is unchanged."""
+    x = outlier_channels(torch.randn(1, 2, 40, D, generator=torch.Generator().manual_seed(6)))
+    stream = CodecStream(make_codec("jpeg", block_size=4, quant_bits=3, rotate=1, normalize=True, sinks=2, window=2),
+                         layout, max_length=100, crop="decode")
+    stream.append(x[:, :, :33])
+    before = stream.read()[:, :, :21].clone()
+    stream.crop(21)
+    assert torch.equal(stream.read()[:, :, :21], before)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("tier", "keep"), [("png", 19), ("int8", 16), ("v-token-lloyd", 24), ("png-window", 2)])
 def test_crop_is_repeatable_and_past_the_start_empties(tier, keep, layout):

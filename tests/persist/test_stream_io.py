@@ -113,3 +113,21 @@ def test_a_bad_raw_export_is_refused(change, match):
     with pytest.raises(ValueError, match=match):
         prepare_state("layer 0 keys", target, tensors, {**described, **change}, torch.device("cpu"))
     assert not target.is_initialized
+
+
+def test_an_export_without_channel_exponents_loads_into_a_codec_without_them():
+    """Files written before the ``norm`` field existed hold no exponents: they load into codecs without ``normalize``
+    (nothing to restore), and a normalized codec refuses them (its exponents would be lost)."""
+    plain = make_codec("jpeg", block_size=1, quant_bits=4, levels="lloyd", rotate=True, center=True, sinks=4, window=8)
+    for codec, loads in ((plain, True), (preset_codecs("4bit")[0], False)):
+        stream = CodecStream(codec)
+        stream.append(torch.randn(1, 2, 90, 16, generator=torch.Generator().manual_seed(1)))
+        tensors, described = export_stream(stream)
+        old = {name: t for name, t in tensors.items() if name != "norm"}
+        back = fresh_like(stream)
+        if loads:
+            install_state(back, prepare_state("s", back, old, described, torch.device("cpu")))
+            assert bitwise(back, stream)
+        else:
+            with pytest.raises(ValueError, match=r"\['norm'\] missing"):
+                prepare_state("s", back, old, described, torch.device("cpu"))
