@@ -129,6 +129,64 @@ def bits_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance("bits")
 
 
+# Issue 20's targets (SmolLM2-135M, bench_ppl's streaming protocol, 6 x 1024 tokens): bits as stored, worst case
+# over the last 128 lengths, and KL vs raw, at most.
+TARGETS = {"4bit": (4.25, 0.004), "3bit": (3.00, 0.035), "2.5bit": (2.50, 0.10), "2bit": (2.00, 0.25)}
+
+
+def _verdict(value: float, target: float) -> str:
+    return "met" if value <= target else f"**{value / target:.1f}x over**"
+
+
+def targets_table() -> str:
+    """ppl.json's SmolLM2 presets against issue 20's targets (``TARGETS``)."""
+    import bench_ppl
+
+    rows = load("ppl")["models"]["SmolLM2-135M-Instruct"]["rows"]
+    lines = ["| preset | bits target | bits (worst) | bits | KL target | KL | KL |", "|---|---|---|---|---|---|---|"]
+    for name, (bits, kl) in TARGETS.items():
+        row = next(r for r in rows if r["tier"] == f"{bench_ppl.FLASHCODEC} {name}")
+        lines.append(f"| `{name}` | <= {bits:.2f} | {row['bits_end']:.2f} ({row['bits_worst']:.2f}) | "
+                     f"{_verdict(row['bits_worst'], bits)} | <= {kl:g} | {kl_cell(row)} | {_verdict(row['kl'], kl)} |")
+    return "\n".join(lines) + "\n\n" + provenance("ppl")
+
+
+# Quality beyond one number (issue 20): each column one bench_ppl run on SmolLM2 (JSON, how its KL is read, heading).
+BEYOND = (("ppl", None, "prose 6 x 1k"), ("ppl_texts", "pride", "dialogue"), ("ppl_texts", "difflib", "source code"),
+          ("ppl_4k", None, "prose 2 x 4k"), ("ppl_decode", None, "token by token"),
+          ("ppl_outliers", None, "x16 outlier channels"))
+
+
+def beyond_table() -> str:
+    """KL vs raw of the presets and peers on SmolLM2 in every run of ``BEYOND`` (a tier a run left out: ``-``)."""
+    runs = {name: load(name)["models"]["SmolLM2-135M-Instruct"]["rows"] for name in dict.fromkeys(b[0] for b in BEYOND)}
+    tiers = [r["tier"] for r in runs["ppl"] if r["family"] != "raw" and r["tier"] != "flashcodec lossless"]
+    lines = ["| tier | " + " | ".join(head for _, _, head in BEYOND) + " |", "|---|" + "---|" * len(BEYOND)]
+    for tier in tiers:
+        cells = []
+        for name, text, _ in BEYOND:
+            row = next((r for r in runs[name] if r["tier"] == tier), None)
+            kl = None if row is None else row["kl"] if text is None else row.get("kl_per_text", {}).get(text)
+            cells.append("-" if kl is None else kl_cell({"kl": kl}))
+        lines.append(f"| {tier} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance(*runs)
+
+
+def passkey_table() -> str:
+    """passkey.json: keys retrieved per tier and haystack length, and whether the tier retrieves what raw does."""
+    summary = load("passkey")["summary"]
+    lengths = sorted({s["length"] for s in summary})
+    tiers = list(dict.fromkeys(s["tier"] for s in summary))
+    lines = ["| tier | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | retrieves what raw retrieves |",
+             "|---|" + "---|" * (len(lengths) + 1)]
+    for tier in tiers:
+        got = {s["length"]: s for s in summary if s["tier"] == tier}
+        cells = [f"{got[n]['retrieved']} / {got[n]['trials']}" for n in lengths]
+        same = "-" if tier.startswith("raw") else "yes" if all(got[n]["matches_raw"] for n in lengths) else "no"
+        lines.append(f"| {tier} | " + " | ".join(cells) + f" | {same} |")
+    return "\n".join(lines) + "\n\n" + provenance("passkey")
+
+
 def _as_run(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` with a preset tier's name followed by the recipe it ran with (``recipe``: presets change)."""
     recipe = row.get("recipe")
@@ -332,6 +390,7 @@ def vllm_quality_table() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
+    "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
     "budget": budget_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
