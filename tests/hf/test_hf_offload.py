@@ -57,7 +57,7 @@ def test_offload_moves_the_stored_form_not_a_view(preset):
         c.update(k, v, 0)
     layer = cache.layers[0]
     parts, views = layer.storage_breakdown(), (layer.keys, layer.values)
-    stored_form = parts["archive_used"] + parts["sinks"] + parts["tail"] + parts["mean"]
+    stored_form = parts["archive_used"] + parts["sinks"] + parts["tail"] + parts["mean"] + parts["norm"]
 
     assert moved_bytes(layer.offload) == stored_form  # filled groups only: the unused capacity stays behind
     streams = (layer.keys_stream, layer.values_stream)
@@ -89,7 +89,7 @@ def test_a_memo_moves_its_filled_positions():
     layer = cache.layers[0]
     parts = layer.storage_breakdown()
     assert parts["memo"] > 0
-    stored_form = parts["archive_used"] + parts["sinks"] + parts["tail"] + parts["mean"]
+    stored_form = parts["archive_used"] + parts["sinks"] + parts["tail"] + parts["mean"] + parts["norm"]
     assert moved_bytes(layer.offload) == stored_form + k.nbytes + v.nbytes
 
 
