@@ -158,8 +158,12 @@ BEYOND = (("ppl", None, "prose 6 x 1k"), ("ppl_texts", "pride", "dialogue"), ("p
 
 
 def beyond_table() -> str:
-    """KL vs raw of the presets and peers on SmolLM2 in every run of ``BEYOND`` (a tier a run left out: ``-``)."""
-    runs = {name: load(name)["models"]["SmolLM2-135M-Instruct"]["rows"] for name in dict.fromkeys(b[0] for b in BEYOND)}
+    """KL vs raw of the presets and peers on SmolLM2 in every run of ``BEYOND`` (a tier a run left out: ``-``); the
+    outlier run's cells also give the ratio to the same tier's KL on the same windows without outliers (ppl.json's
+    first windows: both runs cut the windows alike)."""
+    model = "SmolLM2-135M-Instruct"
+    results = {name: load(name) for name in dict.fromkeys(b[0] for b in BEYOND)}
+    runs = {name: result["models"][model]["rows"] for name, result in results.items()}
     tiers = [r["tier"] for r in runs["ppl"] if r["family"] != "raw" and r["tier"] != "flashcodec lossless"]
     lines = ["| tier | " + " | ".join(head for _, _, head in BEYOND) + " |", "|---|" + "---|" * len(BEYOND)]
     for tier in tiers:
@@ -167,7 +171,12 @@ def beyond_table() -> str:
         for name, text, _ in BEYOND:
             row = next((r for r in runs[name] if r["tier"] == tier), None)
             kl = None if row is None else row["kl"] if text is None else row.get("kl_per_text", {}).get(text)
-            cells.append("-" if kl is None else kl_cell({"kl": kl}))
+            cell = "-" if kl is None else kl_cell({"kl": kl})
+            if kl is not None and results[name]["protocol"].get("outliers"):
+                plain = next(r for r in runs["ppl"] if r["tier"] == tier)["kl_per_window"]
+                windows = results[name]["protocol"]["windows"]
+                cell += f" ({kl / (sum(plain[:windows]) / windows):.1f}x)"
+            cells.append(cell)
         lines.append(f"| {tier} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + provenance(*runs)
 
