@@ -10,8 +10,9 @@ the first call past the sinks sets: the prefill's), and a query reads a key or v
 exactly (a sink, a token of its own call, the raw tail after its call's append: ``ops.state.advance``), its coded
 value everywhere else. So one forward pass per tier replaces the 57 calls of a window, 10-30x faster than bench_ppl;
 the KL agrees with bench_ppl's (tests/benchmarks/test_bench_fakequant.py: within 5% on a tiny model; SmolLM2's
-presets within 0.5%): codes can differ at rounding ties, as a group encoded in another call shape may. A tool for
-choosing recipes: bench_ppl (the real cache, bits as stored) measures what the README shows.
+presets, 6 x 1k, results/fakequant_presets.json against ppl.json: within 1%, `int8` 3%): codes can differ at rounding
+ties, as a group encoded in another call shape may. A tool for choosing recipes: bench_ppl (the real cache, bits as
+stored) measures what the README shows.
 
 Full-attention models only (a sliding-window layer's ring is not modelled; Gemma 3 is refused); any codec (its own
 encode and decode: block sizes, quantizers, rotation, center, normalize, sinks, window) and per-layer options. Output: KL vs
