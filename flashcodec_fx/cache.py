@@ -717,10 +717,6 @@ class CodecKVCache:
 
     reorder = index_select
 
-    def _batched(self) -> list[torch.Tensor]:
-        """The state's tensors with a batch dim (every field but the lengths), in :data:`BATCHED_FIELDS` order."""
-        return [getattr(self.state, f) for f in BATCHED_FIELDS]
-
     def repeat_interleave(self, repeats: int) -> None:
         self.keys.repeat_interleave(repeats)
         self.values.repeat_interleave(repeats)
