@@ -473,8 +473,10 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         return f"FlashCodecSlidingLayer(window={self.sliding_window}, keys={self.keys_stream.codec!r}, " \
                f"values={self.values_stream.codec!r})"
 
-    def activate_past_recording(self) -> None:
-        """Keep every position until the next :meth:`crop` (see the class docstring)."""
+    def activate_past_recording(self, **_: Any) -> None:
+        """Keep every position until the next :meth:`crop` (see the class docstring). Keywords transformers passes
+        for recurrent layers (5.25's ``recurrent_states_to_keep``) are accepted and unused: a ring holds no
+        recurrent state, and keeps every position while recording."""
         self.record_past = True
 
     def _drop_target(self) -> int:
