@@ -1,17 +1,33 @@
-"""flashcodec_fx: compressed KV cache for PyTorch LLMs; attention runs on the stored coefficients."""
+"""flashcodec_fx: compressed KV cache for PyTorch LLMs; attention runs on the stored coefficients.
+
+Importing the package loads torch and nothing else of weight: every public name is imported on first use (PEP 562),
+so ``import flashcodec_fx`` and the ``flashcodec`` command's ``--help`` / ``--version`` load neither Dynamo nor
+transformers nor Triton. The ``torch.ops.flashcodec`` custom ops are defined (and their CPU / Triton kernels
+registered) by importing :mod:`flashcodec_fx.ops`, which every module that calls them does: the caches, the
+transformers integration, the compile pass, the vLLM plugin, or ``flashcodec_fx.ops`` itself.
+"""
 
 from __future__ import annotations
 
-from . import _compat, ops  # noqa: F401  (_compat: torch version floor)
-from .cache import CodecKVCache, CodecOverflowError, CodecStream, codec_decode_attention
-from .codecs import Codec, JPEGCodec, PNGCodec, make_codec, register_codec
-from .config import CacheConfig, LayerConfig, StreamConfig, cache_config
-from .presets import DEFAULT_PRESET, PRESETS
+import importlib
+from typing import Any
+
+from . import _compat  # noqa: F401  (the torch version floor, checked on import)
 
 __version__ = "0.2.0"
 
-_HF_NAMES = ("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
-             "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec")
+_LAZY = {  # public name -> the module that defines it (relative to this package)
+    **dict.fromkeys(("CodecKVCache", "CodecOverflowError", "CodecStream", "codec_decode_attention"), ".cache"),
+    **dict.fromkeys(("Codec", "JPEGCodec", "PNGCodec", "make_codec", "register_codec"), ".codecs"),
+    **dict.fromkeys(("CacheConfig", "LayerConfig", "StreamConfig", "cache_config"), ".config"),
+    **dict.fromkeys(("DEFAULT_PRESET", "PRESETS"), ".presets"),
+    # the compile pass (imports Dynamo)
+    **dict.fromkeys(("CompiledGenerateWarning", "backend", "compile_model"), ".passes"),
+    # the transformers integration (optional dependency)
+    **dict.fromkeys(("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
+                     "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec"), ".hf"),
+}
+_SUBMODULES = ("ops",)  # public subpackages also reachable as attributes without an import statement
 
 __all__ = [
     "DEFAULT_PRESET", "PRESETS", "CacheConfig", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream",
@@ -20,15 +36,17 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """Lazy ``flashcodec_fx.backend`` / ``flashcodec_fx.compile_model``: importing the compile pass loads Dynamo.
-    Lazy transformers integration (``flashcodec_fx.hf``, the ``_HF_NAMES``): transformers stays optional."""
-    if name in ("CompiledGenerateWarning", "backend", "compile_model"):
-        from . import passes
+def __getattr__(name: str) -> Any:
+    """Import the module behind a public name on first access and keep the name here (later lookups are plain)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'flashcodec_fx' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return getattr(passes, name)
-    if name in _HF_NAMES:
-        from . import hf
 
-        return getattr(hf, name)
-    raise AttributeError(f"module 'flashcodec_fx' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})

@@ -83,6 +83,9 @@ PRIVATE = {
     "get_hash_for_files": ("torch._inductor.custom_graph_pass", "get_hash_for_files"),
     "OptimizedModule": ("torch._dynamo.eval_frame", "OptimizedModule"),
     "innermost_backend": ("torch._dynamo.eval_frame", "innermost_backend"),
+    # torch.compiler.disable that imports Dynamo (seconds) on the first call, not when applied: what torch's own
+    # lazily disabled functions (the custom ops' kernels among them) use
+    "disable_dynamo": ("torch", "_disable_dynamo"),
 }
 
 # Private transformers names the integration uses (present in 5.17 .. 5.24).

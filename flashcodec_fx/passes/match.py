@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from .. import ops  # noqa: F401  (defines torch.ops.flashcodec)
+
 aten = torch.ops.aten
 
 SDPA_OPS = {

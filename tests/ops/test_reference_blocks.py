@@ -9,6 +9,7 @@ import pytest
 import torch
 from codec_tiers import kv_like, tier_table
 
+import flashcodec_fx.ops  # noqa: F401  (defines torch.ops.flashcodec)
 from flashcodec_fx.codecs import Encoded, make_codec
 
 ops = torch.ops.flashcodec

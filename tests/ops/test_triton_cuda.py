@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from _triton_cases import form, groups_for, preset_codecs, same_archive, smooth, stored_state  # noqa: E402
 from test_triton_attention import CASES, TOL, _ids, _inputs  # noqa: E402
 
-import flashcodec_fx  # noqa: E402,F401  (registers the ops and their CUDA kernels)
+import flashcodec_fx.ops  # noqa: E402,F401  (defines the ops and registers their CUDA kernels)
 from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
 from flashcodec_fx.ops.triton.gate import KERNELS  # noqa: E402
