@@ -29,7 +29,7 @@ from .ops.state import BATCHED_FIELDS, StreamState, advance, capacity
 from .raw_prefix import RAW_CODEC, RAW_SPEC, compresses, first_call_after, prefix_length, raw_state, replay_calls
 
 LAYOUTS = ("dynamic", "static")
-CROP_MODES = ("exact", "decode")
+CROP_MODES = ("decode", "exact")  # the first is the default
 INITIAL_POSITIONS = 256
 GROWTH_DIVISOR = 16  # a full dynamic archive grows by 1/16 of its capacity (held <= 1.07x stored, amortized O(1) copies)
 GROWTH_MIN_POSITIONS = 64
@@ -59,11 +59,13 @@ class CodecStream:
     holds its first tokens raw (:attr:`raw_prefix`) and allocates the codec's state when it fits in their bytes.
 
     ``memoize``: keep the decoded view (costs a full-precision copy; only for attention on the view). ``crop``:
-    ``"exact"`` (a crop that would reopen an archived group of a lossy codec raises) or ``"decode"`` (reopened tokens
-    come back as the values attention read: the view after a crop is the prefix of the view before it)."""
+    ``"decode"`` (the default: a crop into an archived group reopens it, its kept tokens back in the raw tail as the
+    values attention read, so the view after a crop is the prefix of the view before it and every crop succeeds) or
+    ``"exact"`` (every crop is a bitwise rollback or raises: a crop that would reopen a group whose decode is not the
+    tokens given raises and changes nothing). See :meth:`crop`."""
 
     def __init__(self, codec: Codec, layout: str = "dynamic", max_length: int | None = None, memoize: bool = False,
-                 crop: str = "exact", positions: int | None = None):
+                 crop: str = "decode", positions: int | None = None):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a flashcodec_fx Codec (see make_codec), got {type(codec).__name__}")
         if layout not in LAYOUTS:
@@ -155,12 +157,19 @@ class CodecStream:
             and self.tail.dtype in (torch.float16, torch.bfloat16)
 
     @property
-    def croppable(self) -> bool:
+    def exact_rollback(self) -> bool:
         """Whether every crop is an exact rollback (crop, then the dropped tokens appended again in the same calls,
         leaves every stored tensor as if the crop never happened, bitwise): per-token groups (``G = 1``: every crop
-        is at a group boundary; every lossy preset), exact reopening (:attr:`exact_crop`), or ``crop="decode"``.
-        Block codecs (``G > 1``) crop exactly inside their raw tail only, so not at every depth."""
-        return self.crop_mode == "decode" or self.exact_crop or self.codec.group == 1
+        is at a group boundary; every preset) or exact reopening (:attr:`exact_crop`). Other block codecs (``G > 1``)
+        roll back exactly inside their raw tail and at group boundaries only."""
+        return self.exact_crop or self.codec.group == 1
+
+    @property
+    def croppable(self) -> bool:
+        """Whether every crop succeeds, at any depth (what transformers' assisted decoding needs): always with
+        ``crop="decode"`` (the default: a crop into an archived group reopens it with its decoded values), and with
+        ``crop="exact"`` where every crop is an exact rollback (:attr:`exact_rollback`)."""
+        return self.crop_mode == "decode" or self.exact_rollback
 
     def _groups_for(self, positions: int) -> int:
         return raw_prefix.groups_for(self.codec, positions)
@@ -307,7 +316,7 @@ class CodecStream:
         self._first_call = first_call_after(self._first_call, n, t, self.codec.sinks)
         self._host_length = n + t
 
-    @_compat.disable_dynamo
+    @torch.compiler.disable
     def _convert(self, x: torch.Tensor) -> torch.Tensor:
         """Leave the raw prefix before appending ``x (B, H, T, D)``: allocate the codec state for the held tokens and
         ``x``, and append the held ones as the calls of :func:`~flashcodec_fx.raw_prefix.replay_calls`. Returns the
@@ -378,10 +387,14 @@ class CodecStream:
         """Keep the first ``n`` tokens (``n < 0`` drops ``-n``; past the start empties the stream, as transformers'
         DynamicLayer does). A crop inside the raw tail (at least the window deep, once the window is filled), or to a
         group boundary (any depth for per-token codecs), is an exact rollback: crop + re-append of the same tokens
-        equals never cropping, bitwise. A crop inside an archived group reopens it: its kept tokens come back into the
-        tail as the values attention read, when the codec is exact or ``crop="decode"``; otherwise it raises and
-        nothing changes. Tokens held raw crop exactly at any depth; a dynamic stream cropped to nothing holds its
-        tokens raw again (its state released: as a new stream)."""
+        equals never cropping, bitwise. A crop inside an archived group reopens it: the group leaves the archive and
+        its kept tokens come back into the raw tail as the values attention read (one decode of that group alone,
+        ``O(G)``; the memo's rows where kept). That is the tokens given for png ``keep_ratio=1.0`` on 16-bit streams
+        (an exact rollback), within fp rounding of them on fp32 streams, and a lossy codec's decoded values otherwise;
+        the reopened rows read as before until their group is archived again, encoded from those values.
+        ``crop="exact"`` refuses (ValueError, nothing changed) a reopening that is not the tokens given. Tokens held
+        raw crop exactly at any depth; a dynamic stream cropped to nothing holds its tokens raw again (its state
+        released: as a new stream)."""
         keep = self.check_crop(n)
         self._repay_memo()
         length = self.get_seq_length()
@@ -403,16 +416,16 @@ class CodecStream:
         if keep >= start:  # inside the tail: drop raw rows
             st.tail[:, :, keep - start:].zero_()
         else:
-            reopened = self._reopened(keep)
+            reopened, filled = self._reopened(keep), self.filled_groups
             rows = torch.zeros_like(st.tail)
             if keep > reopened:
-                rows[:, :, : keep - reopened] = to_stored(codec, st, self.read()[:, :, reopened:keep])
+                rows[:, :, : keep - reopened] = self._reopened_rows(reopened, keep)
             st.tail.copy_(rows)
             st.start.fill_(reopened)
             first_open = (reopened - codec.sinks) // codec.group
-            for t in st[:4]:  # the reopened and later groups hold nothing any more
+            for t in st[:4]:  # the reopened and later groups hold nothing any more (past the filled ones: zeros)
                 if t.numel():
-                    t[:, :, first_open:].zero_()
+                    t[:, :, first_open:filled].zero_()
             self._host_start = reopened
         if keep < codec.sinks:
             st.sink[:, :, keep:].zero_()
@@ -421,8 +434,8 @@ class CodecStream:
         if codec.normalize and keep <= codec.sinks:  # as the mean: the next call past the sinks measures again
             st.sink.copy_(from_stored(codec, st, st.sink))
             st.norm.zero_()
-        if self.memo is not None:
-            self.memo[:, :, keep:].zero_()
+        if self.memo is not None:  # zeros past the length
+            self.memo[:, :, keep:length].zero_()
         st.length.fill_(keep)
         self._host_length = keep
 
@@ -476,6 +489,21 @@ class CodecStream:
         codec = self.codec
         return codec.sinks + max(0, keep - codec.sinks) // codec.group * codec.group
 
+    def _reopened_rows(self, reopened: int, keep: int) -> torch.Tensor:
+        """Positions ``reopened .. keep - 1`` of the archive group starting at ``reopened``, as tail rows ``(B, H,
+        keep - reopened, D)`` in the stored domain: what :meth:`read` gives there (the memo's rows where kept; else
+        ``flashcodec::read`` of a state holding that group alone, so a crop decodes ``G`` positions, never the
+        history)."""
+        codec, st = self.codec, self.state
+        if self.memo is not None:
+            view = self.memo[:, :, reopened:keep]
+        else:
+            group = (reopened - codec.sinks) // codec.group
+            end = torch.full_like(st.start, codec.sinks + codec.group)  # the group archived, no tail row
+            alone = StreamState(*(t[:, :, group: group + 1].contiguous() for t in st[:4]), *st[4:7], end, end, st.norm)
+            view = torch.ops.flashcodec.read(list(alone), self.spec)[:, :, codec.sinks: codec.sinks + keep - reopened]
+        return to_stored(codec, st, view)
+
     def check_crop(self, n: int) -> int:
         """The length :meth:`crop` ``(n)`` leaves; raises (TypeError, ValueError) where crop would, changing nothing."""
         if isinstance(n, bool) or not isinstance(n, int):
@@ -487,9 +515,11 @@ class CodecStream:
             reopened = self._reopened(keep)
             if keep > reopened:
                 raise ValueError(f"a crop of {length - keep} tokens (to {keep}) would reopen archived tokens "
-                                 f"{reopened}..{keep - 1} of a lossy codec, which cannot give them back exactly; crop at most "
+                                 f"{reopened}..{keep - 1} of a codec that cannot give them back exactly, and "
+                                 f"crop='exact' asks for exact rollbacks; crop at most "
                                  f"{length - max(start, min(length, self.codec.sinks))} tokens here, or build the "
-                                 f"cache with crop='decode'")
+                                 f"cache with crop='decode' (the default: reopened tokens come back as the values "
+                                 f"attention read)")
         return keep
 
     def index_select(self, indices: torch.Tensor) -> None:
@@ -648,7 +678,7 @@ class CodecKVCache:
     keywords (``CodecKVCache(mode="jpeg", block_size=8, keep_freqs=2)``), shared by both streams."""
 
     def __init__(self, key_codec: Codec | None = None, value_codec: Codec | None = None, layout: str = "dynamic",
-                 max_length: int | None = None, memoize: bool = False, crop: str = "exact", **codec_options):
+                 max_length: int | None = None, memoize: bool = False, crop: str = "decode", **codec_options):
         if value_codec is not None and codec_options:
             raise ValueError("pass either codecs (key_codec / value_codec) or codec options, not both")
         key_codec = _codec(key_codec, dict(codec_options))

@@ -117,9 +117,10 @@ def test_lossy_crop_inside_the_raw_tail_is_a_true_rollback(tier, layout):
 
 
 @pytest.mark.parametrize("tier", ["int8", "k-dct-channel"])
-def test_lossy_crop_inside_an_archived_group_raises_and_changes_nothing(tier):
+def test_exact_crop_inside_an_archived_group_raises_and_changes_nothing(tier):
     x = torch.randn(1, 2, 60, D, generator=torch.Generator().manual_seed(2))
-    stream = stream_of(tier, "dynamic", x, (41,))
+    stream = stream_of(tier, "dynamic", x, (41,), crop="exact")
+    assert not stream.croppable and stream_of(tier, "dynamic", x, (41,)).croppable  # the default reopens
     before = snapshot(stream)
     depth = stream.get_seq_length() - max(stream.archived_tokens, stream.codec.sinks)
     with pytest.raises(ValueError, match="reopen archived tokens") as err:

@@ -49,7 +49,7 @@ class StaticSlidingNative(UserWarning):
 
 
 def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: Any, strict: Any, memoize: Any,
-                         crop: Any = "exact") -> None:
+                         crop: Any = "decode") -> None:
     """Validate the cache-wide options (ValueError / TypeError naming the option), before anything is built."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -110,7 +110,7 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def __init__(self, key_codec: Codec, value_codec: Codec | None = None, layout: str = "dynamic",
                  max_cache_len: int | None = None, memoize: bool | None = None, materialization_free: bool = True,
-                 strict: bool = False, crop: str = "exact"):
+                 strict: bool = False, crop: str = "decode"):
         check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
         super().__init__()
         memoize = (not materialization_free) if memoize is None else memoize
@@ -170,10 +170,12 @@ class FlashCodecLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        """Whether every ``crop`` puts this layer back as it was (assisted and prompt-lookup decoding crop their
-        rejected draft tokens, of any count): both streams :attr:`~flashcodec_fx.CodecStream.croppable` (per-token
-        codecs, every preset; exact reopening; ``crop="decode"``). Block codecs crop exactly inside their raw tail
-        only: a crop that would reopen an archived group raises, naming its depth, and changes nothing."""
+        """Whether ``crop`` succeeds at any depth (assisted and prompt-lookup decoding crop their rejected draft
+        tokens, of any count): both streams :attr:`~flashcodec_fx.CodecStream.croppable`. True for every codec with
+        ``crop="decode"`` (the default: a crop into an archived group reopens it with the values attention read;
+        an exact rollback for per-token codecs, every preset, and png ``keep_ratio=1.0`` on 16-bit streams). With
+        ``crop="exact"`` only where every crop is an exact rollback; a crop that would reopen another codec's group
+        then raises, naming its depth, and changes nothing."""
         return self.keys_stream.croppable and self.values_stream.croppable
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -567,7 +569,7 @@ class FlashCodecCache(Cache):
 
     def __init__(self, codecs: CacheConfig | str | None = None, *, layout: str = "dynamic",
                  max_cache_len: int | None = None, materialization_free: bool = True, strict: bool = False,
-                 memoize: bool | None = None, crop: str = "exact", offloading: bool = False,
+                 memoize: bool | None = None, crop: str = "decode", offloading: bool = False,
                  offload_only_non_sliding: bool = True, config: Any = None, num_layers: int | None = None,
                  **options: Any):
         check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)

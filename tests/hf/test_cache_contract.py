@@ -71,10 +71,11 @@ ROLLBACKS = {  # name: (cache options, stream dtype, crop, exact rollback?)
 
 @pytest.mark.parametrize("name", list(ROLLBACKS))
 def test_crop_then_reappend_is_a_bitwise_rollback_or_is_refused(name):
+    """crop="exact": every crop is a bitwise rollback, or raises and changes nothing (is_croppable says which)."""
     options, dtype, crop, exact = ROLLBACKS[name]
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(1, H, 48, D, generator=gen).to(dtype) for _ in range(2))
-    caches = [fx.FlashCodecCache(num_layers=1, materialization_free=False, **options) for _ in range(2)]
+    caches = [fx.FlashCodecCache(num_layers=1, materialization_free=False, crop="exact", **options) for _ in range(2)]
     for cache in caches:
         cache.update(k, v, 0)
     plain, rolled = caches
@@ -94,16 +95,39 @@ def test_crop_then_reappend_is_a_bitwise_rollback_or_is_refused(name):
     assert torch.equal(plain.layers[0].keys, layer.keys) and torch.equal(plain.layers[0].values, layer.values)
 
 
+@pytest.mark.parametrize("name", list(ROLLBACKS))
+def test_the_default_crop_mode_crops_every_tier_at_any_depth(name):
+    """issue 32: the default crop="decode" reopens an archived group with the values attention read, so every tier is
+    croppable; the kept positions read as before the crop, and where crop="exact" rolls back bitwise so does it."""
+    options, dtype, crop, exact = ROLLBACKS[name]
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, H, 48, D, generator=gen).to(dtype) for _ in range(2))
+    plain, rolled = (fx.FlashCodecCache(num_layers=1, materialization_free=False, **options) for _ in range(2))
+    for cache in (plain, rolled):
+        cache.update(k, v, 0)
+    assert rolled.is_croppable
+    kept = [view[:, :, : 48 + crop].clone() for view in (rolled.layers[0].keys, rolled.layers[0].values)]
+    rolled.crop(crop)
+    assert rolled.get_seq_length() == 48 + crop
+    assert torch.equal(rolled.layers[0].keys, kept[0]) and torch.equal(rolled.layers[0].values, kept[1])
+    rolled.update(k[:, :, 48 + crop:], v[:, :, 48 + crop:], 0)
+    if exact:
+        assert same(snapshot(plain.layers[0]), snapshot(rolled.layers[0]))
+    elif options.get("mode") == "png":  # fp32 deltas: the reopened rows within fp rounding of the tokens given
+        torch.testing.assert_close(rolled.layers[0].keys, plain.layers[0].keys, rtol=1e-6, atol=1e-6)
+
+
 def test_assisted_decoding_needs_a_croppable_cache():
-    """transformers checks is_croppable before its first crop: a lossy tier in the exact crop mode is refused there,
-    crop="decode" runs (the reopened tokens come back as attention read them)."""
+    """transformers checks is_croppable before its first crop: a lossy block tier with crop="exact" is refused there;
+    the default crop="decode" runs (the reopened tokens come back as attention read them)."""
     model, assistant = tiny_model("llama"), fresh_tiny_model("llama", seed=1)
     ids = tiny_prompt(1, 12)
     kw = dict(max_new_tokens=6, do_sample=False, assistant_model=assistant)
     blocks = dict(mode="jpeg", block_size=8, quant_bits=8, materialization_free=False)  # 8-token groups: lossy crops
+    exact = fx.FlashCodecCache.from_config(model.config, **blocks, crop="exact")
     with pytest.raises(ValueError, match="can be cropped|would reopen archived tokens"):  # 5.2x checks first
-        model.generate(ids, **kw, **cache_kwargs(fx.FlashCodecCache.from_config(model.config, **blocks)))
-    decode = fx.FlashCodecCache.from_config(model.config, **blocks, crop="decode")
+        model.generate(ids, **kw, **cache_kwargs(exact))
+    decode = fx.FlashCodecCache.from_config(model.config, **blocks)
     assert decode.is_croppable
     assert model.generate(ids, **kw, **cache_kwargs(decode)).shape == (1, 18)
 
@@ -165,7 +189,7 @@ def test_static_overflow_is_an_index_error_and_changes_nothing():
 # 7. the materialization-free hand-off fell back silently to attention over one token when the attention function
 #    did not receive the key tensor it expected
 class _Attention(torch.nn.Module):
-    num_key_value_groups, is_causal = 2, True
+    num_key_value_groups, is_causal, layer_idx = 2, True, 0
 
 
 def test_a_hand_off_the_attention_never_received_raises():

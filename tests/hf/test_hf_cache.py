@@ -22,7 +22,7 @@ def _states(t: int, seed: int, dtype=torch.float32):
     return (torch.randn(B, H, t, D, generator=gen).to(dtype), torch.randn(B, H, t, D, generator=gen).to(dtype))
 
 
-def _layer(mode="jpeg", layout="dynamic", max_cache_len=None, view=True, crop="exact", **codec):
+def _layer(mode="jpeg", layout="dynamic", max_cache_len=None, view=True, crop="decode", **codec):
     """A layer attending on the decoded view (``view=True``, the materialized path) or on the stored form."""
     kc = make_codec(mode, block_size=8, **codec)
     return FlashCodecLayer(kc, kc, layout=layout, max_cache_len=max_cache_len, materialization_free=not view, crop=crop)
@@ -109,15 +109,17 @@ def test_crop_gives_back_exactly_the_prefix_of_the_view(layout):
     assert int(layer.get_seq_length()) == 0 and layer.keys.shape[2] == 0
 
 
-def test_lossy_layer_is_not_croppable_unless_asked():
-    exact, decode = _layer(quant_bits=8), _layer(quant_bits=8, crop="decode")
-    png = _layer("png")
+def test_a_lossy_block_layer_is_croppable_unless_exact_crops_are_asked_for():
+    exact, decode = _layer(quant_bits=8, crop="exact"), _layer(quant_bits=8)  # the default reopens groups
+    png = _layer("png", crop="exact")
     for layer in (exact, decode, png):
         _filled(layer, prompt=29, dtype=torch.bfloat16)  # past the raw prefix: 4 archived groups, 5 tail tokens
-    assert not exact.is_croppable and decode.is_croppable and png.is_croppable
+    assert not exact.is_croppable and decode.is_croppable and png.is_croppable  # bf16 png reopens exactly
     exact.crop(-5)  # inside the raw tail: allowed and exact
     with pytest.raises(ValueError, match="reopen archived tokens"):
         exact.crop(-3)
+    decode.crop(-8)
+    assert decode.get_seq_length() == 29
 
 
 def test_beam_reorder_and_batch_ops_move_every_tensor_together():
