@@ -21,6 +21,7 @@ _LAZY = {  # public name -> the module that defines it (relative to this package
     **dict.fromkeys(("Codec", "JPEGCodec", "PNGCodec", "make_codec", "register_codec"), ".codecs"),
     **dict.fromkeys(("CacheConfig", "LayerConfig", "StreamConfig", "cache_config"), ".config"),
     **dict.fromkeys(("DEFAULT_PRESET", "PRESETS"), ".presets"),
+    "UntestedTransformersWarning": "._compat",
     # the compile pass (imports Dynamo)
     **dict.fromkeys(("CompiledGenerateWarning", "backend", "compile_model"), ".passes"),
     # the transformers integration (optional dependency)
@@ -32,7 +33,7 @@ _SUBMODULES = ("ops",)  # public subpackages also reachable as attributes withou
 __all__ = [
     "DEFAULT_PRESET", "PRESETS", "CacheConfig", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream",
     "JPEGCodec", "LayerConfig", "PNGCodec", "StreamConfig", "cache_config", "codec_decode_attention", "make_codec", "ops",
-    "register_codec", "__version__",
+    "UntestedTransformersWarning", "register_codec", "__version__",
 ]
 
 

@@ -1,10 +1,11 @@
 """Version gates: the oldest torch / transformers / triton flashcodec_fx runs with, and every private API it uses.
 
-Floors are what the code was run with (torch 2.11 .. 2.13, transformers 5.17 .. 5.24, triton 3.6 .. 3.9); an older
-install fails on import with the version found and the pip command that fixes it. Every private torch API of the
-package is reached through this module (``PRIVATE``: name -> module, imported on first use), so a release that moves
-one breaks here, in one place. Private transformers attributes the integration relies on (all present in
-5.17 .. 5.24) are named here too, with the one behaviour that differs by version: the cache keyword of
+Floors are what the code was run with (torch 2.11 .. 2.13, transformers 5.17 .. 5.25, triton 3.6 .. 3.9); an older
+install fails on import with the version found and the pip command that fixes it. transformers also has a newest
+tested release (``TRANSFORMERS_TESTED``, the "tested newest" policy: no upper pin, a warning past it). Every private
+torch API of the package is reached through this module (``PRIVATE``: name -> module, imported on first use), so a
+release that moves one breaks here, in one place. Private transformers attributes the integration relies on (all
+present in 5.17 .. 5.25) are named here too, with the one behaviour that differs by version: the cache keyword of
 ``generate()`` (``past_key_values=`` until 5.23, ``cache=`` from 5.24, which deprecates the old name).
 """
 
@@ -14,13 +15,20 @@ import importlib
 import importlib.metadata
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 TORCH_FLOOR = (2, 11)
-TRANSFORMERS_FLOOR = (5, 17)
+TRANSFORMERS_TESTED = ((5, 17), (5, 25))
+"""The oldest and the newest transformers minor releases the test suite passes on (CI runs both ends). Policy, "tested
+newest": pyproject sets the floor only (an upper pin lags behind every release and blocks its fixes); a newer release
+installs, and the integration warns (:class:`UntestedTransformersWarning`, once per process) and ``flashcodec info``
+prints a WARNING line until the suite has passed on it and this range is moved up. Older than the floor: ImportError
+(``require_transformers``)."""
+TRANSFORMERS_FLOOR = TRANSFORMERS_TESTED[0]
 TRITON_FLOOR = (3, 6)
 CACHE_KEYWORD_SINCE = (5, 24)  # transformers: generate(cache=...); past_key_values= warns (FutureWarning)
 
@@ -67,6 +75,38 @@ def require_transformers() -> None:
     require("transformers", TRANSFORMERS, TRANSFORMERS_FLOOR)
 
 
+class UntestedTransformersWarning(UserWarning):
+    """The installed transformers is outside the releases flashcodec_fx is tested with (``TRANSFORMERS_TESTED``)."""
+
+
+def transformers_untested(have: tuple[int, int] | None) -> str | None:
+    """What is wrong when transformers ``have`` (major, minor) is outside ``TRANSFORMERS_TESTED`` (None: inside, or
+    not installed): the version, the tested range and the pip command back into it."""
+    oldest, newest = TRANSFORMERS_TESTED
+    if have is None or oldest <= have <= newest:
+        return None
+    tested = f"tested {_floor_text(oldest)} .. {_floor_text(newest)}"
+    if have < oldest:
+        return (f"transformers {_floor_text(have)} is older than flashcodec_fx supports ({tested}): "
+                f"pip install 'transformers>={_floor_text(oldest)}'")
+    return (f"transformers {_floor_text(have)} is newer than the newest release flashcodec_fx is tested with ({tested}); "
+            f"the cache API changes between releases, so it may fail: pip install "
+            f"'transformers>={_floor_text(oldest)},<{newest[0]}.{newest[1] + 1}' for a tested one")
+
+
+_warned_untested: set[tuple[int, int]] = set()
+
+
+def warn_untested_transformers(stacklevel: int = 3) -> None:
+    """Warn (:class:`UntestedTransformersWarning`, once per process) when the installed transformers is untested;
+    called where the integration is first used (``FlashCodecCache``, ``apply_flash_codec``, ``compress_kv``), not on
+    import. ``stacklevel`` 3: the caller of the function that calls this."""
+    message = transformers_untested(TRANSFORMERS)
+    if message is not None and TRANSFORMERS not in _warned_untested:
+        _warned_untested.add(TRANSFORMERS)
+        warnings.warn(message, UntestedTransformersWarning, stacklevel=stacklevel)
+
+
 # Private torch APIs (present and unchanged in torch 2.11 .. 2.13): name -> (module, attribute).
 PRIVATE = {
     "mark_static_address": ("torch._dynamo", "mark_static_address"),
@@ -88,7 +128,7 @@ PRIVATE = {
     "disable_dynamo": ("torch", "_disable_dynamo"),
 }
 
-# Private transformers names the integration uses (present in 5.17 .. 5.24).
+# Private transformers names the integration uses (present in 5.17 .. 5.25).
 PREPARE_CACHE_METHOD = "_prepare_cache_for_generation"  # GenerationMixin: builds the cache of one generate() call
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from pathlib import Path
 
@@ -69,3 +70,70 @@ def test_generate_cache_keyword_is_the_one_this_transformers_wants():
         warnings.simplefilter("error")
         out = model.generate(tiny_prompt(), max_new_tokens=3, do_sample=False, **{_compat.GENERATE_CACHE_KWARG: cache})
     assert cache.get_seq_length() == out.shape[1] - 1
+
+
+@pytest.mark.parametrize(("have", "expected"), [
+    (None, None), ((5, 17), None), ((5, 21), None), ((5, 25), None),
+    ((5, 26), r"transformers 5\.26 is newer than the newest release flashcodec_fx is tested with \(tested 5\.17 \.\. "
+              r"5\.25\).*pip install 'transformers>=5\.17,<5\.26'"),
+    ((6, 0), r"transformers 6\.0 is newer"),
+    ((5, 16), r"transformers 5\.16 is older than flashcodec_fx supports \(tested 5\.17 \.\. 5\.25\): "
+              r"pip install 'transformers>=5\.17'"),
+])
+def test_transformers_outside_the_tested_range_is_named_with_the_fix(have, expected):
+    message = _compat.transformers_untested(have)
+    assert message is None if expected is None else re.search(expected, message), message
+
+
+@pytest.fixture
+def untested_transformers(monkeypatch):
+    """``set((major, minor))``: the installed transformers as the integration sees it; the once-per-process record reset."""
+    monkeypatch.setattr(_compat, "_warned_untested", set())
+    return lambda version: monkeypatch.setattr(_compat, "TRANSFORMERS", version)
+
+
+def test_the_integration_warns_once_on_an_untested_transformers(untested_transformers):
+    pytest.importorskip("transformers")
+    from flashcodec_fx.hf import FlashCodecCache, compress_kv
+
+    untested_transformers((5, 99))
+    with pytest.warns(_compat.UntestedTransformersWarning, match="transformers 5.99 is newer"):
+        FlashCodecCache(preset="int8", num_layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        FlashCodecCache(preset="int8", num_layers=1)
+        compress_kv(preset="int8")
+    untested_transformers((5, 98))
+    with pytest.warns(_compat.UntestedTransformersWarning, match="transformers 5.98 is newer"):
+        compress_kv(preset="int8")
+
+
+def test_apply_flash_codec_warns_and_a_tested_transformers_does_not(untested_transformers):
+    pytest.importorskip("transformers")
+    from conftest import fresh_tiny_model
+
+    from flashcodec_fx.hf import FlashCodecCache, apply_flash_codec, remove_flash_codec
+
+    model = fresh_tiny_model("llama")
+    untested_transformers((5, 97))
+    with pytest.warns(_compat.UntestedTransformersWarning, match="5.97"):
+        apply_flash_codec(model, preset="int8")
+    remove_flash_codec(model)
+    untested_transformers(_compat.TRANSFORMERS_TESTED[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FlashCodecCache(preset="int8", num_layers=1)
+        apply_flash_codec(model, preset="int8")
+    remove_flash_codec(model)
+
+
+def test_tested_newest_policy_no_upper_pin_and_the_docs_state_the_range():
+    """pyproject sets the floor only (the warning covers newer releases); docs/hf.md states the tested range."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = [r for extra in extras.values() for r in extra if r.startswith("transformers")]
+    assert pins and all("<" not in r for r in pins), pins
+    oldest, newest = (".".join(map(str, end)) for end in _compat.TRANSFORMERS_TESTED)
+    assert f"transformers {oldest} .. {newest}" in (root / "docs" / "hf.md").read_text()
+    assert _compat.TRANSFORMERS_FLOOR == _compat.TRANSFORMERS_TESTED[0]

@@ -21,7 +21,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def collect() -> dict[str, Any]:
-    """Everything ``info`` prints: versions (None: not installed) against the floors, device, kernel report."""
+    """Everything ``info`` prints: versions (None: not installed) against the floors and transformers' tested range,
+    warnings (a version outside them), device, kernel report."""
     import torch
 
     from .. import __version__
@@ -33,6 +34,8 @@ def collect() -> dict[str, Any]:
         "versions": {"flashcodec_fx": __version__, "python": platform.python_version(),
                      **{dist: version(dist) for dist in VERSIONED}},
         "floors": {dist: ".".join(map(str, floor)) for dist, floor in floors.items()},
+        "tested": {"transformers": " .. ".join(".".join(map(str, end)) for end in _compat.TRANSFORMERS_TESTED)},
+        "warnings": [w for w in (_compat.transformers_untested(_compat.TRANSFORMERS),) if w is not None],
         "device": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                    "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                    "torch_cuda_build": torch.version.cuda},
@@ -46,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    versions, floors = report["versions"], report["floors"]
+    versions, floors, tested = report["versions"], report["floors"], report["tested"]
     print("versions")
     for dist, have in versions.items():
-        floor = f" (needs >= {floors[dist]})" if dist in floors else ""
+        floor = f" (tested {tested[dist]})" if dist in tested else f" (needs >= {floors[dist]})" if dist in floors else ""
         print(f"  {dist:<14} {have or 'not installed'}{floor}")
+    for warning in report["warnings"]:
+        print(f"WARNING: {warning}")
     device = report["device"]
     build = f"for CUDA {device['torch_cuda_build']}" if device["torch_cuda_build"] else "CPU-only"
     print(f"device\n  CPU: {device['cpu_count']} cores, torch uses {device['torch_threads']} threads"

@@ -572,6 +572,7 @@ class FlashCodecCache(Cache):
                  memoize: bool | None = None, crop: str = "decode", offloading: bool = False,
                  offload_only_non_sliding: bool = True, config: Any = None, num_layers: int | None = None,
                  **options: Any):
+        _compat.warn_untested_transformers()
         check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
         for name, value in (("offloading", offloading), ("offload_only_non_sliding", offload_only_non_sliding)):
             if not isinstance(value, bool):

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
-from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache
+from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache, warn_untested_transformers
 from .attention import apply_codec_attention, remove_codec_attention
 from .cache import CACHE_SWITCHES, FlashCodecCache, resolve_codecs
 from .compile import check_compile, forget_compiled_call, install_compile_config
@@ -112,6 +112,7 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
     ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.hf.compile``).
     Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
     """
+    warn_untested_transformers()
     _check_model(model)
     compiled = check_compile(options.pop("compile", False), options)
     options = _validate(options, model.config)
@@ -148,6 +149,7 @@ def compress_kv(**options: Any) -> Callable[[T], T]:
     modified in place and returned). With ``materialization_free=True`` each instance switches to the ``"kvcodec"``
     attention implementation on its first ``generate()``. Undo with ``remove_flash_codec(cls)``.
     """
+    warn_untested_transformers()
     compiled = check_compile(options.pop("compile", False), options)
     options = _validate(options)
 
