@@ -1,7 +1,7 @@
 """End-to-end decode, eager and compiled: raw transformers caches vs the codec cache (and a peer), tok/s and bytes.
 
 For each model, context length and configuration, one subprocess (clean memory figures), ``--threads`` torch threads
-(2):
+(2; ``auto``: the CLI's policy, ``flashcodec_fx/threads.py``, decided in each subprocess):
 - the cache is filled with ``context`` random K/V states per layer (prefill cost is not measured; decode cost depends
   on how many tokens are stored, not on their values); greedy single-token steps follow, timed one by one after one
   untimed step (per-step latency median / p90, tok/s = 1 / median);
@@ -49,10 +49,11 @@ import time
 import warnings
 
 import torch
-from common import NEIGHBOURS, neighbour, write_result
+from common import NEIGHBOURS, add_threads_argument, neighbour, write_result
 
 from flashcodec_fx import PRESETS
 from flashcodec_fx.evaluate.storage import cache_bytes
+from flashcodec_fx.threads import apply_threads
 
 COMPILED = ("raw", "codec_materialized", "codec_pass")
 EAGER_PRESETS = {f"eager_{name}": name for name in PRESETS if name != "lossless"}
@@ -138,12 +139,12 @@ def _kv_bytes(cache, config: str, raw_equivalent: int) -> dict:
 
 
 def run_one(model_name: str, config: str, context: int, new_tokens: int, device: str = "cpu",
-            mode: str | None = None, threads: int | None = None) -> dict:
+            mode: str | None = None, threads: str | int | None = None) -> dict:
     import flashcodec_fx as fx
     from flashcodec_fx.hf import FlashCodecCache  # noqa: F401  (registers the layer types)
 
     if threads:
-        torch.set_num_threads(threads)
+        apply_threads(threads)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = _model(model_name).to(device=device, dtype=dtype)
@@ -209,13 +210,13 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
             "kv_bytes": _kv_bytes(cache, config, raw_equivalent), "view_bytes_per_step": view, "tokens": tokens}
 
 
-def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: int,
+def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: str | int,
               neighbour_kind: str = "none") -> list[dict]:
     """The eager configurations on one model in one process, their steps interleaved (a round times one step of
     each), so that their ratios share the machine's conditions; one row per configuration."""
     from flashcodec_fx.hf import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
 
-    torch.set_num_threads(threads)
+    apply_threads(threads)
     torch.manual_seed(0)
     model = _model(model_name).float()
     cfg = model.config
@@ -297,7 +298,7 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(COMPILED), help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 model and cache")
     parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead" (CUDA graphs)')
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    add_threads_argument(parser, 2, "torch threads of each run")
     parser.add_argument("--neighbours", default="none",
                         help=f"comma list of {', '.join(NEIGHBOURS)}: each eager run once per kind, next to those "
                              "CPU-burning processes (common.neighbour)")

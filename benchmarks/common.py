@@ -4,10 +4,14 @@ Usage from a script in ``benchmarks/``::
 
     from common import median_time, metadata, write_result
     write_result("mybench", {"rows": rows}, out=args.out)   # -> benchmarks/results/mybench.json
+
+Threads: ``add_threads_argument(parser, default)``, then ``flashcodec_fx.threads.apply_threads(args.threads)``, give a
+benchmark the CLI's ``--threads auto|N`` (one policy for the command and the benchmarks).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import subprocess
@@ -19,10 +23,11 @@ from pathlib import Path
 import torch
 
 from flashcodec_fx.provenance import metadata, write_json
+from flashcodec_fx.threads import parse_threads
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-__all__ = ["NEIGHBOURS", "RESULTS_DIR", "copy_gbps", "median_time", "median_times", "metadata", "neighbour",
-           "write_result"]
+__all__ = ["NEIGHBOURS", "RESULTS_DIR", "add_threads_argument", "copy_gbps", "median_time", "median_times", "metadata",
+           "neighbour", "write_result"]
 
 # CPU-burning neighbour processes (a shared machine's other jobs, on purpose): pure-Python busy loops, one per core;
 # or one process running a torch matmul loop on every core (OpenMP threads, like another model's decode).
@@ -38,6 +43,19 @@ def write_result(name: str, payload: dict, out: str | Path | None = None) -> Pat
     ``benchmarks/results/<name>.json``); :func:`flashcodec_fx.provenance.metadata` records date, machine, load,
     versions and the git commit."""
     return write_json(out if out is not None else RESULTS_DIR / f"{name}.json", name, payload)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, default: str | int, what: str = "torch threads") -> None:
+    """``--threads auto|N`` (``default``), parsed by :func:`flashcodec_fx.threads.parse_threads`."""
+    def parse(value: str) -> str | int:
+        try:
+            return parse_threads(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parser.add_argument("--threads", type=parse, default=parse_threads(default), metavar="auto|N",
+                        help=f"{what} (default {default}; auto: torch's default on a quiet machine, fewer, down to "
+                             "one, for the cores other processes keep busy: flashcodec_fx/threads.py)")
 
 
 def median_times(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict[str, float]:

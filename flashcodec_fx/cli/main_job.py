@@ -145,6 +145,7 @@ def measure(model: Any, ids: torch.Tensor, new_tokens: int, tiers: list[Tier],
     for tier in tiers:
         bar = progress(tier, new_tokens)
         counter = StepProgress(model, bar, None if ref is None else ref.tokens)
+        threads = torch.get_num_threads()
         start = time.perf_counter()
         try:
             if ref is None:
@@ -157,7 +158,29 @@ def measure(model: Any, ids: torch.Tensor, new_tokens: int, tiers: list[Tier],
             counter.close()
             bar.close()
         seconds = time.perf_counter() - start
-        yield row(tier, gen, ref, raw_bytes, values, seconds)
+        yield row(tier, gen, ref, raw_bytes, values, seconds) | {"threads": threads}
+
+
+def prepare_kernels(device: str) -> tuple[str, float] | None:
+    """Build (or load) the fused C++ CPU kernels now, before any tier is timed, so that no row's time includes a
+    first build (~30 s, once per machine; ``ops/cpu/build.py`` announces it on stderr). ``(a line saying what
+    happened, seconds)``; None off the CPU or with ``FLASHCODEC_KERNELS=reference``."""
+    from ..ops.cpu import ENV, EXTENSION, kernel_mode
+    from ..ops.cpu.build import binary_path
+
+    if torch.device(device).type != "cpu" or kernel_mode() == "reference":
+        return None
+    binary = binary_path()
+    cached = binary.exists()
+    start = time.perf_counter()
+    module = EXTENSION.module()
+    seconds = time.perf_counter() - start
+    if module is None:
+        return (f"CPU kernels: not built ({EXTENSION.error}); the codec tiers run the reference ops (slower; "
+                f"{ENV}=reference silences this)", seconds)
+    if cached:
+        return f"CPU kernels: fused C++, loaded in {seconds:.1f} s", seconds
+    return f"CPU kernels: fused C++, built in {seconds:.0f} s before the first tier (once per machine: {binary.parent})", seconds
 
 
 def row(tier: Tier, gen: Any, ref: Any, raw_bytes: int, values: int, seconds: float) -> dict[str, Any]:

@@ -32,7 +32,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens generated per tier (default 64)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model and cache dtype (default float32)")
-    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", default="auto", metavar="auto|N",
+                        help="torch CPU threads (default auto: torch's default on a quiet machine, fewer, down to one, "
+                             "for the cores other processes keep busy, checked again before each tier; "
+                             "flashcodec_fx/threads.py)")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the full results as JSON to FILE")
     parser.set_defaults(handler=run)
 
@@ -46,8 +49,12 @@ def _tier_names(args: argparse.Namespace) -> list[str]:
 def _check(args: argparse.Namespace) -> None:
     if args.new_tokens < 2:
         raise CLIError(f"--new-tokens must be >= 2, got {args.new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    from ..threads import parse_threads
+
+    try:
+        args.threads = parse_threads(args.threads)
+    except ValueError as err:
+        raise CLIError(f"--{err}") from None
     if args.out is not None and Path(args.out).is_dir():
         raise CLIError(f"--out {args.out!r} is a folder; give a file name, e.g. {Path(args.out) / 'main_job.json'}")
     import torch
@@ -113,22 +120,30 @@ def run(args: argparse.Namespace) -> int:
         tiers = main_job.resolve_tiers(_tier_names(args))
     except ValueError as err:
         raise CLIError(f"--tiers / --preset: {err}") from None
-    import torch
+    from ..threads import apply_threads
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    choice = apply_threads(args.threads)
     model, tokenizer = _load(args)
     ids = prompt_ids(tokenizer, args.prompt).to(args.device)
     name = args.model or "SmolLM2-135M-Instruct"
     print(f"flashcodec run: {name} ({model.config.num_hidden_layers} layers, {args.dtype}, {args.device}, "
-          f"{torch.get_num_threads()} CPU threads); prompt {ids.shape[1]} tokens, {args.new_tokens} new tokens per "
-          f"tier; tiers: {', '.join(t.name for t in tiers)}", flush=True)
+          f"{choice.threads} CPU threads, --threads {choice.setting}: {choice.reason}); prompt {ids.shape[1]} tokens, "
+          f"{args.new_tokens} new tokens per tier; tiers: {', '.join(t.name for t in tiers)}", flush=True)
+    kernels = main_job.prepare_kernels(args.device)
+    if kernels is not None:
+        print(kernels[0], flush=True)
     header, separator = main_job.markdown_rows([], main_job.COLUMNS)
     print(header, separator, sep="\n", flush=True)
-    rows = []
+    rows, choices = [], [choice.as_dict()]
     for result in main_job.measure(model, ids, args.new_tokens, tiers, _progress_bar):
         rows.append(result)
         print(main_job.markdown_rows([result], main_job.COLUMNS)[2], flush=True)
+        if args.threads == "auto" and len(rows) < len(tiers):  # the machine's load changes: look again
+            again = apply_threads("auto")
+            if again.threads != choices[-1]["threads"]:
+                print(f"flashcodec run: {again.threads} CPU threads from the next tier on ({again.reason})",
+                      file=sys.stderr, flush=True)
+            choices.append(again.as_dict())
     for result in (rows[0], rows[-1]) if len(rows) > 1 else rows:  # the raw text and the last tier's
         text = tokenizer.decode(result["tokens"], skip_special_tokens=True)
         print(f"\n--- {result['tier']} ---\n{text}", flush=True)
@@ -139,14 +154,18 @@ def run(args: argparse.Namespace) -> int:
     from ..provenance import write_json
 
     path = write_json(args.out, "main_job", {
-        "model": name, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+        "model": name, "dtype": args.dtype, "device": args.device, "threads": choice.threads,
+        "thread_policy": {"setting": choice.setting, "choices": choices},
+        "kernel_build_s": None if kernels is None else kernels[1],
         "prompt": args.prompt, "prompt_tokens": ids.shape[1], "new_tokens": args.new_tokens,
         "tiers": [t.name for t in tiers], "wall_s": wall,
         "method": "greedy decode per tier (prefill exact, then token by token); NLL/ppl/KL: the raw cache's "
                   "continuation teacher-forced token by token through each tier's cache, all positions scored; "
                   "KL in float64 from fp32 log-probs, clamped at 0, kl_noise_floor: its fp32 rounding bound; "
                   "kv_bytes: archive (filled blocks incl. scales/indices) + raw tail; held_bytes: everything held; "
-                  "seconds: the tier's wall time (prefill, decode, teacher forcing)",
+                  "seconds: the tier's wall time (prefill, decode, teacher forcing), the CPU kernels built before "
+                  "the first tier; threads: each row's torch threads (--threads auto checks the machine again "
+                  "before each tier: thread_policy)",
         "rows": rows,
     })
     print(f"\n{wall:.0f} s in all; full results: {Path(path)}")

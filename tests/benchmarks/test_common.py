@@ -21,3 +21,17 @@ def test_no_neighbour_and_unknown_ones():
         assert procs == []
     with pytest.raises(ValueError, match="neighbour must be one of"), neighbour("gpu"):
         pass
+
+
+def test_threads_argument_is_the_clis_policy():
+    import argparse
+
+    from common import add_threads_argument
+
+    parser = argparse.ArgumentParser()
+    add_threads_argument(parser, 2)
+    assert parser.parse_args([]).threads == 2
+    assert parser.parse_args(["--threads", "auto"]).threads == "auto"
+    assert parser.parse_args(["--threads", "3"]).threads == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--threads", "0"])

@@ -62,7 +62,8 @@ def test_python_dash_m_runs_the_command():
     (["run", "--model", "./no/such/folder"], "--model './no/such/folder': no such model folder or .gguf file"),
     (["run", "--tiers", "raw,gif"], "--tiers / --preset: unknown tier(s) ['gif']; choose from"),
     (["run", "--new-tokens", "1"], "--new-tokens must be >= 2, got 1"),
-    (["run", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["run", "--threads", "0"], "--threads must be 'auto' or an integer >= 1, got 0"),
+    (["run", "--threads", "two"], "--threads must be 'auto' or an integer >= 1, got 'two'"),
     (["run", "--device", "tpu9"], "--device 'tpu9' is not a torch device"),
     (["bench", "nope"], "no benchmark 'nope'; choose from ["),
     (["run", "--out", "."], "--out '.' is a folder; give a file name"),
@@ -110,10 +111,12 @@ def test_run_on_a_tiny_saved_model_prints_in_order_and_writes_only_out(tiny_mode
     lines, err = run_lines(capsys, ["run", "--model", str(tiny_model_folder), "--prompt", "hello world",
                                     "--new-tokens", "10", "--tiers", "png,jpeg-k2-int8", "--threads", "1", "--out", str(out)])
     assert git_status() == before  # nothing written into the repository
-    assert lines[0].startswith(f"flashcodec run: {tiny_model_folder} (2 layers, float32, cpu, 1 CPU threads)")
-    assert lines[1].startswith("| tier | KV bytes vs raw |") and lines[2].startswith("|---|")
-    assert [line.split(" | ")[0] for line in lines[3:6]] == ["| raw DynamicCache", "| png keep=1.0", "| jpeg r=8 K=2 int8"]
-    assert lines[3].rsplit(" | ", 1)[1].strip(" |") not in ("0", "0.0")  # the raw tier's time is measured
+    assert lines[0].startswith(f"flashcodec run: {tiny_model_folder} (2 layers, float32, cpu, 1 CPU threads, "
+                               "--threads 1: asked for)")
+    assert lines[1].startswith("CPU kernels: ")  # built or loaded before the first tier is timed
+    assert lines[2].startswith("| tier | KV bytes vs raw |") and lines[3].startswith("|---|")
+    assert [line.split(" | ")[0] for line in lines[4:7]] == ["| raw DynamicCache", "| png keep=1.0", "| jpeg r=8 K=2 int8"]
+    assert lines[4].rsplit(" | ", 1)[1].strip(" |") not in ("0", "0.0")  # the raw tier's time is measured
     assert lines[-1].endswith(f"full results: {out}")
     for name in ("raw DynamicCache", "png keep=1.0", "jpeg r=8 K=2 int8"):
         assert f"{name}: 100%" in err  # a progress bar per tier, on stderr
@@ -121,7 +124,10 @@ def test_run_on_a_tiny_saved_model_prints_in_order_and_writes_only_out(tiny_mode
     assert result["benchmark"] == "main_job" and result["threads"] == 1 and result["new_tokens"] == 10
     assert result["versions"]["git_commit"] is not None or git_status() is None
     assert [row["tier"] for row in result["rows"]] == ["raw DynamicCache", "png keep=1.0", "jpeg r=8 K=2 int8"]
-    assert all(row["kl"] >= 0 and row["seconds"] > 0 for row in result["rows"])
+    assert all(row["kl"] >= 0 and row["seconds"] > 0 and row["threads"] == 1 for row in result["rows"])
+    assert result["thread_policy"] == {"setting": "1", "choices": [{"threads": 1, "setting": "1",
+                                                                     "other_busy_cores": None, "reason": "asked for"}]}
+    assert result["kernel_build_s"] >= 0
 
 
 def test_run_without_out_says_how_to_keep_the_json(tiny_model_folder, capsys, threads):
@@ -129,7 +135,27 @@ def test_run_without_out_says_how_to_keep_the_json(tiny_model_folder, capsys, th
                                   "--preset", "png", "--dtype", "bfloat16"])
     assert "bfloat16" in lines[0] and lines[-1].endswith("run with --out FILE to keep the JSON (every column, tokens, "
                                                          "provenance)")
-    assert [line.split(" | ")[0] for line in lines[3:5]] == ["| raw DynamicCache", "| png keep=1.0"]
+    assert "CPU threads, --threads auto: " in lines[0]  # the default: the thread policy, and why it chose
+    assert [line.split(" | ")[0] for line in lines[4:6]] == ["| raw DynamicCache", "| png keep=1.0"]
+
+
+def test_auto_threads_look_at_the_machine_again_before_each_tier(tiny_model_folder, tmp_path, capsys, threads,
+                                                                  monkeypatch):
+    """Quiet at the start (2 threads), then another process takes both cores: the next tiers run on one thread."""
+    from flashcodec_fx import threads as policy
+
+    busy = iter([0.0, 2.0, 2.0])
+    monkeypatch.setattr(policy, "_default", 2)
+    monkeypatch.setattr(policy, "other_busy_cores", lambda: next(busy))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    out = tmp_path / "run.json"
+    lines, err = run_lines(capsys, ["run", "--model", str(tiny_model_folder), "--prompt", "abc", "--new-tokens", "3",
+                                    "--tiers", "png,jpeg-k2-int8", "--out", str(out)])
+    assert "2 CPU threads, --threads auto: other processes keep 0.0 cores busy: torch's default" in lines[0]
+    assert "1 CPU threads from the next tier on (other processes keep 2.0 cores busy: 1 of 2)" in err
+    result = json.loads(out.read_text())
+    assert [row["threads"] for row in result["rows"]] == [2, 1, 1]
+    assert [c["threads"] for c in result["thread_policy"]["choices"]] == [2, 1, 1]
 
 
 def test_bench_lists_the_benchmarks(capsys):

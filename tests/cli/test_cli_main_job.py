@@ -154,3 +154,63 @@ def test_kl_noise_floor_bounds_the_rounding_of_identical_distributions():
                                                    (7.4e-4, 3e-7, "7.40e-04")])
 def test_kl_text_is_never_negative(kl, floor, text):
     assert main_job.kl_text(kl, floor) == text
+
+
+def test_rows_record_their_threads(measured):
+    assert {row["threads"] for row in measured[0].values()} == {torch.get_num_threads()}
+
+
+class FakeExtension:
+    """Stands in for ``ops.cpu.EXTENSION``: ``module()`` "builds" by creating the binary (or fails)."""
+
+    def __init__(self, binary, fails=False):
+        self.binary, self.fails, self.calls = binary, fails, 0
+        self.error = "RuntimeError: no compiler" if fails else None
+
+    def module(self):
+        self.calls += 1
+        if self.fails:
+            return None
+        self.binary.parent.mkdir(parents=True, exist_ok=True)
+        self.binary.touch()
+        return object()
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch, tmp_path):
+    from flashcodec_fx.ops import cpu
+    from flashcodec_fx.ops.cpu import build
+
+    binary = tmp_path / "flashcodec_cpu_x" / "flashcodec_cpu_x.so"
+    monkeypatch.setattr(build, "binary_path", lambda: binary)
+    monkeypatch.delenv(cpu.ENV, raising=False)
+
+    def install(fails=False):
+        fake = FakeExtension(binary, fails)
+        monkeypatch.setattr(cpu, "EXTENSION", fake)
+        return fake
+
+    return install
+
+
+def test_prepare_kernels_builds_before_timing_and_says_so(fake_kernels):
+    fake = fake_kernels()
+    line, seconds = main_job.prepare_kernels("cpu")
+    assert fake.calls == 1 and seconds >= 0
+    assert line.startswith("CPU kernels: fused C++, built in ") and "before the first tier (once per machine" in line
+    line, _ = main_job.prepare_kernels("cpu")  # the binary exists now: loaded, not built
+    assert line.startswith("CPU kernels: fused C++, loaded in ")
+
+
+def test_prepare_kernels_says_when_the_reference_runs(fake_kernels):
+    fake_kernels(fails=True)
+    line, _ = main_job.prepare_kernels("cpu")
+    assert line.startswith("CPU kernels: not built (RuntimeError: no compiler); the codec tiers run the reference ops")
+
+
+def test_prepare_kernels_does_nothing_off_the_cpu_or_for_the_reference(fake_kernels, monkeypatch):
+    fake = fake_kernels()
+    assert main_job.prepare_kernels("cuda") is None
+    monkeypatch.setenv("FLASHCODEC_KERNELS", "reference")
+    assert main_job.prepare_kernels("cpu") is None
+    assert fake.calls == 0

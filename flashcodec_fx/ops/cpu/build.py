@@ -176,14 +176,20 @@ def compile_sources(name: str, source: str, folder: Path) -> tuple[ModuleType, P
     return module, folder / f"{name}.so"
 
 
+def binary_path(source: str | None = None) -> Path:
+    """Where the binary of ``source`` (default: :data:`SOURCES`) is, or will be once built."""
+    name = build_name(source_text() if source is None else source)
+    return cache_dir() / "cpu_kernels" / name / f"{name}.so"
+
+
 def compile_extension(compile_fn: Callable[[str, str, Path], tuple[ModuleType, Path]] = compile_sources,
                       paths: tuple[Path, ...] | None = None) -> ModuleType:
     """The kernels of ``paths`` (default: :data:`SOURCES`, the cache's ops): the cached binary when there is one, else
     a build (locked, announced, published atomically)."""
     source = source_text(paths)
     name = build_name(source)
-    folder = cache_dir() / "cpu_kernels" / name
-    binary = folder / f"{name}.so"
+    binary = binary_path(source)
+    folder = binary.parent
     if binary.exists():
         return load_binary(name, binary)
     folder.mkdir(parents=True, exist_ok=True)
