@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from codec_tiers import grid_data
+from codec_tiers import FAST, grid_data
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flashcodec_fx import CodecKVCache, CodecOverflowError, CodecStream, make_codec
 from flashcodec_fx.ops.state import BATCHED_FIELDS
@@ -157,6 +159,58 @@ def test_decode_crop_keeps_what_attention_read(tier, layout):
     q = torch.randn(1, 2, 1, D)
     k, v = before
     torch.testing.assert_close(cache.attention(q), F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=0)
+
+
+@FAST
+@given(tier=st.sampled_from(list(TIERS)), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       layout=st.sampled_from(LAYOUTS), memoize=st.booleans(), first=st.integers(1, 40), keep=st.integers(0, 60),
+       more=st.integers(1, 20))
+def test_a_default_crop_at_any_depth_keeps_the_view_and_rolls_back_exactly_where_it_can(tier, dtype, layout, memoize,
+                                                                                         first, keep, more):
+    """The default crop mode (issue 32): any crop succeeds, the kept positions read as before it, bitwise (reopened
+    groups come back as their decoded rows), and where the stream says every crop is an exact rollback
+    (``exact_rollback``: per-token groups, png on 16-bit streams), the dropped tokens appended again in the same calls
+    give back every stored tensor, bitwise."""
+    x = torch.randn(1, 2, 80, D, generator=torch.Generator().manual_seed(first * 100 + keep)).to(dtype)
+    keep = min(keep, first + more)
+    calls = (first, keep, first + more) if first < keep else (keep, first + more) if keep else (first + more,)
+
+    def filled():
+        stream = CodecStream(TIERS[tier], layout, max_length=100, memoize=memoize)
+        at = 0
+        for end in calls:
+            if end > at:
+                stream.append(x[:, :, at:end])
+            at = end
+        return stream
+
+    stream, plain = filled(), filled()
+    assert stream.croppable
+    before = stream.read()[:, :, :keep].clone()
+    stream.crop(keep)
+    assert stream.get_seq_length() == keep and torch.equal(stream.read()[:, :, :keep], before)
+    if keep < first + more:
+        stream.append(x[:, :, keep: first + more])
+    if stream.exact_rollback:
+        assert_same_content(stream, plain)
+
+
+@pytest.mark.parametrize("memoize", [False, True])
+def test_a_crop_decodes_the_reopened_group_alone(memoize, monkeypatch):
+    """A crop into an archived group decodes that group's positions only (memoized: reads the memo's rows), never the
+    history: no per-crop cost that grows with the length."""
+    x = torch.randn(1, 2, 300, D, generator=torch.Generator().manual_seed(8))
+    stream = CodecStream(TIERS["int8"], memoize=memoize)
+    stream.append(x)
+    view = stream.read()[:, :, :291].clone()
+    calls = []
+    read = torch.ops.flashcodec.read
+    monkeypatch.setattr(torch.ops.flashcodec, "read", lambda state, *args: calls.append(state[0].shape[2]) or
+                        read(state, *args))
+    stream.crop(291)  # reopens the group of positions 288..295
+    assert calls == ([] if memoize else [1])
+    monkeypatch.undo()
+    assert stream.archived_tokens == 288 and torch.equal(stream.read(), view)
 
 
 # not centered: a mean summed over another call length may round apart (the raw prefix replays that call whole)
