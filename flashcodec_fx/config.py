@@ -169,8 +169,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for idx, layer in self.per_layer:
-            if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
-                raise ValueError(f"per_layer keys must be layer indices (ints >= 0), got {idx!r}")
+            check_layer_index(idx)
             if layer is not None and not isinstance(layer, LayerConfig):
                 raise TypeError(f"per_layer[{idx}] must be a LayerConfig or None, got {type(layer).__name__}")
         object.__setattr__(self, "per_layer", tuple(sorted(self.per_layer, key=lambda item: item[0])))
@@ -227,6 +226,16 @@ def cache_config(preset: str | None = None, per_layer: Mapping[int, Any] | None 
     return CacheConfig(layers, tuple(_per_layer(layers, per_layer).items()))
 
 
+def check_layer_index(idx: Any) -> None:
+    """A ``per_layer`` key: ``TypeError`` unless an int (a layer index: ``per_layer={3: ...}``, not ``{"3": ...}``),
+    ``ValueError`` when negative."""
+    if isinstance(idx, bool) or not isinstance(idx, int):
+        hint = f" (per_layer={{{idx}: ...}}, not {{{idx!r}: ...}})" if isinstance(idx, str) and idx.isdigit() else ""
+        raise TypeError(f"per_layer keys must be layer indices (int >= 0), got {type(idx).__name__} {idx!r}{hint}")
+    if idx < 0:
+        raise ValueError(f"per_layer keys must be layer indices (int >= 0), got {idx}")
+
+
 def _per_layer(layers: LayerConfig, per_layer: Any) -> dict[int, LayerConfig | None]:
     if per_layer is None:
         return {}
@@ -235,8 +244,7 @@ def _per_layer(layers: LayerConfig, per_layer: Any) -> dict[int, LayerConfig | N
                         f"{type(per_layer).__name__}")
     out: dict[int, LayerConfig | None] = {}
     for idx, override in per_layer.items():
-        if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
-            raise ValueError(f"per_layer keys must be layer indices (ints >= 0), got {idx!r}")
+        check_layer_index(idx)
         if override is None or isinstance(override, LayerConfig):
             out[idx] = override
         elif isinstance(override, str):

@@ -48,6 +48,16 @@ def check_count(name: str, value, least: int = 0) -> int:
     return value
 
 
+def check_choice(name: str, value, choices) -> str:
+    """``value`` when it is one of the strings ``choices``: ``TypeError`` for another type, ``ValueError`` for another
+    string (both naming ``name`` and the choices)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 class Codec:
     """Base of every codec (see the module docstring). Subclasses (registered with
     :func:`~flashcodec_fx.codecs.registry.register_codec`) set their ``name``, the transform (``synthesis``,

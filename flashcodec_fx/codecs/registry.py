@@ -13,7 +13,7 @@ import functools
 import inspect
 from typing import Any, TypeVar
 
-from .base import Codec
+from .base import Codec, check_choice
 
 CODECS: dict[str, type[Codec]] = {}
 C = TypeVar("C", bound=type[Codec])
@@ -34,10 +34,8 @@ def register_codec(cls: C) -> C:
 
 
 def codec_class(name: str) -> type[Codec]:
-    """The codec class registered as ``name`` (ValueError naming the registered ones)."""
-    if not isinstance(name, str) or name not in CODECS:
-        raise ValueError(f"mode must be one of {sorted(CODECS)}, got {name!r}")
-    return CODECS[name]
+    """The codec class registered as ``name`` (ValueError naming the registered ones; TypeError for a non-str)."""
+    return CODECS[check_choice("mode", name, sorted(CODECS))]
 
 
 def codec_options(name: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from transformers.cache_utils import (
 from .. import _compat
 from ..cache import CROP_MODES, LAYOUTS, CodecKVCache, CodecOverflowError, CodecStream
 from ..codecs import CODECS, Codec, codec_options
+from ..codecs.base import check_choice, check_count
 from ..config import CacheConfig, cache_config
 from ..presets import PRESETS, preset_config
 from .attention import AttentionStep, MaterializationFreeFallback, StepStatus, StoredStream, drop, hand_off
@@ -51,11 +52,11 @@ class StaticSlidingNative(UserWarning):
 def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: Any, strict: Any, memoize: Any,
                          crop: Any = "decode") -> None:
     """Validate the cache-wide options (ValueError / TypeError naming the option), before anything is built."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_choice("layout", layout, LAYOUTS)
     if layout == "static":
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive int for layout='static', got {max_cache_len!r}")
+        if max_cache_len is None:
+            raise ValueError("layout='static' needs max_cache_len (a positive int: the tokens each layer holds)")
+        check_count("max_cache_len", max_cache_len, 1)
     elif max_cache_len is not None:
         raise ValueError(f"max_cache_len applies to layout='static' only, got max_cache_len={max_cache_len!r} with "
                          f"layout={layout!r}")
@@ -69,8 +70,7 @@ def check_cache_switches(layout: Any, max_cache_len: Any, materialization_free: 
     if memoize and materialization_free:
         raise ValueError("memoize=True keeps a decoded view that attention on the stored form never reads: set "
                          "materialization_free=False to attend on the view, or leave memoize unset")
-    if crop not in CROP_MODES:
-        raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
+    check_choice("crop", crop, CROP_MODES)
 
 
 def crop_count(tokens_to_remove: Any) -> int:
@@ -463,8 +463,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         if key_codec.sinks or value_codec.sinks:
             raise ValueError(f"a codec sliding-window layer takes codecs without sinks, got sinks={key_codec.sinks} "
                              f"(keys), {value_codec.sinks} (values)")
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
+        check_count("sliding_window", sliding_window, 1)
         super().__init__(key_codec, value_codec, layout, **layer_kwargs)
         self.sliding_window = sliding_window
         self.dropped = 0  # positions forgotten at the front (a multiple of the drop unit)
@@ -580,13 +579,15 @@ class FlashCodecCache(Cache):
         codec_config = resolve_codecs(codecs, options)
         layer_kwargs = dict(layout=layout, max_cache_len=max_cache_len, memoize=memoize,
                             materialization_free=materialization_free, strict=strict, crop=crop)
+        if config is not None and not is_model_config(config):
+            raise TypeError(f"config must be None or a transformers PreTrainedConfig (model.config), got "
+                            f"{type(config).__name__}")
         if config is not None and num_layers is not None:
             raise ValueError("pass either config or num_layers, not both")
         if config is not None:
             layer_types, native_kwargs = _compat.layer_types_and_kwargs(config)
         elif num_layers is not None:
-            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-                raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+            check_count("num_layers", num_layers, 1)
             layer_types, native_kwargs = ["full_attention"] * num_layers, [{}] * num_layers
         else:
             layer_types = native_kwargs = None
@@ -620,8 +621,9 @@ class FlashCodecCache(Cache):
     def from_config(cls, config: Any, **options: Any) -> FlashCodecCache:
         """One layer per model layer of ``config`` (its decoder text config): codec layers on full-attention layers,
         native transformers layers elsewhere. ``options``: as for the constructor (``preset=`` included)."""
-        if config is None:
-            raise ValueError("config must be a transformers PreTrainedConfig, got None")
+        if not is_model_config(config):
+            raise TypeError(f"config must be a transformers PreTrainedConfig (model.config), got "
+                            f"{type(config).__name__}")
         return cls(config=config, **options)
 
     def check_model(self, config: Any) -> None:
@@ -665,9 +667,10 @@ class FlashCodecCache(Cache):
         their K/V are stored as zeros at padding positions, so padding cannot inflate quantization scales or
         blocks' energy. ``None`` clears it. ``apply_flash_codec`` / ``compress_kv`` call this from ``generate``."""
         if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask must be a (B, P) tensor or None, got "
-                                 f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a (B, P) tensor or None, got {type(attention_mask).__name__}")
+            if attention_mask.dim() != 2:
+                raise ValueError(f"attention_mask must be a (B, P) tensor or None, got shape {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.bool()
         self._padding_mask = attention_mask
 
@@ -779,6 +782,8 @@ class _LayerFactory:
 def resolve_codecs(codecs: CacheConfig | str | None, options: dict[str, Any]) -> CacheConfig:
     """The configuration ``FlashCodecCache(codecs, **options)`` asks for (see its docstring); raises naming what is
     wrong before anything is built."""
+    if codecs is not None and not isinstance(codecs, (CacheConfig, str)):
+        raise TypeError(_codecs_type_error(codecs))
     unknown = sorted(set(options) - set(CODEC_KEYWORDS) - {n for name in CODECS for n in codec_options(name)})
     if unknown:
         allowed = sorted(set(CODEC_KEYWORDS) | {n for name in CODECS for n in codec_options(name)})
@@ -791,8 +796,26 @@ def resolve_codecs(codecs: CacheConfig | str | None, options: dict[str, Any]) ->
         return codecs
     if isinstance(codecs, str):
         return preset_config(codecs) if codecs in PRESETS else CacheConfig.from_spec(codecs)
-    raise TypeError(f"codecs must be a CacheConfig, a preset name or a CacheConfig.spec string, got "
-                    f"{type(codecs).__name__}")
+    return codecs
+
+
+def is_model_config(value: Any) -> bool:
+    """Whether ``value`` looks like a transformers model config (``PreTrainedConfig``: ``to_dict`` and
+    ``model_type``), without importing its class."""
+    return hasattr(value, "to_dict") and hasattr(value, "model_type")
+
+
+def _codecs_type_error(codecs: Any) -> str:
+    """The message for a ``codecs`` argument of another type, naming the usual mistake: a model's config (or the
+    model) passed as the first positional argument."""
+    wanted = "codecs (FlashCodecCache's first positional argument) must be a CacheConfig, a preset name or a " \
+             "CacheConfig.spec string"
+    if is_model_config(codecs) or is_model_config(getattr(codecs, "config", None)):
+        what = "a model config" if is_model_config(codecs) else "a model"
+        return (f"{wanted}, got {what} ({type(codecs).__name__}): a cache for a model's layers is built with "
+                f"FlashCodecCache.from_config(model.config, preset=...) (or FlashCodecCache(config=model.config, "
+                f"preset=...))")
+    return f"{wanted}, got {type(codecs).__name__}"
 
 
 def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: list[dict], layer_kwargs: dict,

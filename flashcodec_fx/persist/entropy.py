@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..codecs.base import check_choice
+
 CODERS = ("raw", "zstd", "ppmd")
 ZSTD_LEVEL = 3
 PPMD_ORDER = 2
@@ -27,8 +29,7 @@ class RoundTripError(ValueError):
 
 
 def check_coder(coder: str) -> None:
-    if coder not in CODERS:
-        raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
+    check_choice("coder", coder, CODERS)
 
 
 def _module(coder: str):

@@ -86,9 +86,19 @@ def _header(metadata: dict[str, str] | None, path: Path) -> dict[str, Any]:
     return header
 
 
+def existing_file(path: str | os.PathLike) -> Path:
+    """``path`` as a Path; ``FileNotFoundError`` when nothing is there, ``IsADirectoryError`` for a folder."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no cache file at {os.fspath(path)!r} (FlashCodecCache.save writes one)")
+    if path.is_dir():
+        raise IsADirectoryError(f"{os.fspath(path)!r} is a folder, not a cache file")
+    return path
+
+
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
     """The checked header of the file at ``path`` (tensors not read)."""
-    path = Path(path)
+    path = existing_file(path)
     st = _safetensors()
     try:
         with st.safe_open(path, "pt") as f:
@@ -100,9 +110,7 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
 def read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(header, tensors)`` of the file at ``path``: every tensor decoded on the CPU and checked (dtype, shape,
     sha256) against the header."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"path must be an existing cache file, got {os.fspath(path)!r}")
+    path = existing_file(path)
     st = _safetensors()
     try:
         with st.safe_open(path, "pt") as f:

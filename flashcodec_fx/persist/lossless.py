@@ -24,6 +24,7 @@ import struct
 
 import torch
 
+from ..codecs.base import check_choice
 from . import entropy, planes
 
 METHODS = ("raw", "zstd", "ppmd")
@@ -46,8 +47,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"compression must be one of {METHODS}, got {method!r}")
+    check_choice("compression", method, METHODS)
 
 
 def _split(x: torch.Tensor) -> tuple[str | None, list[bytes], torch.Tensor]:

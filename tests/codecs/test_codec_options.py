@@ -95,9 +95,10 @@ def test_wrong_typed_scale_axis_is_a_type_error(axis):
         make_codec("jpeg", quant_bits=8, scale_axis=axis)
 
 
-@pytest.mark.parametrize("mode", ["gif", "JPEG", "", None, 0])
-def test_unknown_mode(mode):
-    with pytest.raises(ValueError, match="mode"):
+@pytest.mark.parametrize(("mode", "error"), [("gif", ValueError), ("JPEG", ValueError), ("", ValueError),
+                                           (None, TypeError), (0, TypeError)])
+def test_unknown_mode(mode, error):
+    with pytest.raises(error, match=r"mode must be one of \['jpeg', 'png'\]"):
         make_codec(mode)
 
 

@@ -149,6 +149,14 @@ def test_damaged_files_are_refused(saved, nothing_built):
         fx.FlashCodecCache.load(path, model)
 
 
+def test_a_missing_file_is_file_not_found(tmp_path, nothing_built):
+    model = fresh_tiny_model("llama")
+    with pytest.raises(FileNotFoundError, match="no cache file at .*missing.fc"):
+        fx.FlashCodecCache.load(tmp_path / "missing.fc", model)
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        fx.FlashCodecCache.load(tmp_path, model)
+
+
 def test_bad_arguments_are_refused_before_writing(tmp_path):
     model = fresh_tiny_model("llama")
     cache = prefilled(model)

@@ -45,11 +45,55 @@ def test_bad_options_raise_value_error(options, message):
         fx.FlashCodecCache(num_layers=2, **options)
 
 
-def test_bad_types_raise_type_error():
-    with pytest.raises(TypeError, match="materialization_free"):
-        fx.FlashCodecCache(materialization_free="yes")
-    with pytest.raises(TypeError, match="per_layer"):
-        fx.FlashCodecCache(num_layers=2, per_layer=[{}])
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(materialization_free="yes"), "materialization_free must be a bool"),
+    (dict(per_layer=[{}]), "per_layer must be a dict"),
+    (dict(per_layer={"1": {}}), r"per_layer keys must be layer indices \(int >= 0\), got str '1' "
+                                r"\(per_layer=\{1: ...\}, not \{'1': ...\}\)"),
+    (dict(per_layer={True: {}}), "per_layer keys must be layer indices .*got bool True"),
+    (dict(per_layer={1.0: {}}), "per_layer keys must be layer indices .*got float"),
+    (dict(layout=3), r"layout must be one of \('dynamic', 'static'\), got int 3"),
+    (dict(crop=None), "crop must be one of"),
+    (dict(mode=3), "mode must be one of"),
+    (dict(layout="static", max_cache_len="64"), "max_cache_len must be an int, got str"),
+])
+def test_bad_types_raise_type_error(options, message):
+    with pytest.raises(TypeError, match=message):
+        fx.FlashCodecCache(num_layers=2, **options)
+
+
+def test_a_model_config_passed_as_codecs_is_named():
+    """``FlashCodecCache(model.config, preset=...)``: the config lands in ``codecs``; the error says what to call."""
+    config = tiny_config("llama")
+    for codecs, what in ((config, "a model config"), (tiny_model("llama"), "a model")):
+        with pytest.raises(TypeError, match=rf"codecs \(FlashCodecCache's first positional argument\) .*got {what} "
+                                            r"\((LlamaConfig|LlamaForCausalLM)\).*"
+                                            r"FlashCodecCache.from_config\(model.config, preset=...\)"):
+            fx.FlashCodecCache(codecs, preset="4bit")
+    with pytest.raises(TypeError, match="codecs .* must be a CacheConfig, a preset name or a CacheConfig.spec string, "
+                                        "got int"):
+        fx.FlashCodecCache(3)
+
+
+def test_the_other_arguments_of_the_wrong_type(tmp_path):
+    for call in (lambda: fx.FlashCodecCache.from_config(None), lambda: fx.FlashCodecCache.from_config("llama"),
+                 lambda: fx.FlashCodecCache(config={"model_type": "llama"})):
+        with pytest.raises(TypeError, match=r"config must be .*a transformers PreTrainedConfig \(model.config\)"):
+            call()
+    with pytest.raises(TypeError, match="num_layers must be an int, got str"):
+        fx.FlashCodecCache(num_layers="2")
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
+        fx.FlashCodecCache(num_layers=0)
+    with pytest.raises(ValueError, match="layout='static' needs max_cache_len"):
+        fx.FlashCodecCache(num_layers=2, layout="static")
+    with pytest.raises(TypeError, match="sliding_window must be an int"):
+        FlashCodecSlidingLayer(PNGCodec(sinks=0), sliding_window="12")
+    cache = fx.FlashCodecCache(num_layers=2)
+    with pytest.raises(TypeError, match="attention_mask must be a \\(B, P\\) tensor or None, got list"):
+        cache.set_padding_mask([[1, 1]])
+    with pytest.raises(TypeError, match="compression must be one of"):
+        cache.save(tmp_path / "c.fc", compression=3, model_or_config=tiny_config("llama"))
+    assert not any(tmp_path.iterdir())
 
 
 def test_per_layer_checks_against_the_model():

@@ -112,8 +112,11 @@ def test_foreign_files_are_refused(tmp_path):
     (tmp_path / "text.fc").write_text("hello")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         fileformat.read(tmp_path / "text.fc")
-    with pytest.raises(ValueError, match="existing cache file"):
-        fileformat.read(tmp_path / "missing.fc")
+    for read in (fileformat.read, fileformat.read_header):
+        with pytest.raises(FileNotFoundError, match="no cache file at .*missing.fc"):
+            read(tmp_path / "missing.fc")
+        with pytest.raises(IsADirectoryError, match="is a folder, not a cache file"):
+            read(tmp_path)
 
 
 def test_bad_compression_is_refused_before_writing(tmp_path):

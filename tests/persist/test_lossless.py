@@ -79,6 +79,10 @@ def test_each_dtype_takes_its_transform_and_many_exponents_take_fields():
 def test_bad_method_names_the_allowed_values():
     with pytest.raises(ValueError, match="compression must be one of"):
         lossless.encode(torch.zeros(2, 2), "lz4")
+    with pytest.raises(TypeError, match=r"compression must be one of \('raw', 'zstd', 'ppmd'\), got int 3"):
+        lossless.encode(torch.zeros(2, 2), 3)
+    with pytest.raises(TypeError, match="coder must be one of"):
+        entropy.compress(b"abc", None)
     with pytest.raises(TypeError, match="tensor"):
         lossless.encode([1.0, 2.0], "zstd")
     with pytest.raises(TypeError, match="dtype must be one of"):
