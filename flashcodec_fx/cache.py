@@ -290,13 +290,18 @@ class CodecStream:
                 return
         t = x.shape[2]
         if self.shared and advance(self.codec, self._host_start, self._host_length + t) > self._host_start:
-            self.state = StreamState(*(a.clone() for a in self.state[:4]), *self.state[4:])  # copy-on-append
-            self.shared = False
+            self._own_archive()  # copy-on-append
         if self.layout == "dynamic":
             need = self._groups_for(self._host_length + t)
             if need > self.state.data.shape[2]:
                 self._grow(self._grown_groups(x, need))
         self._write(x, compiling)
+
+    def _own_archive(self) -> None:
+        """Copy the archive if it is another stream's too (:mod:`flashcodec_fx.persist.fork`), before writing it."""
+        if self.shared:
+            self.state = StreamState(*(a.clone() for a in self.state[:4]), *self.state[4:])
+            self.shared = False
 
     def _write(self, x: torch.Tensor, compiling: bool) -> None:
         """One ``flashcodec::append`` of ``x (B, H, T, D)`` into the allocated state, and the host mirrors after it."""
@@ -420,6 +425,8 @@ class CodecStream:
             rows = torch.zeros_like(st.tail)
             if keep > reopened:
                 rows[:, :, : keep - reopened] = self._reopened_rows(reopened, keep)
+            self._own_archive()  # a fork's shared archive is copied before the crop zeroes groups of it
+            st = self.state
             st.tail.copy_(rows)
             st.start.fill_(reopened)
             first_open = (reopened - codec.sinks) // codec.group

@@ -11,7 +11,7 @@ from codec_tiers import FAST
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcodec_fx import CodecKVCache
+from flashcodec_fx import CodecKVCache, make_codec
 from flashcodec_fx.persist.fork import fork_kv_cache
 from flashcodec_fx.presets import PRESETS, preset_codecs
 
@@ -87,3 +87,23 @@ def test_static_forks_copy_everything():
     child = fork_kv_cache(prefix)
     assert not set(archive_ptrs(child)) & set(archive_ptrs(prefix))
     assert same(child, prefix)
+
+
+@pytest.mark.parametrize("tier", [*sorted(PRESETS), "jpeg-blocks"])
+def test_a_crop_into_a_forks_archive_leaves_the_prefix_alone(tier):
+    """A crop into the shared archive (a group boundary of per-token codes, or a jpeg block group reopened) copies the
+    fork's archive first: the prefix keeps every tensor, and the fork equals a deep copy cropped alike (it zeroed the
+    prefix's groups before)."""
+    if tier == "jpeg-blocks":
+        codec = make_codec("jpeg", block_size=8, quant_bits=8)
+        prefix = CodecKVCache(codec, codec)
+        gen = torch.Generator().manual_seed(0)
+        prefix.append(torch.randn(2, 2, 72, 16, generator=gen), torch.randn(2, 2, 72, 16, generator=gen))
+    else:
+        prefix = filled(tier, 72)
+    assert min(prefix.keys.archived_tokens, prefix.values.archived_tokens) > 37  # the crop reaches into the archive
+    untouched, reference = copy.deepcopy(prefix), copy.deepcopy(prefix)
+    child = fork_kv_cache(prefix)
+    child.crop(37)
+    reference.crop(37)
+    assert same(prefix, untouched) and same(child, reference)
