@@ -1,14 +1,18 @@
 """The main job (``flashcodec run``) alone and beside CPU-burning neighbours, under each thread setting, side by side.
 
 Each run is the command as a user types it (``python -m flashcodec_fx.cli run --threads SETTING --out FILE``, a fresh
-process: import, model load, every tier), timed from outside (``process_s``) and by the job itself (``job_s``, its
-``wall_s``: model load and tiers; ``tiers_s``: the tiers' own seconds). Neighbours (``common.neighbour``): ``none``;
-``omp``, one process whose torch matmul loop keeps an OpenMP thread on every core (another model's decode); ``python``,
-one pure-Python busy loop per core. Thread settings (``--settings``): ``auto`` (the command's default:
-``flashcodec_fx/threads.py``), a number, ``default`` (torch's default thread count, what the command ran with before
-``auto``), and any of them with ``+passive`` (``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads sleep at barriers instead of
-spinning). Runs go in rounds: one setting beside every neighbour in turn, so that a setting's ratios to its quiet run
-("vs quiet") come from runs minutes apart. The CPU kernels are built (or loaded) once before the first run.
+process: import, model load, every tier), timed from outside (``process_s``) and by the job itself: ``job_s`` (its
+``wall_s``: model load, the CPU kernels' preparation, the tiers), ``tiers_s`` (the tiers' own seconds) and ``work_s``
+(``job_s`` less ``kernel_build_s``: a build happens once per machine and kernel source). The CPU kernels are built
+(or loaded) once before the first run.
+
+Neighbours (``common.neighbour``): ``none``; ``omp``, one process whose torch matmul loop keeps an OpenMP thread on
+every core (another model's decode); ``python``, one pure-Python busy loop per core. Thread settings
+(``--settings``): ``auto`` (the command's default: ``flashcodec_fx/threads.py``), a number, ``default`` (torch's
+default thread count, what the command ran with before ``auto``), and any of them with ``+passive``
+(``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads sleep at barriers instead of spinning). Runs go in rounds, one setting
+beside every neighbour in turn, so that a setting's ratios to its quiet run (``vs_quiet`` of ``work_s``,
+``tiers_vs_quiet`` of ``tiers_s``) come from runs minutes apart.
 
 Target (issue 32): ``auto`` beside the ``omp`` neighbour within 2x of ``auto`` alone; ``auto`` alone under 3 minutes
 on 2 cores (``targets`` in the JSON).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,19 +68,22 @@ def run_job(threads: str, env: dict[str, str], new_tokens: int, tiers: str | Non
     if done.returncode != 0 or not out.exists():
         return {**figures, "error": (done.stderr or done.stdout)[-2000:]}
     job = json.loads(out.read_text())
-    return {**figures, "job_s": round(job["wall_s"], 2), "tiers_s": round(sum(r["seconds"] for r in job["rows"]), 2),
+    build = job["kernel_build_s"] or 0.0
+    return {**figures, "job_s": round(job["wall_s"], 2), "work_s": round(job["wall_s"] - build, 2),
+            "tiers_s": round(sum(r["seconds"] for r in job["rows"]), 2), "kernel_build_s": round(build, 2),
             "threads": [r["threads"] for r in job["rows"]], "thread_policy": job["thread_policy"],
-            "kernel_build_s": job["kernel_build_s"],
             "rows": [{k: r[k] for k in ("tier", "seconds", "decode_tok_s", "threads", "token_match")}
                      for r in job["rows"]]}
 
 
 def add_ratios(runs: list[dict]) -> None:
-    """``vs_quiet``: each run's ``job_s`` over the same setting's run without a neighbour."""
-    quiet = {r["setting"]: r.get("job_s") for r in runs if r["neighbour"] == "none"}
-    for r in runs:
-        if r.get("job_s") and quiet.get(r["setting"]):
-            r["vs_quiet"] = round(r["job_s"] / quiet[r["setting"]], 2)
+    """``vs_quiet`` / ``tiers_vs_quiet``: each run's ``work_s`` / ``tiers_s`` over the same setting's run without a
+    neighbour."""
+    for key, ratio in (("work_s", "vs_quiet"), ("tiers_s", "tiers_vs_quiet")):
+        quiet = {r["setting"]: r.get(key) for r in runs if r["neighbour"] == "none"}
+        for r in runs:
+            if r.get(key) and quiet.get(r["setting"]):
+                r[ratio] = round(r[key] / quiet[r["setting"]], 2)
 
 
 def targets(runs: list[dict]) -> dict:
@@ -84,7 +92,7 @@ def targets(runs: list[dict]) -> dict:
     quiet, busy = by.get(("auto", "none"), {}), by.get(("auto", "omp"), {})
     return {"auto_beside_omp_vs_quiet": busy.get("vs_quiet"), "auto_beside_omp_within_2x":
             None if busy.get("vs_quiet") is None else busy["vs_quiet"] <= 2.0,
-            "auto_quiet_job_s": quiet.get("job_s"), "auto_quiet_process_s": quiet.get("process_s"),
+            "auto_quiet_work_s": quiet.get("work_s"), "auto_quiet_process_s": quiet.get("process_s"),
             "auto_quiet_under_3_min": None if quiet.get("process_s") is None else quiet["process_s"] < 180}
 
 
@@ -97,6 +105,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"defaults for a check: {QUICK}")
     parser.add_argument("--out", default=None, help="default benchmarks/results/main_job_busy.json")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the neighbours and the job are stopped too
     quick = QUICK if args.quick else {"new_tokens": 64, "tiers": None, "settings": ",".join(SETTINGS)}
     new_tokens = args.new_tokens or quick["new_tokens"]
     tiers = args.tiers or quick["tiers"]
@@ -117,17 +126,17 @@ def main() -> None:
                 with neighbour(kind):
                     result = run_job(threads, env, new_tokens, tiers, Path(scratch) / f"{len(runs)}.json")
                 runs.append({"setting": setting, "threads_arg": threads, "env": env, "neighbour": kind, **result})
-                print({k: runs[-1].get(k) for k in ("setting", "neighbour", "process_s", "job_s", "tiers_s", "threads",
-                                                      "load_avg_before", "error")}, flush=True)
+                print({k: runs[-1].get(k) for k in ("setting", "neighbour", "process_s", "work_s", "tiers_s", "kernel_build_s",
+                                                      "threads", "load_avg_before", "error")}, flush=True)
     add_ratios(runs)
     payload = {"command": "python -m flashcodec_fx.cli run --threads SETTING --new-tokens N [--tiers T] --out FILE",
                "new_tokens": new_tokens, "tiers": tiers, "settings": settings, "neighbours": kinds,
                "default_threads": default_threads, "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
                "kernels": kernels[0] if kernels else None,
                "runs": runs, "targets": targets(runs),
-               "note": "job_s: the job's own wall time (model load + tiers); process_s: the command from outside "
-                       "(Python and torch imports too); vs_quiet: job_s over the same setting's run with no "
-                       "neighbour"}
+               "note": "job_s: the job's own wall time (model load, kernels, tiers); work_s: job_s less the kernels' "
+                       "build; process_s: the command from outside (Python and torch imports too); vs_quiet / "
+                       "tiers_vs_quiet: work_s / tiers_s over the same setting's run with no neighbour"}
     path = write_result("main_job_busy", payload, out=args.out)
     print(json.dumps(payload["targets"]), f"\nwrote {path}", flush=True)
 
