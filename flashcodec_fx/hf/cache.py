@@ -753,13 +753,19 @@ class FlashCodecCache(Cache):
         return {part: sum(row.get(part, 0) for row in rows.values()) for part in parts}
 
     def storage_bytes(self) -> int:
-        """Every byte the cache holds (codec layers and native layers; see :meth:`storage_breakdown`)."""
+        """Every byte the cache holds (codec layers and native layers; see :meth:`storage_breakdown`): the ``stored``
+        part that :meth:`bits_per_value` counts, plus spare capacity (archive groups allocated and not filled, sink and
+        tail rows not holding a token, the length counters) and the memo. Capacity grows in steps that depend on the
+        calls (a multi-token verification call, a crop, which keeps it): two caches of one length can hold other
+        bytes."""
         return self.storage_breakdown()["total"]
 
     def bits_per_value(self) -> float:
         """Stored bits per cached K/V value of the codec layers, as stored: filled archive groups with their scales
-        and zero points, raw sinks and tail rows, the mean and channel exponents; no unused capacity, no memo. A bf16 raw
-        cache is 16."""
+        and zero points, raw sinks and tail rows, the mean and channel exponents; no unused capacity, no memo:
+        ``8 * storage_breakdown()["stored"]`` over the values (K and V) the stored tokens stand for. A bf16 raw cache is
+        16. After a crop (speculative decoding) the raw window can hold fewer tokens than ``window`` until new ones
+        refill it (the tokens a rejected draft pushed into the archive stay archived), so fewer bits at one length."""
         layers = [layer for layer in self.layers if isinstance(layer, FlashCodecLayer)]
         bits = sum(layer.stored_bits() for layer in layers)
         return bits / max(1, sum(layer.cached_values() for layer in layers))
