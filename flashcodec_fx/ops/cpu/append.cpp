@@ -1,4 +1,4 @@
-// flashcodec::append on the CPU (see ops/append.py for the spec): the new tokens go to the sinks and the tail; a
+// flashcodec::append on the CPU (spec: ops/reference/append.py): the new tokens go to the sinks and the tail; a
 // group is encoded only when it completes and leaves the window, decided here from the stored length, so a decode
 // step is the same call every time and runs no ATen op. When groups complete, their products run through the
 // reference's own ATen expressions on the reference's shapes (centering, `x @ R.T`, `M @ blocks`; for the memo
@@ -92,8 +92,28 @@ inline void row_sum(int64_t size, int width, F elem, float* out) {
   for (int k = 0; k < width; ++k) out[k] = part[k];
 }
 
+// torch_inner_sum of a row of fewer than 64 vectors (row_sum's cascade never flushes: one level of sequential sums
+// per lane) as loops that vectorize: the same additions in the same order.
+inline float short_inner_sum(const float* x, int64_t n, int width) {
+  const int64_t vecs = n / width, rows = vecs / 4;
+  float part[4 * 16];
+  for (int k = 0; k < 4 * width; ++k) part[k] = 0.0f;
+  for (int64_t i = 0; i < rows; ++i)
+#pragma omp simd
+    for (int k = 0; k < 4 * width; ++k) part[k] += x[i * 4 * width + k];
+  for (int64_t i = rows * 4; i < vecs; ++i)
+    for (int k = 0; k < width; ++k) part[k] += x[i * width + k];
+  for (int p = 1; p < 4; ++p)
+    for (int k = 0; k < width; ++k) part[k] += part[p * width + k];
+  float total = 0.0f;
+  for (int64_t k = vecs * width; k < n; ++k) total += x[k];
+  for (int k = 0; k < width; ++k) total += part[k];
+  return total;
+}
+
 // Sum of a contiguous row of n floats, reduced along the row (vectorized_inner_sum / scalar_inner_sum).
 inline float torch_inner_sum(const float* x, int64_t n, int width) {
+  if (n >= width && width <= 16 && n / width / 4 < 16) return short_inner_sum(x, n, width);
   if (n < width) {
     float s;
     row_sum(n, 1, [&](int64_t i, int) { return x[i]; }, &s);
@@ -157,6 +177,69 @@ inline int nearest_code(const Codec& c, int j, int kind, float x, float scale, f
   return std::min(std::max(code, lo), hi);
 }
 
+// A token-axis slice of Lloyd row j (every value on the same N = 2**bits levels, in increasing order): the codes
+// nearest_code gives and the squared errors of level * scale + zero against x. A loop over the row that vectorizes:
+// one compare per midpoint, counted for the code and selecting the level (the midpoints increase, so the ones below y
+// are a prefix and the last one selected is the code's level); the same float operations as nearest_code, so bitwise
+// its results.
+template <int N>
+inline void lloyd_row(const float* table, const float* x, int n, float scale, float zero, int32_t* codes, float* sq) {
+  float t[N], mid[N];
+  for (int e = 0; e < N; ++e) t[e] = table[e];
+  for (int e = 0; e + 1 < N; ++e) mid[e] = (table[e + 1] + table[e]) / 2.0f;
+  const float safe = scale > 0.0f ? scale : 1.0f;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    const float y = (x[i] - zero) / safe;
+    int code = 0;
+    float lv = t[0];
+#pragma GCC unroll 16
+    for (int e = 0; e + 1 < N; ++e) {
+      const bool below = mid[e] < y;
+      code += below ? 1 : 0;
+      lv = below ? t[e + 1] : lv;
+    }
+    codes[i] = code;
+    const float diff = lv * scale + zero - x[i];
+    sq[i] = diff * diff;
+  }
+}
+
+// lloyd_row for a row of 1..4 bits whose levels increase (Lloyd-Max tables do); false otherwise (nearest_code then).
+inline bool lloyd_row_any(int bits, const float* table, const float* x, int n, float scale, float zero, int32_t* codes,
+                          float* sq) {
+  if (bits > 4) return false;
+  for (int e = 0; e + 1 < (1 << bits); ++e)
+    if (!(table[e] < table[e + 1])) return false;
+  switch (bits) {
+    case 1: lloyd_row<2>(table, x, n, scale, zero, codes, sq); break;
+    case 2: lloyd_row<4>(table, x, n, scale, zero, codes, sq); break;
+    case 3: lloyd_row<8>(table, x, n, scale, zero, codes, sq); break;
+    default: lloyd_row<16>(table, x, n, scale, zero, codes, sq); break;
+  }
+  return true;
+}
+
+// A token-axis slice of an int / midrise / uniform row j: nearest_code's codes (rounded by the 1.5 * 2**23 trick,
+// round-half-even as nearbyint: exact below 2**22, and larger values clamp to lo / hi either way; finite x) and,
+// where `sq` is set, the squared errors. Loops over the row that vectorize; bitwise nearest_code's results.
+inline void rounded_row(const float* table, int lo, int hi, const float* x, int n, float scale, float zero,
+                        int32_t* codes, float* sq) {
+  const float safe = scale > 0.0f ? scale : 1.0f, t0 = table[0];
+  const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    const float u = (x[i] - zero) / safe - t0;
+    const float r = (u + 12582912.0f) - 12582912.0f;
+    const float below = r > fhi ? fhi : r;
+    codes[i] = static_cast<int32_t>(below >= flo ? below : flo);
+  }
+  for (int i = 0; sq != nullptr && i < n; ++i) {
+    const float diff = table[codes[i]] * scale + zero - x[i];
+    sq[i] = diff * diff;
+  }
+}
+
 // The base (no-clipping) scale and zero of a slice of class k (levels.base_scale and the shared-step rule).
 inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq, float& base,
                        float& zero) {
@@ -213,6 +296,30 @@ inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_st
     cand_s[f] = fp16_toward((mid + sf * span / 2.0f - low) / span, true);
     cand_z[f] = low;
   }
+  // A token row (one level table): vectorized passes. The search's codes land in `codes`; the final pass (the best
+  // candidate's codes) overwrites them unless the last candidate was the best.
+  const int j0 = s.row[0], lo = kind == kInt ? 1 : 0, hi = (1 << c.bits[j0]) - 1;
+  const float* table = c.levels + j0 * kLevelWidth;
+  const bool lloyd = kind == kLloyd && s.channel < 0 && lloyd_row_any(c.bits[j0], table, s.x, s.n, cand_s[0],
+                                                                      cand_z[0], codes, sq);
+  if (lloyd || (kind != kLloyd && s.channel < 0)) {
+    const auto pass = [&](int f) {
+      if (lloyd) lloyd_row_any(c.bits[j0], table, s.x, s.n, cand_s[f], cand_z[f], codes, sq);
+      else rounded_row(table, lo, hi, s.x, s.n, cand_s[f], cand_z[f], codes, nf > 1 ? sq : nullptr);
+    };
+    if (!lloyd) pass(0);
+    int best = 0;
+    float best_err = nf > 1 ? s.sum(c, sq) : 0.0f;
+    for (int f = 1; f < nf; ++f) {
+      pass(f);
+      const float e = s.sum(c, sq);
+      if (e < best_err) { best_err = e; best = f; }
+    }
+    if (best != nf - 1) pass(best);
+    scale = cand_s[best];
+    zero = cand_z[best];
+    return;
+  }
   int best = 0;
   if (nf > 1) {
     float best_err = 0.0f;
@@ -232,17 +339,29 @@ inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_st
   for (int i = 0; i < s.n; ++i) codes[i] = nearest_code(c, s.row[i], kind, s.x[i], scale, zero);
 }
 
+// Bits shift .. shift + W - 1 of every code, 8 / W codes per byte (the widths known at compile time: unrolled).
+template <int W>
+inline void pack_slice(const int32_t* codes, int shift, int D, uint8_t* out) {
+  constexpr int per = 8 / W;
+  constexpr uint32_t mask = (1u << W) - 1;
+  for (int i = 0; i < D / per; ++i) {
+    uint32_t byte = 0;
+#pragma GCC unroll 8
+    for (int k = 0; k < per; ++k) byte |= ((static_cast<uint32_t>(codes[i * per + k]) >> shift) & mask) << (k * W);
+    out[i] = static_cast<uint8_t>(byte);
+  }
+}
+
 inline void pack_row(const int32_t* codes, int bits, int D, uint8_t* out) {
   int shift = 0;
   const int widths[4] = {8, 4, 2, 1};
   for (int w : widths) {
     if (bits - shift < w) continue;
-    const int per = 8 / w;
-    const uint32_t mask = (1u << w) - 1;
-    for (int i = 0; i < D / per; ++i) {
-      uint32_t byte = 0;
-      for (int k = 0; k < per; ++k) byte |= ((static_cast<uint32_t>(codes[i * per + k]) >> shift) & mask) << (k * w);
-      out[i] = static_cast<uint8_t>(byte);
+    switch (w) {
+      case 8: pack_slice<8>(codes, shift, D, out); break;
+      case 4: pack_slice<4>(codes, shift, D, out); break;
+      case 2: pack_slice<2>(codes, shift, D, out); break;
+      default: pack_slice<1>(codes, shift, D, out); break;
     }
     out += D * w / 8;
     shift += w;

@@ -7,7 +7,7 @@ namespace fc {
 
 namespace {
 
-// Coded tokens' rows of one stream, (n, H, 1, D) fp32, rotated and through the 1x1 DCT as the reference's encode.
+// Coded tokens' rows of one stream, (n, H, 1, D) fp32, rotated as the reference's encode (its 1x1 DCT: the identity).
 at::Tensor prepared_rows(const TokenRows& x, const std::vector<int64_t>& tokens, int64_t H, int64_t D,
                          const Codec& c, const std::vector<at::Tensor>& plan) {
   const int64_t n = static_cast<int64_t>(tokens.size());
@@ -17,7 +17,7 @@ at::Tensor prepared_rows(const TokenRows& x, const std::vector<int64_t>& tokens,
     for (int64_t i = i0; i < i1; ++i) to_float(x.at(tokens[i / H], i % H), x.dtype, pr + i * D, static_cast<int>(D));
   });
   if (c.rotate) rows = at::matmul(rows, plan[4].t());
-  return at::matmul(plan[2], rows.unsqueeze(-2)).contiguous();  // the 1x1 DCT (analysis @ blocks), exact
+  return rows.contiguous();  // the 1x1 DCT (analysis @ blocks) is [[1.0]] @ row: the row itself
 }
 
 }  // namespace
@@ -47,6 +47,7 @@ void paged_store(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   });
   if (coded.empty()) return;
   const Codec ck = Codec::parse(kplan), cv = Codec::parse(vplan);
+  TORCH_CHECK(ck.r == 1 && ck.dense == 1 && cv.r == 1 && cv.dense == 1, "page slots hold one-token blocks");
   const at::Tensor xk = prepared_rows(k, coded, H, D, ck, kplan), xv = prepared_rows(v, coded, H, D, cv, vplan);
   const float *pk = xk.data_ptr<float>(), *pv = xv.data_ptr<float>();
   const int64_t n_coded = static_cast<int64_t>(coded.size()), used = p.v_code + cv.row_bytes;
