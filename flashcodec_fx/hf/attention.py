@@ -1,25 +1,23 @@
 """Attention on the stored form, eager, through transformers' ``AttentionInterface``: ``"kvcodec"`` over the model's
 ``"sdpa"`` and ``"kvcodec_eager"`` over its ``"eager"`` implementation (the delegate: the registered name says which).
 
-One decode dataflow: ``FlashCodecLayer.update`` returns the call's new keys and values and hands the attention call
-that follows an :class:`AttentionStep`: a typed record (the keys and values it returns, a snapshot of both streams'
-stored form as the ops read it, what attention needs to know of the layer) passed through one forward-context slot
-(as vLLM's forward context), never tagged onto tensors and never a call back into the layer. The ``"kvcodec"``
-function :func:`take` s it when the keys it receives are the ones handed out (identity: any operation on them makes a
-new tensor): the slot is emptied and the step's :class:`StepStatus`, which the layer keeps, says it was taken. Only
-the slot and the attention call hold the snapshot, so it lives for one call: an offload right after the update moves
-the streams while attention still reads this step's device tensors, freed when it returns. Then it attends:
+A codec layer's update hands the attention call that follows an :class:`~flashcodec_fx.hf.handoff.AttentionStep`
+(the keys and values it returns, a snapshot of both streams' stored form as the ops read it, what attention needs to
+know of the layer), put in a table by layer index (:mod:`flashcodec_fx.hf.handoff`): the ``"kvcodec"`` function
+:func:`take` s the step of its module's ``layer_idx``. The keys it receives must be those the layer returned (a check,
+not how they meet: a model that changed K/V between ``cache.update`` and attention would get an answer over other
+keys than its own, so a decode step raises). Then it attends:
 
 - prefill (the layer was empty): on the exact prompt states, through the delegate;
 - later calls: ``torch.ops.flashcodec.codec_attention`` on the step's stored form, the call's own tokens read exactly,
   with the mask transformers passes (bool, additive or None), ``scaling`` and GQA; no ``(S, D)`` view.
 
-Every other call (layers without a codec, linear layers, models not using a FlashCodecCache) runs the delegate
-unchanged; a codec sliding-window layer is served like a full one (the mask bounds its window). Calls the stored-form
-path cannot serve (``output_attentions``, dropout, a sliding window on a layer that is not a codec ring, logit
-soft-capping, attention sinks, position bias, a multi-token call without a mask) attend on one decode of the stored
-view, with a ``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built with
-``strict=True``. A call that receives other keys than those a codec layer handed out for a decode step raises.
+Every other call (layers without a codec, linear layers, models not using a FlashCodecCache, compiled steps) runs the
+delegate unchanged; a codec sliding-window layer is served like a full one (the mask bounds its window). Calls the
+stored-form path cannot serve (``output_attentions``, dropout, a sliding window on a layer that is not a codec ring,
+logit soft-capping, attention sinks, position bias, a multi-token call without a mask) attend on one decode of the
+stored view, with a ``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built
+with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +33,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import AttentionInterface
 
 from .._compat import attn_implementation
+from .handoff import AttentionStep, Dataflow, current_table, dataflow
 
 NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 IMPLEMENTATIONS = {"sdpa": NAME, "eager": f"{NAME}_eager"}  # the model's implementation -> ours over it
@@ -48,88 +45,24 @@ class MaterializationFreeFallback(UserWarning):
     """A step that was to attend on the stored form attended on the decoded view instead (see docs/hf.md)."""
 
 
-# --- the step a layer hands attention ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StoredStream:
-    """One stream's stored form as ``torch.ops.flashcodec`` reads it: ``state`` (the 9 tensors of
-    :class:`~flashcodec_fx.ops.StreamState`), ``spec``, and ``length`` (stored tokens, host int; None: static layout,
-    whose views span the capacity)."""
-
-    state: list[torch.Tensor]
-    spec: str
-    length: int | None
-
-    def view(self, new: torch.Tensor) -> torch.Tensor:
-        """The decoded ``(B, H, L, D)`` view, this call's tokens ``new (B, H, T, D)`` read exactly."""
-        view = torch.ops.flashcodec.read(self.state, self.spec, new)
-        return view if self.length is None else view[:, :, : self.length]
-
-
-@dataclass
-class StepStatus:
-    """What the layer keeps of a step it handed out: whether it was a decode step, and whether attention took it."""
-
-    decode: bool
-    taken: bool = False
-
-
-@dataclass(frozen=True)
-class AttentionStep:
-    """What one codec layer's update hands its attention call.
-
-    ``key`` / ``value``: the ``(B, H, T, D)`` tensors the update returned (the call's exact states); ``keys`` /
-    ``values``: the streams' stored form after the append; ``views``: the ``(B, H, L, D)``
-    views to attend on when the stored form is the tokens themselves (lossless: zero-copy), else None; ``strict``: no
-    fallback to the decoded view; ``sliding``: a codec ring (the mask transformers passes bounds its window);
-    ``status``: shared with the layer."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    keys: StoredStream
-    values: StoredStream
-    views: tuple[torch.Tensor, torch.Tensor] | None
-    strict: bool
-    sliding: bool
-    status: StepStatus
-
-    @property
-    def decode(self) -> bool:
-        return self.status.decode
-
-    def decoded_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoded views of both streams, this call's tokens exact (one decode: the fallback path)."""
-        return self.keys.view(self.key), self.values.view(self.value)
-
-
-_current: ContextVar[AttentionStep | None] = ContextVar("flashcodec_attention_step", default=None)
-
-
-def hand_off(step: AttentionStep) -> None:
-    """Make ``step`` the current step (replacing the previous one, taken or not)."""
-    _current.set(step)
-
-
-def current() -> AttentionStep | None:
-    """The step handed out and not taken yet (None when there is none)."""
-    return _current.get()
-
-
-def take(key: torch.Tensor) -> AttentionStep | None:
-    """The current step when ``key`` is the key it handed out (the slot emptied, the step marked taken), else None."""
-    step = _current.get()
-    if step is None or step.key is not key:
+def take(module: torch.nn.Module, key: torch.Tensor) -> AttentionStep | None:
+    """The step the codec layer at ``module.layer_idx`` handed this call, taken out of the current table; None when it
+    handed none (layers without a codec, other caches). Raises ``RuntimeError`` when a decode step is pending and
+    ``key`` is not the key it returned (the model changes K/V between ``cache.update`` and attention: attending on
+    ``key`` would read this call's tokens only, a wrong answer); a prompt step with other keys stays untaken (its
+    layer then attends on the decoded view, warned)."""
+    table = current_table()
+    if table is None:
         return None
-    _current.set(None)
-    step.status.taken = True
-    return step
-
-
-def drop(status: StepStatus) -> None:
-    """Empty the slot if it holds the step of ``status`` (a layer that resets forgets what it handed out)."""
-    step = _current.get()
-    if step is not None and step.status is status:
-        _current.set(None)
+    layer_idx = getattr(module, "layer_idx", None)
+    step = table.pending(layer_idx)
+    if step is not None and step.key is key:
+        return table.take(layer_idx)
+    if step.decode if step is not None else table.decode_pending():
+        raise RuntimeError("the 'kvcodec' attention did not receive the keys its cache layer handed out for this step "
+                           "(the model changes K/V between cache.update and attention): attention on the stored form "
+                           "cannot serve this model; build the cache with materialization_free=False")
+    return None
 
 
 # --- the attention implementations -------------------------------------------------------------------------
@@ -165,10 +98,8 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
              kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     run = _delegate(module, delegate)
-    step = None if torch.compiler.is_compiling() else take(key)
+    step = None if dataflow() is Dataflow.COMPILED else take(module, key)
     if step is None:
-        if not torch.compiler.is_compiling():
-            _check_no_pending_step()
         return run(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if not step.decode:  # the prompt attends on its exact states
         return run(module, query, step.key, step.value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -206,17 +137,6 @@ def flashcodec_eager_attention_forward(module: torch.nn.Module, query: torch.Ten
                                        **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``"kvcodec_eager"`` attention implementation: as ``"kvcodec"``, over the model's eager implementation."""
     return _forward("eager", module, query, key, value, attention_mask, dropout, scaling, kwargs)
-
-
-def _check_no_pending_step() -> None:
-    """Raise when a codec layer handed out a decode step that no attention call took, and this call received other
-    keys (the model changed K/V between ``cache.update`` and attention): attending on them would read this call's
-    tokens only, a wrong answer."""
-    step = current()
-    if step is not None and step.decode:
-        raise RuntimeError("the 'kvcodec' attention did not receive the keys its cache layer handed out for this step "
-                           "(the model changes K/V between cache.update and attention): attention on the stored form "
-                           "cannot serve this model; build the cache with materialization_free=False")
 
 
 for _delegate_name, _forward_fn in (("sdpa", flashcodec_attention_forward), ("eager", flashcodec_eager_attention_forward)):

@@ -3,16 +3,20 @@
 Each compressed layer owns a :class:`flashcodec_fx.cache.CodecKVCache` (K and V streams); every read and write of the
 model goes through ``cache.update(k, v, layer_idx)``. What ``update`` returns:
 
-- eager, attention on the stored form (the default, ``materialization_free=True``): the call's new states, and the
-  step is handed to the attention call that follows (:class:`~flashcodec_fx.hf.attention.AttentionStep`: the stored form
-  after the append, explicitly); the ``"kvcodec"`` attention function attends on the prompt exactly (prefill) and on
-  the stored form afterwards (the call's own tokens exact). If the model does not use that
-  attention function (``apply_flash_codec`` / ``apply_codec_attention`` install it), the first decode step warns
-  (``MaterializationFreeFallback``; ``strict=True`` raises) and the layer switches to the decoded view, kept as a memo;
-- eager, ``materialization_free=False``: the decoded view (a memo updated once per archived group; dynamic: ``L`` =
-  stored length, static: ``L`` = capacity, positions past the length zero and masked), the prefill's exact states;
-- under ``torch.compile``: ``torch.ops.flashcodec.read(state, spec, new)`` of each stream, the pattern the compile
-  pass rewrites into ``flashcodec::codec_attention``.
+- ``Dataflow.STORED_FORM`` (eager, the default ``materialization_free=True``): the call's new states, and the step is
+  handed to the attention call that follows (:class:`~flashcodec_fx.hf.handoff.AttentionStep`: the stored form after
+  the append, explicitly, in the cache's table at this layer's index); the ``"kvcodec"`` attention function attends
+  on the prompt exactly (prefill) and on the stored form afterwards (the call's own tokens exact). If the model does
+  not use that attention function (``apply_flash_codec`` / ``apply_codec_attention`` install it), the first decode
+  step warns (``MaterializationFreeFallback``; ``strict=True`` raises) and the layer switches to the decoded view,
+  kept as a memo;
+- ``Dataflow.VIEW`` (eager, ``materialization_free=False``): the decoded view (a memo updated once per archived group;
+  dynamic: ``L`` = stored length, static: ``L`` = capacity, positions past the length zero and masked), the
+  prefill's exact states;
+- ``Dataflow.COMPILED`` (under ``torch.compile``): ``torch.ops.flashcodec.read(state, spec, new)`` of each stream, the
+  pattern the compile pass rewrites into ``flashcodec::codec_attention``.
+
+:func:`~flashcodec_fx.hf.handoff.dataflow` chooses among them (see :mod:`flashcodec_fx.hf.handoff`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from ..codecs import CODECS, Codec, codec_options
 from ..codecs.base import check_choice, check_count
 from ..config import CacheConfig, cache_config
 from ..presets import PRESETS, preset_config
-from .attention import AttentionStep, MaterializationFreeFallback, StepStatus, StoredStream, drop, hand_off
+from .attention import MaterializationFreeFallback
+from .handoff import AttentionStep, Dataflow, StepTable, StoredStream, dataflow
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 CODEC_KEYWORDS = ("preset", "per_layer", "key_options", "value_options", "mode")  # besides each codec's options
@@ -118,8 +123,9 @@ class FlashCodecLayer(CacheLayerMixin):
         self.layout, self.max_cache_len = layout, max_cache_len
         self.is_compileable = layout == "static"
         self.materialization_free, self.strict = materialization_free, strict
-        self._bound = False  # the "kvcodec" attention function served this layer's prefill (or a loaded file says so)
-        self._step: StepStatus | None = None  # of the step handed to attention last
+        self._bound = False  # the "kvcodec" attention function took a step of this layer (or a loaded file says so)
+        self._steps, self._index = StepTable(), 0  # where its steps go: a cache seats it at its index (`seat`)
+        self._handed = False  # a step was handed out since the last reset, and not withdrawn
         self._marked_static = False
         self._offloaded: tuple[int, int] | None = None  # on the host: the archive groups (K, V) to restore on arrival
 
@@ -212,7 +218,7 @@ class FlashCodecLayer(CacheLayerMixin):
         ``keep``: optional ``(B, T)`` bool, False at padding positions; those K/V are stored as zeros (what the call
         itself reads stays as given: padding is masked anyway).
         """
-        if torch.compiler.is_compiling():
+        if self.dataflow is Dataflow.COMPILED:
             return self._compiled_update(key_states, value_states)
         if self.handed_out:
             raise RuntimeError("the attention function did not receive the keys this cache layer handed out at the "
@@ -224,6 +230,7 @@ class FlashCodecLayer(CacheLayerMixin):
         first_fill = self.keys_stream.get_seq_length() == 0
         if self.unserved:
             fall_back_to_view([self])
+        flow = self.dataflow
         stored_k, stored_v = key_states, value_states
         if keep is not None:
             mask = keep[:, None, :, None]
@@ -238,13 +245,28 @@ class FlashCodecLayer(CacheLayerMixin):
         if first_fill:  # the prompt attends on its exact states (static: padded to the views' capacity)
             out = (key_states, value_states) if self.layout == "dynamic" else (self._pad(key_states),
                                                                                 self._pad(value_states))
-        elif self.materialization_free:
+        elif flow is Dataflow.STORED_FORM:
             out = (key_states, value_states)
         else:
             return self.read_view((key_states, value_states))
-        if self.materialization_free:
+        if flow is Dataflow.STORED_FORM:
             self._hand_off(*out, decode=not first_fill)
         return out
+
+    @property
+    def dataflow(self) -> Dataflow:
+        """The dataflow of this layer's next step (:func:`~flashcodec_fx.hf.handoff.dataflow`)."""
+        return dataflow(self.materialization_free)
+
+    def seat(self, steps: StepTable, index: int) -> None:
+        """Hand steps to ``steps`` at ``index`` from now on (``FlashCodecCache.update``: the cache's table, this layer's
+        index, the ``layer_idx`` of the attention module that reads it); a step pending at the old seat moves along."""
+        if steps is self._steps and index == self._index:
+            return
+        pending = self._steps.take(self._index)
+        self._steps, self._index = steps, index
+        if pending is not None:
+            steps.hand(index, pending)
 
     def _hand_off(self, key: torch.Tensor, value: torch.Tensor, decode: bool) -> None:
         """Hand the attention call that follows this step: the returned ``key`` / ``value`` and the stored form."""
@@ -252,15 +274,21 @@ class FlashCodecLayer(CacheLayerMixin):
         stored = [StoredStream(*stream.op_state(), None if self.layout == "static" else stream.get_seq_length())
                   for stream in streams]
         views = self.read_view((key, value)) if decode and self.stores_raw else None
-        self._step = StepStatus(decode)
-        hand_off(AttentionStep(key, value, *stored, views=views, strict=self.strict, sliding=self.is_sliding,
-                               status=self._step))
+        self._bound = self.attention_bound
+        self._handed = True
+        self._steps.hand(self._index, AttentionStep(key, value, *stored, views=views, decode=decode, strict=self.strict,
+                                                    sliding=self.is_sliding))
+
+    def _withdraw(self) -> None:
+        """Forget the step handed out last (taken or not)."""
+        self._steps.take(self._index)
+        self._handed = False
 
     @property
     def attention_bound(self) -> bool:
-        """The ``"kvcodec"`` attention function served this layer (its prefill step was taken), or a loaded cache
-        file says it did."""
-        return self._bound or (self._step is not None and self._step.taken)
+        """The ``"kvcodec"`` attention function took a step of this layer since its last reset (its table no longer
+        holds a step it handed out), or a loaded cache file says it did."""
+        return self._bound or (self._handed and self._steps.pending(self._index) is None)
 
     @attention_bound.setter
     def attention_bound(self, value: bool) -> None:
@@ -269,7 +297,8 @@ class FlashCodecLayer(CacheLayerMixin):
     @property
     def handed_out(self) -> bool:
         """A decode step was handed to attention and no attention call has taken it yet."""
-        return self._step is not None and self._step.decode and not self._step.taken
+        step = self._steps.pending(self._index) if self._handed else None
+        return step is not None and step.decode
 
     def _check_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Reject states this layer cannot take, before any state changes. Keys and values may have different head dims
@@ -294,6 +323,7 @@ class FlashCodecLayer(CacheLayerMixin):
     def use_view(self) -> None:
         """Attend on the decoded view from now on, kept as a memo (a raw stored form is its own view: no memo)."""
         self.materialization_free = False
+        self._withdraw()
         self.codec_cache.keys.start_memo()
         self.codec_cache.values.start_memo()
 
@@ -334,9 +364,8 @@ class FlashCodecLayer(CacheLayerMixin):
         """Forget every token (dynamic: storage released, the next update may bring another batch size; static:
         zeroed in place)."""
         self.codec_cache.reset()
-        if self._step is not None:
-            drop(self._step)
-        self._bound, self._step = False, None
+        self._withdraw()
+        self._bound = False
         if self.layout == "dynamic":
             self.is_initialized, self._offloaded = False, None
 
@@ -512,7 +541,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
             self.dropped = target
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not torch.compiler.is_compiling():
+        if self.dataflow is not Dataflow.COMPILED:
             self.codec_cache.check_new(key_states, value_states)  # a rejected call changes nothing
             self.slide()
         return super().update(key_states, value_states, *args, **kwargs)
@@ -598,6 +627,7 @@ class FlashCodecCache(Cache):
         self.codec_config = codec_config
         self.options = {"codecs": codec_config.spec, **layer_kwargs, "offloading": offloading}
         self._padding_mask: torch.Tensor | None = None
+        self.step_table = StepTable()  # the steps its codec layers hand attention, by layer index (hf/handoff.py)
         self.source_config = config  # what save() fingerprints (hf/cache_file.py)
         offload = dict(offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         if layer_types is None:
@@ -698,11 +728,14 @@ class FlashCodecCache(Cache):
                              f"for a model with {len(self.layers)}); the model calling it has more: build the cache from "
                              f"this model's config (FlashCodecCache.from_config(model.config, ...))")
         layer = self.layers[layer_idx]
-        compiling = torch.compiler.is_compiling()
-        if not compiling and isinstance(layer, FlashCodecLayer) and layer.unserved:  # host state: never traced
-            fall_back_to_view([other for other in self.layers if isinstance(other, FlashCodecLayer) and other.unserved])
-        if isinstance(layer, FlashCodecLayer) and self._padding_mask is not None and not compiling:
-            kwargs = {**kwargs, "keep": self._keep_mask(layer, key_states)}
+        compiling = dataflow() is Dataflow.COMPILED
+        if isinstance(layer, FlashCodecLayer) and not compiling:  # host state: never traced
+            layer.seat(self.step_table, layer_idx)
+            if layer.unserved:
+                fall_back_to_view([other for other in self.layers
+                                   if isinstance(other, FlashCodecLayer) and other.unserved])
+            if self._padding_mask is not None:
+                kwargs = {**kwargs, "keep": self._keep_mask(layer, key_states)}
         if not self.offloading:
             return layer.update(key_states, value_states, *args, **kwargs)
         if compiling:

@@ -311,9 +311,13 @@ class RingModel(LayerModel):
 
 
 class _Attention(torch.nn.Module):
-    """What transformers' sdpa function reads from an attention module."""
+    """What transformers' sdpa function reads from an attention module, and the layer index it passes the cache."""
 
     num_key_value_groups, is_causal = GQA, True
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
 
 
 class CacheContract(RuleBasedStateMachine):
@@ -330,7 +334,7 @@ class CacheContract(RuleBasedStateMachine):
                                         **self.layers_of())
         self.models = self.new_models()
         self.native = self.new_native()
-        self.module = _Attention()
+        self.modules = [_Attention(idx) for idx in range(len(self.cache.layers))]
 
     def layers_of(self) -> dict:
         """The cache's layer arguments: two full-attention layers."""
@@ -375,7 +379,7 @@ class CacheContract(RuleBasedStateMachine):
                 q = grid((self.batch, H * GQA, t, D), self.dtype, seed + 7 + idx) / 16
                 mask = self.mask(idx, past, t, kv_length, offset)
                 window = {"sliding_window": layer.sliding_window} if layer.is_sliding else {}
-                attn, _ = flashcodec_attention_forward(self.module, q, out_k, out_v, mask, scaling=0.25, **window)
+                attn, _ = flashcodec_attention_forward(self.modules[idx], q, out_k, out_v, mask, scaling=0.25, **window)
             if check:
                 self.check_attention(idx, q, attn, k, v, past, offset)
 

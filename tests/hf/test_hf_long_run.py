@@ -31,8 +31,7 @@ from conftest import cache_kwargs  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf import attention as attention_step  # noqa: E402
-from flashcodec_fx.hf.attention import flashcodec_attention_forward  # noqa: E402
+from flashcodec_fx.hf.attention import flashcodec_attention_forward, take  # noqa: E402
 from flashcodec_fx.kernels import kernel_kind, kernel_registry  # noqa: E402
 
 TOKENS = 20_000
@@ -111,7 +110,7 @@ def _group_bytes(cache: fx.FlashCodecCache, batch: int, heads: int, dtype: torch
 
 
 class _Attention(torch.nn.Module):
-    num_key_value_groups, is_causal = GQA, True
+    num_key_value_groups, is_causal, layer_idx = GQA, True, 0
 
 
 def test_20k_decode_steps_hold_flat_memory_per_token():
@@ -128,7 +127,7 @@ def test_20k_decode_steps_hold_flat_memory_per_token():
         if attend:
             flashcodec_attention_forward(module, q[:, :, n:n + 1], key, value, None, scaling=0.25)
         else:
-            attention_step.take(key)  # what attention does first: the step is read
+            take(module, key)  # what attention does first: the step is read
 
     for n in range(PROMPT, TOKENS):
         if n in SAMPLED:

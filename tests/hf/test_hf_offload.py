@@ -16,7 +16,6 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf import apply_codec_attention, remove_codec_attention  # noqa: E402
-from flashcodec_fx.hf import attention as attention_step  # noqa: E402
 from flashcodec_fx.hf.attention import flashcodec_attention_forward  # noqa: E402
 
 
@@ -94,7 +93,7 @@ def test_a_memo_moves_its_filled_positions():
 
 
 class _Attention(torch.nn.Module):
-    num_key_value_groups, is_causal = 1, True
+    num_key_value_groups, is_causal, layer_idx = 1, True, 0
 
 
 def test_offload_moves_the_layer_while_attention_reads_the_step_it_was_handed():
@@ -111,11 +110,11 @@ def test_offload_moves_the_layer_while_attention_reads_the_step_it_was_handed():
         assert (layer._offloaded is not None) == offloading  # the prefill attends on the exact states: moved already
         flashcodec_attention_forward(module, q[:, :, :20], key, value, None, scaling=0.25, is_causal=True)
         key, value = cache.update(q[:, :, 20:], q[:, :, 20:], 0)  # prefetched back, appended, offloaded again
-        handed = attention_step.current()
+        handed = cache.step_table.pending(0)
         if offloading:
             assert layer._offloaded is not None and handed.keys.state[0] is not layer.keys_stream.state.data
         outs.append(flashcodec_attention_forward(module, q[:, :, 20:], key, value, None, scaling=0.25)[0])
-        assert attention_step.current() is None and not layer.handed_out
+        assert cache.step_table.pending(0) is None and not layer.handed_out
     assert torch.equal(*outs)
 
 

@@ -1,0 +1,126 @@
+"""What a codec layer's ``update`` hands the attention call that follows, where they meet, and which dataflow runs.
+
+A step runs one of three dataflows, chosen in one place (:func:`dataflow`):
+
+- ``STORED_FORM`` (eager, ``materialization_free=True``, the default): the update returns the call's own keys and
+  values and hands the attention call an :class:`AttentionStep` (those tensors and both streams' stored form after
+  the append); the ``"kvcodec"`` attention function attends on it (``hf/attention.py``);
+- ``VIEW`` (eager, ``materialization_free=False``): the update returns the decoded view (kept as a memo, or one
+  decode a step: ``memoize``) and the model's own attention reads it; nothing is handed over;
+- ``COMPILED`` (traced by ``torch.compile``, whatever the switch): the update returns ``flashcodec.read`` views that
+  the compile pass rewrites, with the SDPA call over them, into ``flashcodec.codec_attention``; nothing is handed over
+  (nothing host-side is read while tracing).
+
+Where they meet: a :class:`StepTable`, keyed by layer index. ``FlashCodecCache.update(k, v, layer_idx)`` seats the
+codec layer at ``layer_idx`` of the cache's table (a layer used on its own has a table of its own, index 0); its
+update puts the step there, and the attention call of the module whose ``layer_idx`` it is takes it out. transformers
+passes attention functions the module (so its ``layer_idx``), not the cache: the table a layer handed a step to last
+is the current one of this context (``_FORWARD``, a ``ContextVar``: per thread and asyncio task, as vLLM's forward
+context). It is the package's one piece of module-level state in the decode path and holds a reference to a table,
+nothing keyed by object ids. The layer learns whether its step was taken by looking at the table (taken: no longer
+there), never from a flag attention writes back.
+
+A model that calls ``cache.update`` with another index than its attention module's ``layer_idx`` (a cache offset, as
+looped models do) leaves its steps untaken: the layer then attends on the decoded view, with a
+``MaterializationFreeFallback`` warning (see ``fall_back_to_view``), never on the wrong step.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+
+class Dataflow(enum.Enum):
+    """How one step's attention reads a codec layer (see the module docstring)."""
+
+    STORED_FORM = "stored_form"
+    VIEW = "view"
+    COMPILED = "compiled"
+
+
+def dataflow(materialization_free: bool = True) -> Dataflow:
+    """The dataflow of a step now: ``COMPILED`` while ``torch.compile`` traces, else ``STORED_FORM`` or ``VIEW`` by the
+    layer's ``materialization_free`` (the attention function asks with the default: it only serves the stored form)."""
+    if torch.compiler.is_compiling():
+        return Dataflow.COMPILED
+    return Dataflow.STORED_FORM if materialization_free else Dataflow.VIEW
+
+
+@dataclass(frozen=True)
+class StoredStream:
+    """One stream's stored form as ``torch.ops.flashcodec`` reads it: ``state`` (the tensors of
+    :class:`~flashcodec_fx.ops.StreamState`, in its field order), ``spec``, and ``length`` (stored tokens, host int;
+    None: static layout, whose views span the capacity)."""
+
+    state: list[torch.Tensor]
+    spec: str
+    length: int | None
+
+    def view(self, new: torch.Tensor) -> torch.Tensor:
+        """The decoded ``(B, H, L, D)`` view, this call's tokens ``new (B, H, T, D)`` read exactly."""
+        view = torch.ops.flashcodec.read(self.state, self.spec, new)
+        return view if self.length is None else view[:, :, : self.length]
+
+
+@dataclass(frozen=True)
+class AttentionStep:
+    """What one codec layer's update hands its attention call.
+
+    ``key`` / ``value``: the ``(B, H, T, D)`` tensors the update returned (the call's exact states); ``keys`` /
+    ``values``: the streams' stored form after the append; ``views``: the ``(B, H, L, D)`` views to attend on when the
+    stored form is the tokens themselves (lossless: zero-copy), else None; ``decode``: False for the prompt (the layer
+    was empty), which attends on its exact states; ``strict``: no fallback to the decoded view; ``sliding``: a codec
+    ring (the mask transformers passes bounds its window)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    keys: StoredStream
+    values: StoredStream
+    views: tuple[torch.Tensor, torch.Tensor] | None
+    decode: bool
+    strict: bool
+    sliding: bool
+
+    def decoded_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoded views of both streams, this call's tokens exact (one decode: the fallback path)."""
+        return self.keys.view(self.key), self.values.view(self.value)
+
+
+class StepTable:
+    """The steps handed to attention and not taken yet, by layer index (one per FlashCodecCache).
+
+    Only the table and the attention call hold a step, so its snapshot lives for one call: an offload right after the
+    update moves the streams while attention still reads the step's device tensors, freed when it returns."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, AttentionStep] = {}
+
+    def hand(self, layer_idx: int, step: AttentionStep) -> None:
+        """Put ``step`` at ``layer_idx`` (replacing what is there) and make this the context's current table."""
+        self._pending[layer_idx] = step
+        if _FORWARD.get() is not self:
+            _FORWARD.set(self)
+
+    def pending(self, layer_idx: int | None) -> AttentionStep | None:
+        """The step at ``layer_idx`` not taken yet (None when there is none)."""
+        return self._pending.get(layer_idx)
+
+    def take(self, layer_idx: int) -> AttentionStep | None:
+        """Remove and return the step at ``layer_idx``."""
+        return self._pending.pop(layer_idx, None)
+
+    def decode_pending(self) -> bool:
+        """Some layer handed out a decode step that no attention call took."""
+        return any(step.decode for step in self._pending.values())
+
+
+_FORWARD: ContextVar[StepTable | None] = ContextVar("flashcodec_step_table", default=None)
+
+
+def current_table() -> StepTable | None:
+    """The table a codec layer handed a step to last in this context (None before any)."""
+    return _FORWARD.get()
