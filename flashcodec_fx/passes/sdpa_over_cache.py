@@ -7,9 +7,9 @@ Semantics. ``codec_attention`` over the stored state equals SDPA over ``read()``
 ``>= length`` (``read`` returns zeros there: capacity padding of the static layout) are masked out, which is
 the static-cache contract (transformers' causal masks over a static cache do it). The rewritten graph always
 excludes them. Rewritten only when provably the same attention: ``dropout_p == 0``, ``is_causal=False``
-(``is_causal=True`` is top-left aligned, which a cache read never wants), GQA by head grouping, equal head dims,
-K and V codecs with the same block size. K and V are assumed to be one layer's pair of streams (appended
-together, as ``CodecKVCache`` does): the key stream's ``length`` is used for both.
+(``is_causal=True`` is top-left aligned, which a cache read never wants), GQA by head grouping, equal batch, kv heads
+and head dims, the call's new tokens read by both reads or neither. K and V are assumed to be one layer's pair of
+streams (appended together, as ``CodecKVCache`` does), so their lengths agree.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ ENV_LAYER_PRESETS = "FLASHCODEC_VLLM_LAYER_PRESETS"
 ENV_SKIP = "FLASHCODEC_VLLM_SKIP_LAYERS"
 ENV_ANCHORS = "FLASHCODEC_VLLM_ANCHORS"
 ENV_NAMES = (ENV_PRESET, ENV_LAYER_PRESETS, ENV_SKIP, ENV_ANCHORS)
-VLLM_PRESETS = tuple(name for name in PRESETS if name != "lossless")  # per-token codes (lossless is png blocks)
+VLLM_PRESETS = tuple(name for name in PRESETS if name != "lossless")  # pages hold codes; lossless keeps raw rows
 
 
 def _layers(variable: str, text: str) -> list[int]:

@@ -1,4 +1,4 @@
-// flashcodec::codec_attention on the CPU: flash-decoding over the stored form (see ops/attention.py for the spec).
+// flashcodec::codec_attention on the CPU: flash-decoding over the stored form (spec: ops/reference/attention.py).
 //
 // Work items are (batch, kv head, query tile, split), run by pool.h's fork-join (one region per call, only when the
 // work gives each thread kMinWorkPerThread). A tile holds up to kLanes query rows (the GQA heads x tokens

@@ -99,7 +99,7 @@ struct Lead3 {
   T* at(int64_t b, int64_t h, int64_t n = 0) const { return ptr + b * sb + h * sh + n * sn; }
 };
 
-// One stream's stored state (ops/state.py): the 9 tensors as views, plus the codec.
+// One stream's stored state (ops/state.py): its tensors but `norm` (the launchers apply it) as views, plus the codec.
 struct Stream {
   const Codec* c;
   at::ScalarType dtype;  // stream dtype (sink, tail)

@@ -1,10 +1,11 @@
 """Launchers of the CPU kernels: validate once per argument layout, look up the codec plans, call the C++.
 
-Validation (the reference ops' own checks) depends only on the specs and the tensors' shapes and dtypes, so a
-layout that passed is remembered and not checked again (``VALIDATED``, bounded). The kernels address every state
-tensor through the strides of its first three dims and need the rest contiguous (what ``empty_state`` allocates);
-the C++ copies other layouts (and, for append, writes the copies back). Stream dtypes other than fp32 / bf16 / fp16,
-and every call when the kernels could not be built, run the reference.
+Validation (the reference ops' own checks) depends only on the specs and the tensors' shapes and dtypes, so a layout
+that passed is remembered and not checked again (``VALIDATED``, bounded: a process-wide memo of a pure check, like
+``functools.cache``, module-level so that every call site shares it; it never changes a result). The kernels address
+every state tensor through the strides of its first three dims and need the rest contiguous (what ``empty_state``
+allocates); the C++ copies other layouts (and, for append, writes the copies back). Stream dtypes other than fp32 /
+bf16 / fp16, and every call when the kernels could not be built, run the reference.
 """
 
 from __future__ import annotations

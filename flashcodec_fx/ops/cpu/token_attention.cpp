@@ -1,5 +1,5 @@
 // flashcodec::codec_attention on the CPU when both streams store one row per token (block_size 1, one stored row:
-// every lossy preset), flash-decoding on the packed codes (see ops/attention.py for the spec).
+// every lossy preset), flash-decoding on the packed codes (see ops/reference/attention.py for the spec).
 //
 // With the rotation applied to q once per call, an archived token's score is `scale_t * (q_rot . L[c_t])` (plus
 // `zero_t * sum(q_rot)` for uniform levels and `q . mean` for centered keys) and its value contribution is

@@ -46,8 +46,8 @@ def _assemble(view, x, pos, dc, ok, tail, new, NS, b, h, bh, start, length, T, C
 def _read_kernel(data, scale, zero, index, mean, sink, tail, len_ptr, start_ptr, new, sn0, sn1, sn2, sn3, view,
                  syn, rot, rows_t, levels, H, NG, T, F: tl.constexpr, E: tl.constexpr):
     """Program ``(bh, k, chunk)``: the view's positions of archive group ``k < NG``, or the sinks (``k == NG``),
-    channels ``chunk * RC ..``. Per stream: the 9 state tensors' pointers, the new tokens and their strides (``T``
-    of them), the view, the tables (synthesis, rotation, rows, levels)."""
+    channels ``chunk * RC ..``. Per stream: the state tensors' pointers but ``norm`` (``from_stored`` applies it), the
+    new tokens and their strides (``T`` of them), the view, the tables (synthesis, rotation, rows, levels)."""
     G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
     SINKS: tl.constexpr = F[F_SINKS]
     D: tl.constexpr = E[E_D]
