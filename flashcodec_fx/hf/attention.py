@@ -33,7 +33,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import AttentionInterface
 
 from .._compat import attn_implementation
-from .handoff import AttentionStep, Dataflow, current_table, dataflow
+from .handoff import COMPILED, AttentionStep, current_table, dataflow
 
 NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 IMPLEMENTATIONS = {"sdpa": NAME, "eager": f"{NAME}_eager"}  # the model's implementation -> ours over it
@@ -55,9 +55,11 @@ def take(module: torch.nn.Module, key: torch.Tensor) -> AttentionStep | None:
     if table is None:
         return None
     layer_idx = getattr(module, "layer_idx", None)
-    step = table.pending(layer_idx)
+    step = table.pop(layer_idx, None)
     if step is not None and step.key is key:
-        return table.take(layer_idx)
+        return step
+    if step is not None:
+        table[layer_idx] = step  # handed for other keys: it stays
     if step.decode if step is not None else table.decode_pending():
         raise RuntimeError("the 'kvcodec' attention did not receive the keys its cache layer handed out for this step "
                            "(the model changes K/V between cache.update and attention): attention on the stored form "
@@ -98,7 +100,7 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
              kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     run = _delegate(module, delegate)
-    step = None if dataflow() is Dataflow.COMPILED else take(module, key)
+    step = None if dataflow() is COMPILED else take(module, key)
     if step is None:
         return run(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if not step.decode:  # the prompt attends on its exact states

@@ -41,7 +41,7 @@ from ..codecs.base import check_choice, check_count
 from ..config import CacheConfig, cache_config
 from ..presets import PRESETS, preset_config
 from .attention import MaterializationFreeFallback
-from .handoff import AttentionStep, Dataflow, StepTable, StoredStream, dataflow
+from .handoff import COMPILED, STORED_FORM, AttentionStep, StepTable, StoredStream, dataflow
 
 CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
 CODEC_KEYWORDS = ("preset", "per_layer", "key_options", "value_options", "mode")  # besides each codec's options
@@ -218,7 +218,8 @@ class FlashCodecLayer(CacheLayerMixin):
         ``keep``: optional ``(B, T)`` bool, False at padding positions; those K/V are stored as zeros (what the call
         itself reads stays as given: padding is masked anyway).
         """
-        if self.dataflow is Dataflow.COMPILED:
+        flow = dataflow(self.materialization_free)
+        if flow is COMPILED:
             return self._compiled_update(key_states, value_states)
         if self.handed_out:
             raise RuntimeError("the attention function did not receive the keys this cache layer handed out at the "
@@ -230,7 +231,7 @@ class FlashCodecLayer(CacheLayerMixin):
         first_fill = self.keys_stream.get_seq_length() == 0
         if self.unserved:
             fall_back_to_view([self])
-        flow = self.dataflow
+            flow = dataflow(self.materialization_free)
         stored_k, stored_v = key_states, value_states
         if keep is not None:
             mask = keep[:, None, :, None]
@@ -245,25 +246,20 @@ class FlashCodecLayer(CacheLayerMixin):
         if first_fill:  # the prompt attends on its exact states (static: padded to the views' capacity)
             out = (key_states, value_states) if self.layout == "dynamic" else (self._pad(key_states),
                                                                                 self._pad(value_states))
-        elif flow is Dataflow.STORED_FORM:
+        elif flow is STORED_FORM:
             out = (key_states, value_states)
         else:
             return self.read_view((key_states, value_states))
-        if flow is Dataflow.STORED_FORM:
+        if flow is STORED_FORM:
             self._hand_off(*out, decode=not first_fill)
         return out
-
-    @property
-    def dataflow(self) -> Dataflow:
-        """The dataflow of this layer's next step (:func:`~flashcodec_fx.hf.handoff.dataflow`)."""
-        return dataflow(self.materialization_free)
 
     def seat(self, steps: StepTable, index: int) -> None:
         """Hand steps to ``steps`` at ``index`` from now on (``FlashCodecCache.update``: the cache's table, this layer's
         index, the ``layer_idx`` of the attention module that reads it); a step pending at the old seat moves along."""
         if steps is self._steps and index == self._index:
             return
-        pending = self._steps.take(self._index)
+        pending = self._steps.pop(self._index, None)
         self._steps, self._index = steps, index
         if pending is not None:
             steps.hand(index, pending)
@@ -274,21 +270,21 @@ class FlashCodecLayer(CacheLayerMixin):
         stored = [StoredStream(*stream.op_state(), None if self.layout == "static" else stream.get_seq_length())
                   for stream in streams]
         views = self.read_view((key, value)) if decode and self.stores_raw else None
-        self._bound = self.attention_bound
+        self._bound = self._bound or self.attention_bound  # the step handed out before was taken
         self._handed = True
         self._steps.hand(self._index, AttentionStep(key, value, *stored, views=views, decode=decode, strict=self.strict,
                                                     sliding=self.is_sliding))
 
     def _withdraw(self) -> None:
         """Forget the step handed out last (taken or not)."""
-        self._steps.take(self._index)
+        self._steps.pop(self._index, None)
         self._handed = False
 
     @property
     def attention_bound(self) -> bool:
         """The ``"kvcodec"`` attention function took a step of this layer since its last reset (its table no longer
         holds a step it handed out), or a loaded cache file says it did."""
-        return self._bound or (self._handed and self._steps.pending(self._index) is None)
+        return self._bound or (self._handed and self._steps.get(self._index) is None)
 
     @attention_bound.setter
     def attention_bound(self, value: bool) -> None:
@@ -297,7 +293,7 @@ class FlashCodecLayer(CacheLayerMixin):
     @property
     def handed_out(self) -> bool:
         """A decode step was handed to attention and no attention call has taken it yet."""
-        step = self._steps.pending(self._index) if self._handed else None
+        step = self._steps.get(self._index) if self._handed else None
         return step is not None and step.decode
 
     def _check_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -541,7 +537,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
             self.dropped = target
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.dataflow is not Dataflow.COMPILED:
+        if dataflow(self.materialization_free) is not COMPILED:
             self.codec_cache.check_new(key_states, value_states)  # a rejected call changes nothing
             self.slide()
         return super().update(key_states, value_states, *args, **kwargs)
@@ -728,7 +724,7 @@ class FlashCodecCache(Cache):
                              f"for a model with {len(self.layers)}); the model calling it has more: build the cache from "
                              f"this model's config (FlashCodecCache.from_config(model.config, ...))")
         layer = self.layers[layer_idx]
-        compiling = dataflow() is Dataflow.COMPILED
+        compiling = dataflow() is COMPILED
         if isinstance(layer, FlashCodecLayer) and not compiling:  # host state: never traced
             layer.seat(self.step_table, layer_idx)
             if layer.unserved:

@@ -53,23 +53,23 @@ def test_stored_form_layer_hands_attention_its_step():
     table = layer._steps
     k, v = _states(13, 0)
     out_k, out_v = layer.update(k, v)
-    handed = table.pending(0)
+    handed = table.get(0)
     assert out_k is k and out_v is v and handed.key is k and handed.value is v and not handed.decode
     assert current_table() is table and not layer.attention_bound
     assert layer.keys_stream.memo is None  # nothing but the stored form is kept
-    assert take(_Attention(1), k) is None and table.pending(0) is handed  # another layer's attention: not its step
+    assert take(_Attention(1), k) is None and table.get(0) is handed  # another layer's attention: not its step
     assert take(_Attention(0), k.clone()) is None and not layer.attention_bound  # a prompt step with other keys stays
-    assert take(_Attention(0), k) is handed and layer.attention_bound and table.pending(0) is None
+    assert take(_Attention(0), k) is handed and layer.attention_bound and table.get(0) is None
     nk, nv = _states(1, 1)
     out_k, _ = layer.update(nk, nv)
-    handed = table.pending(0)
+    handed = table.get(0)
     assert out_k is nk and handed.decode and layer.handed_out and layer.attention_bound  # served before: still bound
     state, spec = layer.keys_stream.op_state()
     assert handed.keys.spec == spec and all(a is b for a, b in zip(handed.keys.state, state, strict=True))
     with pytest.raises(RuntimeError, match="did not receive the keys"):
         layer.update(nk, nv)  # nobody took the last hand-off: a wrong answer would follow, so it raises
     layer.reset()
-    assert table.pending(0) is None and not layer.handed_out and not layer.attention_bound  # a reset forgets it
+    assert table.get(0) is None and not layer.handed_out and not layer.attention_bound  # a reset forgets it
 
 
 def test_a_cache_seats_each_layer_at_its_index():
@@ -79,14 +79,14 @@ def test_a_cache_seats_each_layer_at_its_index():
     k, v = _states(13, 0)
     for idx in (0, 1):
         cache.update(k, v, idx)
-    steps = [cache.step_table.pending(idx) for idx in (0, 1)]
+    steps = [cache.step_table.get(idx) for idx in (0, 1)]
     assert current_table() is cache.step_table and steps[0] is not steps[1] and all(s.key is k for s in steps)
     assert take(_Attention(1), k) is steps[1] and take(_Attention(0), k) is steps[0]
     assert all(cache.layers[idx].attention_bound for idx in (0, 1))
     other = fx.FlashCodecCache(num_layers=2, mode="png")  # another cache: its own table, its own steps
     other.update(k, v, 1)
-    assert current_table() is other.step_table and other.step_table.pending(1).key is k
-    assert cache.step_table.pending(1) is None and not other.layers[1].attention_bound
+    assert current_table() is other.step_table and other.step_table.get(1).key is k
+    assert cache.step_table.get(1) is None and not other.layers[1].attention_bound
 
 
 def test_a_cache_index_other_than_the_modules_falls_back_to_the_view_loudly():
@@ -97,7 +97,7 @@ def test_a_cache_index_other_than_the_modules_falls_back_to_the_view_loudly():
     for strict in (False, True):
         cache = fx.FlashCodecCache(num_layers=2, mode="png", strict=strict)
         cache.update(k, v, 1)  # the module is layer 0, the cache index 1
-        assert take(_Attention(0), k) is None and cache.step_table.pending(1) is not None
+        assert take(_Attention(0), k) is None and cache.step_table.get(1) is not None
         nk, nv = _states(1, 1)
         if strict:
             with pytest.raises(RuntimeError, match="does not use the 'kvcodec' attention"):
@@ -105,7 +105,7 @@ def test_a_cache_index_other_than_the_modules_falls_back_to_the_view_loudly():
             continue
         with pytest.warns(fx.MaterializationFreeFallback, match="does not use the 'kvcodec' attention"):
             out_k, _ = cache.update(nk, nv, 1)
-        assert out_k.shape[2] == 14 and cache.step_table.pending(1) is None and not cache.layers[1].materialization_free
+        assert out_k.shape[2] == 14 and cache.step_table.get(1) is None and not cache.layers[1].materialization_free
 
 
 def test_prefill_returns_exact_states_then_the_stored_view():

@@ -110,11 +110,11 @@ def test_offload_moves_the_layer_while_attention_reads_the_step_it_was_handed():
         assert (layer._offloaded is not None) == offloading  # the prefill attends on the exact states: moved already
         flashcodec_attention_forward(module, q[:, :, :20], key, value, None, scaling=0.25, is_causal=True)
         key, value = cache.update(q[:, :, 20:], q[:, :, 20:], 0)  # prefetched back, appended, offloaded again
-        handed = cache.step_table.pending(0)
+        handed = cache.step_table.get(0)
         if offloading:
             assert layer._offloaded is not None and handed.keys.state[0] is not layer.keys_stream.state.data
         outs.append(flashcodec_attention_forward(module, q[:, :, 20:], key, value, None, scaling=0.25)[0])
-        assert cache.step_table.pending(0) is None and not layer.handed_out
+        assert cache.step_table.get(0) is None and not layer.handed_out
     assert torch.equal(*outs)
 
 
