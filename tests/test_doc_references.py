@@ -191,15 +191,10 @@ def test_the_checks_can_fail(tmp_path):
     assert not re.search(r"\bFLASHCODEC_LOWER\b", code_text()) and not re.search(r"\bStepStatusRecord\b", code_text())
     assert not defines("flashcodec_fx/hf/cache.py", "no_such_function") and defines("flashcodec_fx/hf/cache.py",
                                                                                    "fall_back_to_view")
-    with pytest.raises(AssertionError, match="lowering.py"):
-        test_named_files_exist(doc)
-    with pytest.raises(AssertionError, match="no_such_function"):
-        test_named_functions_are_defined_in_their_files(doc)
-    with pytest.raises(AssertionError, match="nowhere.md"):
-        test_relative_links_resolve(doc)
-    with pytest.raises(AssertionError, match="StepStatus"):
-        test_named_symbols_resolve(doc)
-    with pytest.raises(AssertionError, match="FLASHCODEC_LOWER"):
-        test_named_environment_variables_are_read(doc)
-    with pytest.raises(AssertionError, match="StepStatusRecord"):
-        test_named_classes_exist(doc)
+    for check, named in ((test_named_files_exist, "lowering.py"),
+                         (test_named_functions_are_defined_in_their_files, "no_such_function"),
+                         (test_relative_links_resolve, "nowhere.md"), (test_named_symbols_resolve, "StepStatus"),
+                         (test_named_environment_variables_are_read, "FLASHCODEC_LOWER"),
+                         (test_named_classes_exist, "StepStatusRecord")):
+        with pytest.raises(AssertionError, match=named):
+            check(doc)
