@@ -55,6 +55,20 @@ def exact_reads(codec: Codec, length: int, prefill: int, chunk: int) -> torch.Te
     return (j < codec.sinks) | (j >= call_start[:, None]) | (j >= archive_end[:, None])
 
 
+def own_calls(length: int, prefill: int, chunk: int) -> torch.Tensor:
+    """``(L, L)`` bool: query ``i`` and position ``j`` belong to one call (the prefill, then chunks of ``chunk``)."""
+    pos = torch.arange(length)
+    call = torch.where(pos < prefill, torch.zeros_like(pos), 1 + (pos - prefill).clamp_min(0) // chunk)
+    return call[:, None] == call[None, :]
+
+
+def stored_tokens(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, L, D)`` as a stream of ``codec`` takes them in: rounded to its raw rows' dtype (an fp32 stream of a
+    quantized codec keeps bf16 raw rows: ``Codec.resolved``), the dtype of ``x`` kept."""
+    raw = codec.resolved(x.dtype).raw_rows_dtype(x.dtype)
+    return x if raw == x.dtype else x.to(raw).to(x.dtype)
+
+
 def coded(codec: Codec, x: torch.Tensor, prefill: int) -> torch.Tensor:
     """``x (B, H, L, D)`` as the stream's codes give it back (fp32; positions past the sinks), the mean and channel
     exponents taken from the prefill (the first call past the sinks)."""
@@ -71,7 +85,8 @@ def coded(codec: Codec, x: torch.Tensor, prefill: int) -> torch.Tensor:
 
 
 class FakeQuant:
-    """The attention function: SDPA where every key and value a query reads from codes is its coded value."""
+    """The attention function: SDPA where every key and value a query reads from codes is its coded value, and every
+    one it reads from raw rows outside its own call is the token as stored (:func:`stored_tokens`)."""
 
     def __init__(self, config: Any, prefill: int, chunk: int):
         self.config, self.prefill, self.chunk = config, prefill, chunk
@@ -86,17 +101,25 @@ class FakeQuant:
         if layer is None:  # the raw cache, or a layer kept native
             exact = [torch.ones(length, length, dtype=torch.bool)] * 2
             stored = [key.float(), value.float()]
+            raw = [key, value]
         else:
             codecs = layer.build(module.layer_idx)
             exact = [exact_reads(c, length, self.prefill, self.chunk) for c in codecs]
-            stored = [coded(c, x, self.prefill) for c, x in zip(codecs, (key, value), strict=True)]
-        for x, y in zip((key, value), stored, strict=True):
-            parts.append((x.float().repeat_interleave(groups, 1), y.repeat_interleave(groups, 1)))
-        (k, k_coded), (v, v_coded) = parts
+            raw = [stored_tokens(c, x) for c, x in zip(codecs, (key, value), strict=True)]
+            stored = [coded(c, x, self.prefill) for c, x in zip(codecs, raw, strict=True)]
+        for x, r, y in zip((key, value), raw, stored, strict=True):
+            parts.append([t.float().repeat_interleave(groups, 1) for t in (x, r)] + [y.repeat_interleave(groups, 1)])
+        (k, k_raw, k_coded), (v, v_raw, v_coded) = parts
+        own = own_calls(length, self.prefill, self.chunk)
         scale = scaling if scaling is not None else 1 / math.sqrt(d)
-        scores = torch.where(exact[0], q @ k.transpose(-1, -2), q @ k_coded.transpose(-1, -2)) * scale
-        p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        out = (p * exact[1]) @ v + (p * ~exact[1]) @ v_coded
+        scores = torch.where(exact[0], q @ k.transpose(-1, -2), q @ k_coded.transpose(-1, -2))
+        if raw[0] is not key:  # raw rows outside the query's own call hold the rounded tokens
+            scores = torch.where(exact[0] & ~own, q @ k_raw.transpose(-1, -2), scores)
+        p = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+        if raw[1] is value:
+            out = (p * exact[1]) @ v + (p * ~exact[1]) @ v_coded
+        else:
+            out = (p * (exact[1] & own)) @ v + (p * (exact[1] & ~own)) @ v_raw + (p * ~exact[1]) @ v_coded
         return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 

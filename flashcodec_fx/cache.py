@@ -22,10 +22,10 @@ import math
 import torch
 
 from . import _compat, ops, raw_prefix
-from .codecs import Codec, Encoded, PNGCodec, make_codec
+from .codecs import Codec, Encoded, PNGCodec, codec_from_spec, make_codec
 from .ops.reference.normalize import from_stored, to_stored
 from .ops.reference.read import overlay_new
-from .ops.state import BATCHED_FIELDS, StreamState, advance, capacity
+from .ops.state import BATCHED_FIELDS, StreamState, advance, capacity, stream_dtype
 from .raw_prefix import RAW_CODEC, RAW_SPEC, compresses, first_call_after, prefix_length, raw_state, replay_calls
 
 LAYOUTS = ("dynamic", "static")
@@ -81,7 +81,10 @@ class CodecStream:
             raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
         memoize = memoize and not codec.stores_raw  # a raw stored form is its own view
         self.codec, self.layout, self.max_length, self.memoize, self.crop_mode = codec, layout, max_length, memoize, crop
-        self.spec = codec.spec  # a str built once: compiled steps pass it to the ops as a constant, never format it
+        # the spec of what the ops store: the codec's, resolved for the stream dtype when the state is allocated
+        # (``Codec.resolved``: raw_dtype="auto" keeps an fp32 stream's raw rows in bf16 where the codec is lossy). A
+        # str built once: compiled steps pass it to the ops as a constant, never format it
+        self.spec = codec.spec
         # static: positions to allocate (>= max_length; K and V of a layer get the same, see CodecKVCache)
         self.positions = max_length if positions is None else positions
         self.state: StreamState | None = None
@@ -113,6 +116,20 @@ class CodecStream:
         """The raw rows of the newest tokens ``(B, H, rows, D)``: the state's tail, every token while they are held raw
         (:attr:`raw_prefix`), None before the first append."""
         return self._raw if self.state is None else self.state.tail
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The stream dtype (of the tokens it takes, its view and attention over it; None before the first append).
+        Its raw rows (:attr:`tail`, the sinks) may be narrower: see :attr:`raw_dtype`."""
+        if self._raw is not None:
+            return self._raw.dtype
+        return None if self.state is None else stream_dtype(codec_from_spec(self.spec), self.state.tail)
+
+    @property
+    def raw_dtype(self) -> torch.dtype | None:
+        """The dtype of the raw rows stored (sinks, tail; the tokens held raw): the stream dtype, or bf16 for an fp32
+        stream of a lossy codec (``raw_dtype="auto"``, :meth:`~flashcodec_fx.codecs.Codec.resolved`)."""
+        return None if self.tail is None else self.tail.dtype
 
     @property
     def length(self) -> torch.Tensor | None:
@@ -176,7 +193,9 @@ class CodecStream:
 
     def _allocate(self, like: torch.Tensor, groups: int) -> None:
         b, h, _, d = like.shape
-        self.state = ops.empty_state(self.codec, b, h, groups, d, like.dtype, like.device)
+        codec = self.codec.resolved(like.dtype)
+        self.spec = codec.spec
+        self.state = ops.empty_state(codec, b, h, groups, d, like.dtype, like.device)
         ops.warm(self.codec, d, like.device)  # device constants now, never inside a CUDA-graph capture
         self.memo = like.new_zeros(b, h, capacity(self.codec, self.state), d) if self.memoize else None
         self._mark_static_shapes()
@@ -192,7 +211,7 @@ class CodecStream:
     def _grow(self, groups: int) -> None:
         old, n = self.state, self.state.data.shape[2]
         b, h, _, d = old.tail.shape
-        archive = self.codec.empty_archive((b, h), groups, d, old.tail.dtype, old.tail.device)
+        archive = self.codec.empty_archive((b, h), groups, d, self.dtype, old.tail.device)
         for new, prev in zip(archive, old[:4], strict=True):
             new[:, :, :n].copy_(prev)
         self.state = StreamState(*archive, *old[4:])
@@ -241,13 +260,19 @@ class CodecStream:
         0 (none) for the static layout and in compiled code."""
         if self.layout == "static" or not self._raw_prefix or torch.compiler.is_compiling():
             return 0
-        return prefix_length(self.codec, like.shape[3], like.dtype)
+        return prefix_length(self.codec, like.shape[3], self._dtype_like(like))
+
+    def _dtype_like(self, like: torch.Tensor) -> torch.dtype:
+        """The stream dtype of tokens like ``like``: the stream's own once it has a state (``like`` may then be its
+        raw rows, narrower under ``raw=bfloat16``), else ``like``'s."""
+        return like.dtype if self.state is None else self.dtype
 
     def _start_prefix(self, like: torch.Tensor, until: int) -> None:
         """Hold tokens like ``like (B, H, T, D)`` raw (none yet) until ``until`` tokens."""
         b, h, _, d = like.shape
         ops.warm(RAW_CODEC, d, like.device)  # the ops read the held tokens as a RAW_CODEC state
-        self._raw, self._first_call, self._prefix_until = like.new_empty(b, h, 0, d), None, until
+        self._raw = like.new_empty(b, h, 0, d, dtype=self._dtype_like(like))
+        self._first_call, self._prefix_until = None, until
 
     def raw_budget_groups(self, like: torch.Tensor, length: int) -> int:
         """Archive groups whose bytes, with the raw sink and tail rows, the mean and the two 0-dim lengths, fit in what
@@ -266,8 +291,8 @@ class CodecStream:
         self.codec.check_head_dim(x.shape[3])
         if self.is_initialized:
             b, h, _, d = self.tail.shape
-            if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.tail.dtype:
-                raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.tail.dtype}, got {x.dtype} "
+            if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or x.dtype != self.dtype:
+                raise ValueError(f"new tokens must be ({b}, {h}, T, {d}) {self.dtype}, got {x.dtype} "
                                  f"{tuple(x.shape)}")
         if self.layout == "static" and self.get_seq_length() + x.shape[2] > self.max_length:
             raise CodecOverflowError(f"static cache holds max_length={self.max_length} tokens; "
@@ -622,8 +647,8 @@ class CodecStream:
 
     def stored_bits(self) -> int:
         """Bits that the stored tokens take as stored: filled archive groups (codes, scales, zero points), the sinks
-        and tail rows holding tokens (in the stream dtype), the mean and norm; no unused capacity, no memo. Tokens held raw:
-        their bytes."""
+        and tail rows holding tokens (in their stored dtype: :attr:`raw_dtype`), the mean and norm; no unused capacity,
+        no memo. Tokens held raw: their bytes."""
         if self.state is None:
             return 0 if self._raw is None else 8 * self._raw.nbytes
         st, codec, n = self.state, self.codec, self.get_seq_length()
@@ -631,7 +656,7 @@ class CodecStream:
         lead = st.tail.shape[0] * st.tail.shape[1]
         archived = self.archived_tokens
         raw = min(n, codec.sinks) + (n - archived if n > archived else 0)
-        return 8 * (lead * self.filled_groups * codec.group_bytes(d, st.tail.dtype) + lead * raw * d * item
+        return 8 * (lead * self.filled_groups * codec.group_bytes(d, self.dtype) + lead * raw * d * item
                     + st.mean.nbytes + st.norm.nbytes)
 
     def held_raw(self) -> tuple[torch.Tensor, tuple[int, int] | None] | None:

@@ -1,14 +1,14 @@
 """The raw prefix of a dynamic stream: its first tokens held as a DynamicCache holds them, until the codec fits.
 
 A codec's state has rows whatever the length (raw sinks ``(B, H, sinks, D)``, the raw tail ``(B, H, window + G,
-D)``, the fp32 mean ``(B, H, D)``, the uint8 channel exponents, two 0-dim int64 lengths, at least one archive
-group), which below a few dozen tokens take more bytes than the tokens themselves. So a dynamic stream (eager) holds
-its tokens as one ``(B, H, n, D)`` tensor in the stream dtype, nothing else, until :func:`prefix_length`; then it
-converts once: the codec's state is allocated for that length and the held tokens are appended into it as the calls
-of :func:`replay_calls`. The first call reaching past the sinks sets the mean and the channel exponents
-(``ops/reference/append.py``), so it is replayed with its own length; how the other tokens are split into calls does
-not change what an append stores (tested bitwise for every preset and tier). The state after conversion is therefore
-bitwise the state the original calls build without the prefix.
+D)``, both in the raw rows' dtype, the fp32 mean ``(B, H, D)``, the uint8 channel exponents, two 0-dim int64 lengths,
+at least one archive group), which below a few dozen tokens take more bytes than the tokens themselves. So a dynamic
+stream (eager) holds its tokens as one ``(B, H, n, D)`` tensor in the stream dtype, nothing else, until
+:func:`prefix_length`; then it converts once: the codec's state is allocated for that length and the held tokens are
+appended into it as the calls of :func:`replay_calls`. The first call reaching past the sinks sets the mean and the
+channel exponents (``ops/reference/append.py``), so it is replayed with its own length; how the other tokens are split
+into calls does not change what an append stores (tested bitwise for every preset and tier). The state after
+conversion is therefore bitwise the state the original calls build without the prefix.
 
 While held raw, the tokens are read exactly (the view is the tokens, as for the raw tail), and the ops read them as
 the state of :data:`RAW_CODEC` (:func:`raw_state`: the archive a view of the tokens, no copy).
@@ -38,21 +38,23 @@ def groups_for(codec: Codec, positions: int) -> int:
 
 def compresses(codec: Codec, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether an archive group of ``codec`` takes fewer bytes than its tokens raw in ``dtype``."""
-    return codec.group_bytes(head_dim, dtype) < codec.group * head_dim * torch.empty((), dtype=dtype).element_size()
+    return codec.group_bytes(head_dim, dtype) < codec.group * head_dim * dtype.itemsize
 
 
 def raw_budget_groups(codec: Codec, head_dim: int, dtype: torch.dtype, length: int) -> int:
-    """Archive groups whose bytes, with the raw sink and tail rows, the mean and the two 0-dim lengths, fit in what
-    ``length`` raw tokens of ``head_dim`` channels in ``dtype`` take per ``(batch, head)`` row (negative when even
-    the raw rows do not); the same for every batch size (the lengths counted in every row)."""
-    return _budget(codec, head_dim, torch.empty((), dtype=dtype).element_size(), codec.group_bytes(head_dim, dtype),
-                   length)
+    """Archive groups whose bytes, with the raw sink and tail rows (in the dtype they are stored in:
+    :meth:`~flashcodec_fx.codecs.Codec.resolved`), the mean and the two 0-dim lengths, fit in what ``length`` raw
+    tokens of ``head_dim`` channels in ``dtype`` take per ``(batch, head)`` row (negative when even the raw rows do
+    not); the same for every batch size (the lengths counted in every row)."""
+    return _budget(codec, head_dim, dtype, length)
 
 
-def _budget(codec: Codec, head_dim: int, item: int, group_bytes: int, length: int) -> int:
+def _budget(codec: Codec, head_dim: int, dtype: torch.dtype, length: int) -> int:
+    item = dtype.itemsize
+    row_item = codec.resolved(dtype).raw_rows_dtype(dtype).itemsize
     stats = (4 if codec.center else 0) + (NORM_BYTES if codec.normalize else 0)  # per channel: mean, exponent
-    fixed = head_dim * ((codec.sinks + codec.tail_capacity) * item + stats) + LENGTH_BYTES
-    return (head_dim * length * item - fixed) // group_bytes
+    fixed = head_dim * ((codec.sinks + codec.tail_capacity) * row_item + stats) + LENGTH_BYTES
+    return (head_dim * length * item - fixed) // codec.group_bytes(head_dim, dtype)
 
 
 def prefix_length(codec: Codec, head_dim: int, dtype: torch.dtype) -> int:
@@ -64,9 +66,7 @@ def prefix_length(codec: Codec, head_dim: int, dtype: torch.dtype) -> int:
         return RAW_CODEC_PREFIX
     if not compresses(codec, head_dim, dtype):
         return 0
-    item, group_bytes = torch.empty((), dtype=dtype).element_size(), codec.group_bytes(head_dim, dtype)
-    fits = (n for n in range(1, MAX_PREFIX)
-            if _budget(codec, head_dim, item, group_bytes, n) >= max(1, groups_for(codec, n)))
+    fits = (n for n in range(1, MAX_PREFIX) if _budget(codec, head_dim, dtype, n) >= max(1, groups_for(codec, n)))
     return next(fits, MAX_PREFIX)
 
 

@@ -21,13 +21,14 @@ BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.181, "3bit": 2.964, "2
 BUDGET = {"4bit": 4.25, "3bit": 3.0, "2.5bit": 2.5, "2bit": 2.0}
 
 
-def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk: int = 16) -> float:
+def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk: int = 16,
+             dtype: torch.dtype = torch.bfloat16) -> float:
     cache = fx.FlashCodecCache.from_config(config, preset=preset)
     gen = torch.Generator().manual_seed(0)
     heads, d = config.num_key_value_heads, config.head_dim
     for t in [prefill] + [chunk] * ((length - prefill) // chunk):
         for layer in cache.layers:
-            k, v = (torch.randn(1, heads, t, d, generator=gen).bfloat16() for _ in range(2))
+            k, v = (torch.randn(1, heads, t, d, generator=gen).to(dtype) for _ in range(2))
             layer.codec_cache.append(k, v)
     return cache.bits_per_value()
 
@@ -44,11 +45,14 @@ def test_bits_as_stored_at_the_protocol_length(preset):
     assert _bits_at(config, preset) == pytest.approx(BITS_AT_1024[preset], abs=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("preset", sorted(BUDGET))
-def test_a_preset_stores_at_most_its_budget_in_bits_from_the_protocol_length_on(preset):
+def test_a_preset_stores_at_most_its_budget_in_bits_from_the_protocol_length_on(preset, dtype):
     """The name is an upper bound a user can plan memory with (``BUDGET``): from 897 tokens (the shortest length the streaming
-    protocol's worst case covers) every later length keeps at most the name's bits per value as stored (bf16,
-    SmolLM2's head shape), the raw sinks and newest tokens included; shorter caches are dominated by those."""
+    protocol's worst case covers) every later length keeps at most the name's bits per value as stored (SmolLM2's
+    head shape), the raw sinks and newest tokens included; shorter caches are dominated by those. In bf16 and in fp32
+    (``from_pretrained``'s dtype on a CPU) alike: an fp32 stream keeps its raw rows in bf16 (``raw_dtype="auto"``), so
+    it stores exactly a bf16 stream's bits."""
     config = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, num_attention_heads=9,
                                       hidden_size=576, head_dim=64)
     cache = fx.FlashCodecCache.from_config(config, preset=preset)
@@ -56,10 +60,22 @@ def test_a_preset_stores_at_most_its_budget_in_bits_from_the_protocol_length_on(
     worst = 0.0
     for length in [896] + [1] * 160:
         for layer in cache.layers:
-            k, v = (torch.randn(1, 3, length, 64, generator=gen).bfloat16() for _ in range(2))
+            k, v = (torch.randn(1, 3, length, 64, generator=gen).to(dtype) for _ in range(2))
             layer.codec_cache.append(k, v)
         worst = max(worst, cache.bits_per_value())
     assert worst <= BUDGET[preset]
+    assert all(s.raw_dtype == torch.bfloat16 and s.dtype == dtype for layer in cache.layers
+               for s in (layer.keys_stream, layer.values_stream))
+
+
+@pytest.mark.parametrize("preset", sorted(BITS_AT_1024))
+def test_fp32_streams_store_what_bf16_streams_store_but_int8_and_lossless(preset):
+    """The bits of the protocol's 1024 tokens in fp32: a lossy preset's are its bf16 figure (raw rows in bf16);
+    ``int8`` holds no raw token (8.25 either way); ``lossless`` keeps the tokens as given (32 bits in fp32)."""
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, num_attention_heads=9,
+                                      hidden_size=576, head_dim=64)
+    want = 32.0 if preset == "lossless" else BITS_AT_1024[preset]
+    assert _bits_at(config, preset, dtype=torch.float32) == pytest.approx(want, abs=1e-3)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -68,13 +84,17 @@ def test_every_preset_generates_on_the_stored_form(preset):
     ids = tiny_prompt(1, 10)
     reference = model.generate(ids, max_new_tokens=24, do_sample=False)
     fx.apply_flash_codec(model, preset=preset, strict=True)  # strict: no fallback to a decoded view
+    cache = fx.FlashCodecCache.from_config(model.config, preset=preset)
     try:
-        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, past_key_values=cache)
     finally:
         fx.remove_flash_codec(model)
     assert out.shape == reference.shape
     if preset == "lossless":
         assert torch.equal(out, reference)
+    stream = cache.layers[0].keys_stream  # fp32 model: a lossy preset's raw rows in bf16, int8 and lossless as given
+    assert model.dtype == stream.dtype == torch.float32
+    assert stream.raw_dtype == (torch.bfloat16 if preset in BUDGET else torch.float32)
 
 
 def test_overrides_apply_over_the_preset_streams():

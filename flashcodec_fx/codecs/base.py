@@ -21,6 +21,13 @@ import torch
 
 from .rotation import rotation
 
+RAW_DTYPES = ("auto", "stream", "bfloat16")
+"""A codec's ``raw_dtype``: how its raw rows (sinks, tail) are stored. ``"stream"``: in the stream dtype.
+``"bfloat16"``: in bf16, the stream being fp32 (the tokens enter rounded to bf16; the call's own tokens, the queries,
+the view and attention's output stay fp32). ``"auto"`` (the default): what a cache stores with, per stream
+(:meth:`Codec.resolved`): ``"bfloat16"`` for an fp32 stream of a per-token quantized codec with raw sinks or a raw
+window (every lossy preset), else ``"stream"``; the ops, given an ``"auto"`` spec, store in the stream dtype."""
+
 if TYPE_CHECKING:
     from .registry import SpecFields
 
@@ -73,10 +80,53 @@ class Codec:
     normalize: bool = False  # stored divided by per-channel powers of two (``channel_norm.py``)
     rotate: int | None = None  # rotation seed
     quantizer = None
+    raw_dtype: str = "auto"  # how the raw rows are stored (:data:`RAW_DTYPES`)
 
     def _set_residual(self, sinks: int, window: int) -> None:
         self.sinks = check_count("sinks", sinks)
         self.window = check_count("window", window)
+
+    def _set_raw_dtype(self, raw_dtype: str) -> None:
+        """Set :attr:`raw_dtype` (after the quantizer: ``"bfloat16"`` needs one)."""
+        if not isinstance(raw_dtype, str):
+            raise TypeError(f"raw_dtype must be one of {RAW_DTYPES}, got {type(raw_dtype).__name__} {raw_dtype!r}")
+        if raw_dtype not in RAW_DTYPES:
+            raise ValueError(f"raw_dtype must be one of {RAW_DTYPES}, got {raw_dtype!r}")
+        if raw_dtype == "bfloat16" and self.quantizer is None:
+            raise ValueError("raw_dtype='bfloat16' applies to quantized codecs (quant_bits): an unquantized archive "
+                             "keeps the stream dtype, and so do its raw rows")
+        self.raw_dtype = raw_dtype
+
+    def resolved(self, stream_dtype: torch.dtype) -> Codec:
+        """The codec a stream of ``stream_dtype`` stores with: for ``raw_dtype="auto"``, the codec with
+        ``raw_dtype="bfloat16"`` when the stream is fp32 and the codec quantizes per token (``G = 1``) with raw sinks or
+        a raw window, else this codec (its raw rows in the stream dtype); ValueError for a ``"bfloat16"`` codec on
+        another dtype than fp32. Block codecs (``G > 1``) keep the stream dtype unless asked: a crop that reopens one
+        of their groups writes its decoded rows into the raw tail, which bf16 would round (per-token groups are never
+        reopened); ``int8`` (no raw token) encodes its fp32 tokens as given."""
+        if self.raw_dtype != "auto":
+            self.raw_rows_dtype(stream_dtype)
+            return self
+        if stream_dtype == torch.float32 and self.quantizer is not None and self.group == 1 \
+                and (self.sinks > 0 or self.window > 0):
+            return self.with_raw_dtype("bfloat16")
+        return self
+
+    def with_raw_dtype(self, raw_dtype: str) -> Codec:
+        """This codec with :attr:`raw_dtype` ``raw_dtype`` (read back from its spec: a codec that has the option)."""
+        from .registry import codec_from_spec
+
+        return codec_from_spec(self._spec(raw_dtype))
+
+    def raw_rows_dtype(self, stream_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the raw rows (sinks, tail) of a stream of ``stream_dtype`` as the ops store it: bf16 for
+        ``raw_dtype="bfloat16"`` (ValueError unless the stream is fp32), else the stream dtype."""
+        if self.raw_dtype != "bfloat16":
+            return stream_dtype
+        if stream_dtype != torch.float32:
+            raise ValueError(f"raw_dtype='bfloat16' stores the raw rows of float32 streams, got {stream_dtype} "
+                             f"(raw_dtype='auto' picks per stream)")
+        return torch.bfloat16
 
     @property
     def group(self) -> int:
@@ -112,7 +162,12 @@ class Codec:
     def spec(self) -> str:
         """The codec as the string the ``torch.ops.flashcodec`` ops take (``codec_from_spec`` inverts it):
         ``"<name>;key=value;..."`` of :meth:`spec_fields`, then the residual policy."""
+        return self._spec(self.raw_dtype)
+
+    def _spec(self, raw_dtype: str) -> str:
         fields = {**self.spec_fields(), "sinks": self.sinks, "window": self.window}
+        if raw_dtype != "auto":  # only when set: specs written before the option read back unchanged
+            fields["raw"] = raw_dtype
         return ";".join([self.name, *(f"{key}={value}" for key, value in fields.items())])
 
     def spec_fields(self) -> dict[str, str | int]:
@@ -121,7 +176,7 @@ class Codec:
 
     @classmethod
     def from_spec_fields(cls, fields: SpecFields) -> Codec:
-        """The codec whose :attr:`spec` has these fields (``sinks`` and ``window`` included)."""
+        """The codec whose :attr:`spec` has these fields (``sinks``, ``window`` and ``raw`` included)."""
         raise NotImplementedError
 
     def __eq__(self, other) -> bool:

@@ -95,7 +95,8 @@ class JPEGCodec(Codec):
     ``scale_search`` (least-squares clipping search). ``rotate`` (True or a seed) applies a fixed random-sign
     Walsh-Hadamard rotation along head_dim, ``center`` subtracts a per-channel mean taken from the first append,
     ``normalize`` stores the stream divided by per-channel powers of two that bring outlier channels back towards the
-    others (``channel_norm.py``). ``sinks`` / ``window``: raw first / newest tokens. Unquantized coefficients keep the
+    others (``channel_norm.py``). ``sinks`` / ``window``: raw first / newest tokens, stored as ``raw_dtype`` says
+    (``base.RAW_DTYPES``: by default bf16 in an fp32 stream of a quantized codec). Unquantized coefficients keep the
     stream dtype.
     """
 
@@ -103,7 +104,8 @@ class JPEGCodec(Codec):
 
     def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits=None, *, levels=None,
                  scale_axis: str = "token", group: int | None = None, scale_search: bool = False, rotate=None,
-                 center: bool = False, normalize: bool = False, sinks: int = 0, window: int = 0):
+                 center: bool = False, normalize: bool = False, sinks: int = 0, window: int = 0,
+                 raw_dtype: str = "auto"):
         block_size = check_count("block_size", block_size, least=1)
         if block_size > MAX_BLOCK:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK}, got {block_size}")
@@ -126,6 +128,7 @@ class JPEGCodec(Codec):
             if levels is not None or scale_axis != "token" or group is not None or scale_search:
                 raise ValueError("levels, scale_axis, group and scale_search apply to quantized coefficients: set "
                                  "quant_bits too")
+            self._set_raw_dtype(raw_dtype)
             return
         if group is None:  # channel axis: the smallest multiple of block_size covering 128 tokens
             group = block_size if scale_axis == "token" else -(-DEFAULT_CHANNEL_GROUP // block_size) * block_size
@@ -138,6 +141,7 @@ class JPEGCodec(Codec):
         self.blocks = group // block_size
         n_classes = keep if scale_axis == "token" else (1 if keep == 1 else 2)
         self.quantizer = Quantizer(bits, _levels(levels, n_classes, scale_axis), scale_axis, self.blocks, scale_search)
+        self._set_raw_dtype(raw_dtype)
 
     def __repr__(self) -> str:
         return f"JPEGCodec({self.spec})"
@@ -158,7 +162,8 @@ class JPEGCodec(Codec):
         r = fields.int("r")
         options = dict(rotate=None if fields.str("rotate") == "-" else fields.int("rotate"),
                        center=bool(fields.int("center")), normalize=fields.has("norm") and bool(fields.int("norm")),
-                       sinks=fields.int("sinks"), window=fields.int("window"))
+                       sinks=fields.int("sinks"), window=fields.int("window"),
+                       raw_dtype=fields.str("raw") if fields.has("raw") else "auto")
         if fields.has("bits"):
             options.update(quant_bits=fields.ints("bits"), levels=tuple(fields.str("levels").split(".")),
                            scale_axis=fields.str("axis"), group=fields.int("blocks") * r,

@@ -446,9 +446,10 @@ class FlashCodecLayer(CacheLayerMixin):
         return 0 if tail is None else 2 * tail.shape[0] * tail.shape[1] * tail.shape[3] * self.keys_stream.get_seq_length()
 
     def raw_equivalent_bytes(self) -> int:
-        """Bytes the stored tokens would take uncompressed (K and V in the stream dtype, no padding to capacity)."""
-        tail = self.keys_stream.tail
-        return 0 if tail is None else self.cached_values() * tail.element_size()
+        """Bytes the stored tokens would take uncompressed (K and V in the stream dtype, no padding to capacity; the
+        raw rows of an fp32 stream may be stored narrower, the tokens given are not)."""
+        dtype = self.keys_stream.dtype
+        return 0 if dtype is None else self.cached_values() * dtype.itemsize
 
 
 def fall_back_to_view(layers: list[FlashCodecLayer]) -> None:

@@ -8,13 +8,18 @@ scale      ``(B, H, NG, *group)``                       fp16 scales (empty when 
 zero       ``(B, H, NG, *group)``                       fp16 zero points (empty unless ``uniform`` levels)
 index      ``(B, H, NG, *group)``                       uint8 kept-delta positions (pruned png; else empty)
 mean       ``(B, H, D)`` fp32, or ``(B, H, 0)``         per-channel center (codecs with ``center=True``)
-sink       ``(B, H, sinks, D)`` stream dtype            raw first tokens
-tail       ``(B, H, window + G, D)`` stream dtype       raw tokens between the archive and the length
+sink       ``(B, H, sinks, D)`` raw dtype               raw first tokens
+tail       ``(B, H, window + G, D)`` raw dtype          raw tokens between the archive and the length
 length     ``()`` int64                                 tokens stored, on the device
 start      ``()`` int64                                 end of the archive: the position of tail row 0 (>= sinks)
 norm       ``(B, H, D)`` uint8, or ``(B, H, 0)``          per-channel exponents ``e``: every stored row is the token
                                                         divided by ``2 ** e`` (codecs with ``normalize=True``)
 =========  ===========================================  ===========================================================
+
+The *raw dtype* is the codec's :meth:`~flashcodec_fx.codecs.Codec.raw_rows_dtype` of the stream dtype: the stream
+dtype itself, or bf16 under a ``raw=bfloat16`` spec, whose stream is fp32 (:func:`stream_dtype`): its tokens enter
+rounded to bf16 (``ops/reference/append.py``), while the queries, the call's own tokens, the memo, the view and
+attention's output stay fp32.
 
 ``norm`` comes last so that the fields the kernels address keep their places: the kernels see only the stored
 domain (tokens divided by ``2 ** e``); the ops' launchers scale what enters and leaves it
@@ -56,16 +61,22 @@ class StreamState(NamedTuple):
 
 BATCHED_FIELDS = tuple(f for f in StreamState._fields if f not in ("length", "start"))  # (B, H, ...) tensors
 
+def stream_dtype(codec: Codec, tail: torch.Tensor) -> torch.dtype:
+    """The dtype of a stream whose raw rows are ``tail``: fp32 under ``raw=bfloat16``, else the tail's."""
+    return torch.float32 if codec.raw_dtype == "bfloat16" else tail.dtype
+
+
 def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str | None) -> StreamState:
-    """Zeroed state for ``groups`` archive groups."""
+    """Zeroed state for ``groups`` archive groups of a stream of ``dtype`` (raw rows in ``codec.raw_rows_dtype``)."""
     codec.check_head_dim(head_dim)
+    raw = codec.raw_rows_dtype(dtype)
     archive = codec.empty_archive((batch, heads), groups, head_dim, dtype, device)
     return StreamState(
         *archive,
         torch.zeros(batch, heads, head_dim if codec.center else 0, dtype=torch.float32, device=device),
-        torch.zeros(batch, heads, codec.sinks, head_dim, dtype=dtype, device=device),
-        torch.zeros(batch, heads, codec.tail_capacity, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, codec.sinks, head_dim, dtype=raw, device=device),
+        torch.zeros(batch, heads, codec.tail_capacity, head_dim, dtype=raw, device=device),
         torch.zeros((), dtype=torch.int64, device=device),
         torch.full((), codec.sinks, dtype=torch.int64, device=device),
         torch.zeros(batch, heads, head_dim if codec.normalize else 0, dtype=NORM_DTYPE, device=device),
@@ -117,9 +128,13 @@ def check_state(name: str, codec: Codec, state) -> StreamState:
     if state.tail.dim() != 4:
         raise ValueError(f"{name}.tail must be (B, H, window + G, D), got shape {tuple(state.tail.shape)}")
     b, h, _, d = state.tail.shape
-    dtype = state.tail.dtype
-    if not dtype.is_floating_point:
-        raise TypeError(f"{name}.tail must be a floating tensor (the stream dtype), got {dtype}")
+    raw = state.tail.dtype
+    if not raw.is_floating_point:
+        raise TypeError(f"{name}.tail must be a floating tensor (the raw rows' dtype), got {raw}")
+    if codec.raw_dtype == "bfloat16" and raw != torch.bfloat16:
+        raise ValueError(f"{name}.tail must be bfloat16 under a raw=bfloat16 spec (the raw rows of an fp32 stream), "
+                         f"got {raw}")
+    dtype = stream_dtype(codec, state.tail)
     groups = state.data.shape[2] if state.data.dim() > 2 else -1
     shapes = codec.archive_shapes(d, dtype)
     for field, (shape, want_dtype) in shapes.items():
@@ -128,7 +143,7 @@ def check_state(name: str, codec: Codec, state) -> StreamState:
         if tuple(t.shape) != want or t.dtype != want_dtype:
             raise ValueError(f"{name}.{field} must be {want_dtype} of shape {want}, got {t.dtype} {tuple(t.shape)}")
     expect = {"mean": ((b, h, d if codec.center else 0), torch.float32),
-              "sink": ((b, h, codec.sinks, d), dtype), "tail": ((b, h, codec.tail_capacity, d), dtype),
+              "sink": ((b, h, codec.sinks, d), raw), "tail": ((b, h, codec.tail_capacity, d), raw),
               "norm": ((b, h, d if codec.normalize else 0), NORM_DTYPE)}
     for field, (want, want_dtype) in expect.items():
         t = getattr(state, field)

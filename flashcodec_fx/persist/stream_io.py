@@ -2,31 +2,40 @@
 
 Exported: the filled archive groups of ``data`` / ``scale`` / ``zero`` / ``index`` (the unused capacity is not
 stored), ``mean``, ``sink``, ``tail``, ``length``, ``start``, ``norm`` (the fields of ``ops/state.py``; a file without
-``norm``, written before it existed, loads into a codec without ``normalize``), and the host side (codec
-spec, layout, lengths, allocated groups). A lossless png archive is exported as the tokens it encodes (``tokens``, in
-the stream dtype) where encoding them gives back the archive bitwise (checked at export): half the bytes of its fp32
-deltas, and what the lossless coders code best; import encodes them again. A stream holding its tokens raw (its raw
-prefix, :mod:`flashcodec_fx.raw_prefix`) is exported as those tokens (``raw``) and the positions of its first call
-past the sinks: imported, it holds them raw again and converts at the same length. A memo is not stored: an imported
-stream that keeps one decodes it again. Import validates everything against the stream's codec before it changes
-anything.
+``norm``, written before it existed, loads into a codec without ``normalize``), and the host side (codec spec, layout,
+lengths, allocated groups, the stream dtype). The spec is the one the stream stores with (``raw=bfloat16`` for the
+bf16 raw rows of an fp32 stream); a file written before raw rows could be narrower holds its raw rows in the stream
+dtype and loads as it was stored (the stream keeps that spec until it is reset). A lossless png archive is exported
+as the tokens it encodes (``tokens``, in the stream dtype) where encoding them gives back the archive bitwise
+(checked at export): half the bytes of its fp32 deltas, and what the lossless coders code best; import encodes them
+again. A stream holding its tokens raw (its raw prefix, :mod:`flashcodec_fx.raw_prefix`) is exported as those tokens
+(``raw``) and the positions of its first call past the sinks: imported, it holds them raw again and converts at the
+same length. A memo is not stored: an imported stream that keeps one decodes it again. Import validates everything
+against the stream's codec before it changes anything.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import ops
 from ..cache import CodecStream
-from ..codecs import PNGCodec
+from ..codecs import Codec, PNGCodec, codec_from_spec
 from ..codecs.channel_norm import NORM_DTYPE
 from ..ops.state import StreamState, check_state
 from ..raw_prefix import prefix_length
 from .lossless import dtype_name
 
 ARCHIVE_FIELDS = StreamState._fields[:4]
+
+
+class Prepared(NamedTuple):
+    """A checked state from a file and the spec it was stored with (:func:`prepare_state`)."""
+
+    state: StreamState
+    spec: str
 
 
 def export_stream(stream: CodecStream) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -51,7 +60,7 @@ def export_stream(stream: CodecStream) -> tuple[dict[str, torch.Tensor], dict[st
         tensors["tokens"] = tokens
     described.update(archive="tokens" if tokens is not None else "state")
     described.update(length=length, start=int(stream._host_start), filled_groups=filled,
-                     allocated_groups=int(st.data.shape[2]), dtype=dtype_name(st.tail.dtype),
+                     allocated_groups=int(st.data.shape[2]), dtype=dtype_name(stream.dtype),
                      shape=list(st.tail.shape[:2]) + [int(st.tail.shape[3])])
     return tensors, described
 
@@ -71,13 +80,16 @@ def _archived_tokens(stream: CodecStream, filled: int) -> torch.Tensor | None:
     return tokens if _same_bits(codec.encode(tokens).data, st.data[:, :, :filled]) else None
 
 
-def _check_description(name: str, stream: CodecStream, described: dict[str, Any]) -> None:
-    if described.get("spec") != stream.spec:
-        raise ValueError(f"{name}: the file holds codec {described.get('spec')!r}, this cache layer has "
-                         f"{stream.spec!r}")
+def _check_description(name: str, stream: CodecStream, described: dict[str, Any]) -> Codec:
+    """Check a file's stream against ``stream``; returns the codec it was stored with: the stream's own codec, as
+    given or as a stream resolves it for its dtype (``Codec.resolved``: ``raw=bfloat16`` for an fp32 stream)."""
+    spec, codec = described.get("spec"), stream.codec
+    if spec not in (stream.spec, codec.spec, codec.resolved(torch.float32).spec):
+        raise ValueError(f"{name}: the file holds codec {spec!r}, this cache layer has {stream.spec!r}")
     if described.get("layout") != stream.layout:
         raise ValueError(f"{name}: the file holds layout {described.get('layout')!r}, this cache has "
                          f"{stream.layout!r}")
+    return codec_from_spec(spec)
 
 
 def _held_raw(name: str, stream: CodecStream, tensors: dict[str, torch.Tensor], described: dict[str, Any],
@@ -104,16 +116,16 @@ def _held_raw(name: str, stream: CodecStream, tensors: dict[str, torch.Tensor], 
 
 
 def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tensor], described: dict[str, Any],
-                  device: torch.device) -> StreamState | tuple[torch.Tensor, tuple[int, int] | None] | None:
+                  device: torch.device) -> Prepared | tuple[torch.Tensor, tuple[int, int] | None] | None:
     """The state ``stream`` gets from an export (on ``device``, the archive at its saved capacity, or the static
-    layout's), checked against the stream's codec; the stream is not touched. None for an uninitialized export;
-    ``(tokens, first_call)`` for one holding its tokens raw (:meth:`CodecStream.held_raw`)."""
-    _check_description(name, stream, described)
+    layout's) with the spec it was stored with, checked against the stream's codec; the stream is not touched. None
+    for an uninitialized export; ``(tokens, first_call)`` for one holding its tokens raw (:meth:`CodecStream.held_raw`)."""
+    codec = _check_description(name, stream, described)
     if not described["initialized"]:
         return None
     if described.get("archive") == "raw":
         return _held_raw(name, stream, tensors, described, device)
-    codec, filled = stream.codec, int(described["filled_groups"])
+    filled = int(described["filled_groups"])
     if described.get("archive") == "tokens":
         if "tokens" not in tensors or not isinstance(codec, PNGCodec):
             raise ValueError(f"{name}: an archive stored as tokens needs a 'tokens' tensor and a png codec")
@@ -142,19 +154,21 @@ def prepare_state(name: str, stream: CodecStream, tensors: dict[str, torch.Tenso
                          f"header ({length}, {start})")
     if stream.layout == "static" and length > stream.max_length:
         raise ValueError(f"{name}: {length} tokens do not fit max_length={stream.max_length}")
-    return state
+    return Prepared(state, codec.spec)
 
 
-def install_state(stream: CodecStream, state: StreamState | tuple[torch.Tensor, tuple[int, int] | None] | None) -> None:
-    """Put a :func:`prepare_state` result into ``stream`` (host mirrors from the device lengths; a memo decoded
-    again when the stream keeps one)."""
+def install_state(stream: CodecStream, prepared: Prepared | tuple[torch.Tensor, tuple[int, int] | None] | None) -> None:
+    """Put a :func:`prepare_state` result into ``stream`` (host mirrors from the device lengths; the stream stores with
+    the file's spec from now on; a memo decoded again when the stream keeps one)."""
     stream.reset()
-    if state is None:
+    if prepared is None:
         return
-    if not isinstance(state, StreamState):
-        stream.hold_raw(*state)
+    if not isinstance(prepared, Prepared):
+        stream.hold_raw(*prepared)
         return
+    state = prepared.state
     ops.warm(stream.codec, state.tail.shape[3], state.tail.device)
+    stream.spec = prepared.spec
     stream.state = state
     stream._host_length, stream._host_start, stream._stale = int(state.length), int(state.start), False
     stream._mark_static_shapes()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import CODECS, JPEGCodec, PNGCodec, codec_from_spec, make_codec
 from flashcodec_fx.codecs import codec_options as options_of
+from flashcodec_fx.codecs.base import RAW_DTYPES
 
 # (mode, options, exception, name in the message): wrong types raise TypeError, wrong values ValueError.
 BAD_OPTIONS = [
@@ -80,6 +81,10 @@ BAD_OPTIONS = [
     ("png", {"quant_bits": 8}, ValueError, "quant_bits"),
     ("png", {"rotate": True}, ValueError, "rotate"),
     ("png", {"center": True}, ValueError, "center"),
+    ("jpeg", {"quant_bits": 4, "raw_dtype": 16}, TypeError, "raw_dtype"),
+    ("jpeg", {"quant_bits": 4, "raw_dtype": "float16"}, ValueError, "raw_dtype"),
+    ("jpeg", {"raw_dtype": "bfloat16"}, ValueError, "raw_dtype"),  # unquantized: raw rows keep the stream dtype
+    ("png", {"raw_dtype": "stream"}, ValueError, "raw_dtype"),
 ]
 
 
@@ -150,7 +155,8 @@ def codec_options(draw) -> tuple[str, dict]:
     opts = {"block_size": r, "keep_freqs": keep, "rotate": draw(st.sampled_from([None, False, True, 0, 3, 2**31])),
             "center": draw(st.booleans()), **residual}
     if draw(st.booleans()):
-        return "jpeg", opts
+        return "jpeg", {**opts, "raw_dtype": draw(st.sampled_from(["auto", "stream"]))}
+    opts["raw_dtype"] = draw(st.sampled_from(RAW_DTYPES))
     axis = draw(st.sampled_from(["token", "channel"]))
     bits, levels = bit_table_and_levels(draw, axis, keep)
     opts["quant_bits"] = bits[0] if len(set(bits)) == 1 and draw(st.booleans()) else tuple(bits)
@@ -172,6 +178,7 @@ def test_spec_round_trips_for_random_valid_options(choice):
     assert (back.block_size, back.group, back.sinks, back.window) == (codec.block_size, codec.group, codec.sinks,
                                                                       codec.window)
     assert type(back) is type(codec) and back.quantizer == codec.quantizer and back.rotate == codec.rotate
+    assert back.raw_dtype == codec.raw_dtype
 
 
 def test_spec_format():
@@ -184,6 +191,10 @@ def test_spec_format():
                       scale_axis="channel", group=32, scale_search=True, center=True, sinks=4).spec == (
         "jpeg;r=4;k=4;bits=5.3.2.2;levels=uniform.midrise;axis=channel;blocks=8;search=1;rotate=-;center=1;sinks=4;"
         "window=0")
+    # raw_dtype: only when not "auto" (specs written before the option read back unchanged), after the residual policy
+    assert make_codec("jpeg", block_size=1, quant_bits=2, window=3, raw_dtype="bfloat16").spec == (
+        "jpeg;r=1;k=1;bits=2;levels=int;axis=token;blocks=1;search=0;rotate=-;center=0;sinks=0;window=3;raw=bfloat16")
+    assert make_codec("jpeg", block_size=4, raw_dtype="stream").spec.endswith(";sinks=0;window=0;raw=stream")
 
 
 CANONICAL = "jpeg;r=8;k=8;bits=8.8.8.8.8.8.8.8;levels=int.int.int.int.int.int.int.int;axis=token;blocks=1;search=0;" \

@@ -8,6 +8,7 @@ import torch
 
 from flashcodec_fx.codecs import Codec
 from flashcodec_fx.ops import StreamState, empty_state
+from flashcodec_fx.ops.state import stream_dtype
 
 ops = torch.ops.flashcodec
 
@@ -31,8 +32,10 @@ def new_state(codec: Codec, like: torch.Tensor, positions: int) -> StreamState:
 
 
 def new_memo(codec: Codec, state: StreamState) -> torch.Tensor:
+    """A zero memo (the view, in the stream dtype) for ``state``."""
     b, h, _, d = state.tail.shape
-    return state.tail.new_zeros(b, h, codec.sinks + state.data.shape[2] * codec.group, d)
+    return state.tail.new_zeros(b, h, codec.sinks + state.data.shape[2] * codec.group, d,
+                                dtype=stream_dtype(codec, state.tail))
 
 
 def fill(codec: Codec, x: torch.Tensor, sizes, positions: int | None = None, memo: bool = False):

@@ -131,3 +131,42 @@ def test_an_export_without_channel_exponents_loads_into_a_codec_without_them():
         else:
             with pytest.raises(ValueError, match=r"\['norm'\] missing"):
                 prepare_state("s", back, old, described, torch.device("cpu"))
+
+
+def test_an_fp32_stream_travels_with_its_bf16_raw_rows():
+    """A lossy preset's fp32 stream stores bf16 sinks and tail (``raw=bfloat16``): exported and imported as stored,
+    the import keeps storing so."""
+    stream = stream_with("3bit", 60, torch.float32)
+    tensors, described = export_stream(stream)
+    tensors = {name: t.clone() for name, t in tensors.items()}  # as read from a file: not the stream's own tensors
+    assert described["spec"] == preset_codecs("3bit")[0].spec + ";raw=bfloat16" and described["dtype"] == "float32"
+    assert tensors["tail"].dtype == tensors["sink"].dtype == torch.bfloat16
+    back = fresh_like(stream)
+    install_state(back, prepare_state("s", back, tensors, described, torch.device("cpu")))
+    assert bitwise(back, stream) and back.spec == stream.spec and back.dtype == torch.float32
+    x = torch.randn(2, 2, 9, 16, generator=torch.Generator().manual_seed(5))
+    for s in (stream, back):
+        s.append(x)
+    assert bitwise(back, stream)
+
+
+def test_a_file_with_fp32_raw_rows_still_loads_as_it_was_stored():
+    """Files written before raw rows could be narrower hold an fp32 stream's sinks and tail in fp32 under the codec's
+    own spec: they load as stored and go on storing so (as ``raw_dtype="stream"`` does), until the stream is reset."""
+    codec = preset_codecs("4bit")[0]
+    kept = CodecStream(codec.with_raw_dtype("stream"))
+    x = torch.randn(2, 2, 70, 16, generator=torch.Generator().manual_seed(2))
+    kept.append(x[:, :, :60])
+    tensors, described = export_stream(kept)
+    tensors = {name: t.clone() for name, t in tensors.items()}  # as read from a file: not the stream's own tensors
+    described = {**described, "spec": codec.spec}  # what such a file says
+    assert tensors["tail"].dtype == torch.float32
+    back = CodecStream(codec)
+    install_state(back, prepare_state("s", back, tensors, described, torch.device("cpu")))
+    assert back.spec == codec.spec and back.raw_dtype == torch.float32 and bitwise(back, kept)
+    for s in (kept, back):
+        s.append(x[:, :, 60:])
+    assert bitwise(back, kept)
+    back.reset()
+    back.append(x)
+    assert back.raw_dtype == torch.bfloat16 and back.spec.endswith(";raw=bfloat16")

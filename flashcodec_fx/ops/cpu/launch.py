@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..reference.append import append_normalized, append_reference, check_append_args
+from ..reference.append import append_reference, append_stored, check_append_args
 from ..reference.attention import check_attention_args, codec_attention_reference
 from ..reference.normalize import attention_inputs, attention_output
 from ..state import StreamState, fast_kernels_serve, spec_codec
@@ -115,8 +115,5 @@ def cpu_append(state, new, spec, memo=None) -> None:
     key = ("append", spec, _state_layout(state), _layout(new), _layout(memo))
     VALIDATED.check(key, lambda: check_append_args(state, new, spec, memo))
     plan, codec = codec_plan(spec, new.shape[3], sum_width(module)), spec_codec("spec", spec)
-    if codec.normalize:
-        append_normalized(codec, StreamState(*state), new, memo, lambda stored: module.append(state, stored, plan, None),
-                          host=True)
-        return
-    module.append(state, new, plan, memo)
+    append_stored(codec, StreamState(*state), new, memo, lambda stored, kept: module.append(state, stored, plan, kept),
+                  host=True)

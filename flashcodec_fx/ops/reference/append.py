@@ -11,11 +11,14 @@ launch sequence every time (no host sync, capturable in a CUDA graph, compileabl
 4. the rows after the newly archived groups become the tail (zeros past the new length); ``start`` moves past the
    archived groups; ``length += T``.
 
-A normalized stream (``normalize=True``) first sets its per-channel exponents (the same first append as the mean) and
-then appends the tokens divided by them (``normalize.py``).
+The tokens enter in the raw rows' dtype (``ops/state.py``): an fp32 stream under a ``raw=bfloat16`` spec rounds them to
+bf16 first (:func:`raw_tokens`), so everything it stores and encodes is the rounded token, however the tokens are
+split into calls. A normalized stream (``normalize=True``) then sets its per-channel exponents (the same first append
+as the mean) and appends the tokens divided by them (``normalize.py``).
 
 ``memo`` (optional, ``(B, H, capacity, D)`` stream dtype): the view attention reads, kept up to date after the append
-(:func:`write_memo`): new tokens written as given at their positions, newly archived groups as their decoded values.
+(:func:`write_memo`): new tokens written as stored (in the raw rows' dtype) at their positions, newly archived groups as
+their decoded values.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ...codecs import Codec, Encoded
-from ..state import StreamState, advance, capacity, check_state, spec_codec
+from ..state import StreamState, advance, capacity, check_state, spec_codec, stream_dtype
 from .normalize import from_stored, set_norm, to_stored
 
 
@@ -39,13 +42,20 @@ def check_append_args(state, new: torch.Tensor, spec: str, memo: torch.Tensor | 
     codec = spec_codec("spec", spec)
     state = check_state("state", codec, state)
     b, h, _, d = state.tail.shape
-    if new.dim() != 4 or (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d) or new.dtype != state.tail.dtype:
-        raise ValueError(f"new must be (B, H, T, D) = ({b}, {h}, T, {d}) in {state.tail.dtype}, got {new.dtype} "
+    dtype = stream_dtype(codec, state.tail)
+    if new.dim() != 4 or (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d) or new.dtype != dtype:
+        raise ValueError(f"new must be (B, H, T, D) = ({b}, {h}, T, {d}) in {dtype}, got {new.dtype} "
                          f"{tuple(new.shape)}")
     want = (b, h, capacity(codec, state), d)
-    if memo is not None and (tuple(memo.shape) != want or memo.dtype != state.tail.dtype):
-        raise ValueError(f"memo must be {state.tail.dtype} of shape {want}, got {memo.dtype} {tuple(memo.shape)}")
+    if memo is not None and (tuple(memo.shape) != want or memo.dtype != dtype):
+        raise ValueError(f"memo must be {dtype} of shape {want}, got {memo.dtype} {tuple(memo.shape)}")
     return codec, state
+
+
+def raw_tokens(st: StreamState, new: torch.Tensor) -> torch.Tensor:
+    """``new`` as the stream takes it in: in its raw rows' dtype (rounded to bf16 under ``raw=bfloat16``; else
+    ``new`` itself)."""
+    return new.to(st.tail.dtype)
 
 
 def _write_sinks(codec: Codec, st: StreamState, new: torch.Tensor) -> None:
@@ -103,12 +113,13 @@ def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torc
 
 def write_memo(codec: Codec, st: StreamState, memo: torch.Tensor, new: torch.Tensor, length: torch.Tensor,
                start: torch.Tensor) -> None:
-    """After appending ``new (B, H, T, D)`` (as given) to a stream that held ``length`` tokens and an archive ending
-    at ``start`` (0-dim device tensors, before the append): write the new tokens into ``memo`` at their positions,
-    then the groups the append archived, decoded from the archive (times the channel factors when normalized)."""
+    """After appending ``new (B, H, T, D)`` (as taken in: :func:`raw_tokens`) to a stream that held ``length`` tokens
+    and an archive ending at ``start`` (0-dim device tensors, before the append): write the new tokens into ``memo``
+    at their positions, then the groups the append archived, decoded from the archive (times the channel factors
+    when normalized)."""
     b, h, _, d = st.tail.shape
     g, ng, t = codec.group, st.data.shape[2], new.shape[2]
-    write_prefix(memo, length, new, length + torch.arange(t, device=new.device) < memo.shape[2])
+    write_prefix(memo, length, new.to(memo.dtype), length + torch.arange(t, device=new.device) < memo.shape[2])
     if ng == 0:
         return
     first, write = _archived_groups(codec, st, t, start, st.start)
@@ -118,16 +129,23 @@ def write_memo(codec: Codec, st: StreamState, memo: torch.Tensor, new: torch.Ten
     write_prefix(memo[:, :, codec.sinks:].view(b, h, ng, g, d), first, rows, write)
 
 
-def append_normalized(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None,
-                      kernel: Callable[[torch.Tensor], None], host: bool = False) -> None:
-    """Append ``new`` to a normalized stream with ``kernel(stored_new)``, a fast append over the stored domain (run
-    without the memo): set the channel exponents, append ``new / n``, then :func:`write_memo` (``normalize.py``).
-    ``host``: the state lives in host memory (CPU), where the length is read without a device sync: only the append
-    that sets the exponents measures them, and a stream whose exponents are all zero appends its tokens as given."""
+def append_stored(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None,
+                  kernel: Callable[[torch.Tensor, torch.Tensor | None], None], host: bool = False) -> None:
+    """Append ``new`` with ``kernel(stored_new, memo)``, a fast append over the stored domain whose new tokens, raw
+    rows and memo share one dtype: ``new`` enters in the raw rows' dtype (:func:`raw_tokens`); a normalized stream
+    sets its channel exponents and appends ``new / n`` (``normalize.py``); where the kernel cannot keep the memo
+    (normalized, or a memo in another dtype than the raw rows: ``raw=bfloat16``), it runs without it and
+    :func:`write_memo` follows. ``host``: the state lives in host memory (CPU), where the length is read without a
+    device sync: only the append that sets the exponents measures them, and a stream whose exponents are all zero
+    appends its tokens as given."""
+    new = raw_tokens(st, new)
+    if not codec.normalize and (memo is None or memo.dtype == new.dtype):
+        kernel(new, memo)
+        return
     length, start = st.length.clone(), st.start.clone()
-    if not host or int(length) <= codec.sinks < int(length) + new.shape[2]:  # (measures(), read on the host)
+    if codec.normalize and (not host or int(length) <= codec.sinks < int(length) + new.shape[2]):  # (measures())
         set_norm(codec, st, new)
-    kernel(to_stored(codec, st, new, host))
+    kernel(to_stored(codec, st, new, host), None)
     if memo is not None:
         write_memo(codec, st, memo, new, length, start)
 
@@ -140,6 +158,7 @@ def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, me
     device-side record that tokens were dropped (``CodecStream`` raises on it when it next reads the length).
     """
     codec, st = check_append_args(state, new, spec, memo)
+    new = raw_tokens(st, new)
     t, dev = new.shape[2], new.device
     given, length, start = new, st.length.clone(), st.start.clone()
     end = length + t

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ...codecs import Codec, Encoded
-from ..state import StreamState, check_state, spec_codec
+from ..state import StreamState, check_state, spec_codec, stream_dtype
 from .normalize import attention_inputs, attention_output
 from .read import check_new
 
@@ -43,14 +43,15 @@ def check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask
     if vs.tail.shape[:2] != ks.tail.shape[:2] or vs.tail.shape[3] != q.shape[3]:
         raise ValueError(f"k and v states must share (B, H_kv) and q's head_dim, got k {tuple(ks.tail.shape)} and "
                          f"v {tuple(vs.tail.shape)}")
-    if not q.dtype == ks.tail.dtype == vs.tail.dtype:
-        raise ValueError(f"q dtype must match the streams' dtype (k {ks.tail.dtype}, v {vs.tail.dtype}), got {q.dtype}")
+    k_dtype, v_dtype = stream_dtype(ck, ks.tail), stream_dtype(cv, vs.tail)
+    if not q.dtype == k_dtype == v_dtype:
+        raise ValueError(f"q dtype must match the streams' dtype (k {k_dtype}, v {v_dtype}), got {q.dtype}")
     if q.shape[1] % ks.tail.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({ks.tail.shape[1]})")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together (the current call's own keys and values)")
-    check_new("k_new", ks, k_new)
-    check_new("v_new", vs, v_new)
+    check_new("k_new", ck, ks, k_new)
+    check_new("v_new", cv, vs, v_new)
     if k_new is not None and k_new.shape[2] != v_new.shape[2]:
         raise ValueError(f"k_new and v_new must hold the same tokens, got {k_new.shape[2]} and {v_new.shape[2]}")
     _check_mask(mask, q.shape[0], q.shape[1], q.shape[2])
@@ -136,7 +137,7 @@ def codec_attention_reference(q: torch.Tensor, k_state: list[torch.Tensor], v_st
     exactly at the last ``T_new`` positions. GQA: query head ``i`` reads kv head ``i // (Hq // H_kv)``. ``mask``: bool
     (True = attend) or additive float, ``(1|B, 1|Hq, 1|T, L)`` over absolute positions ``0..L-1`` with
     ``L >= length``; without a mask every query sees every stored position. ``scale`` defaults to ``1 / sqrt(D)``.
-    Accumulates in fp32; a row that sees nothing gives zeros.
+    Accumulates in fp32 (raw rows of any dtype widened); a row that sees nothing gives zeros.
     """
     ck, cv, ks, vs = check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask)
     q_in, k_new, v_new, out_factors = attention_inputs(ck, cv, ks, vs, q, k_new, v_new)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ...codecs import Codec
 from ..plan import CHANNEL_CODES, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
-from ..reference.append import append_normalized, check_append_args, completable_groups
+from ..reference.append import append_stored, check_append_args, completable_groups
 from ..state import StreamState
 from .common import (
     F_CENTER,
@@ -777,10 +777,7 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
     if t == 0 or b * h == 0:
         return
-    if codec.normalize:
-        append_normalized(codec, st, new, memo, lambda stored: _launch(codec, st, stored, None, spec))
-    else:
-        _launch(codec, st, new, memo, spec)
+    append_stored(codec, st, new, memo, lambda stored, kept: _launch(codec, st, stored, kept, spec))
 
 
 def _launch(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None, spec: str) -> None:

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..reference.normalize import from_stored, to_stored
 from ..reference.read import check_read_args
-from ..state import capacity
+from ..state import capacity, stream_dtype
 from .append import E_D, E_GP, E_RC, decode_group
 from .blocks import block_form, nonempty, warps
 from .common import F_GROUP_BLOCKS, F_R, F_SINKS, F_TAIL, check_group_tokens, check_triton_limits, stream_tables
@@ -95,7 +95,7 @@ def triton_read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None =
     check_group_tokens(codec, "read")
     ng = st.data.shape[2]
     cap = capacity(codec, st)
-    view = torch.empty(b, h, cap, d, dtype=st.tail.dtype, device=st.tail.device)
+    view = torch.empty(b, h, cap, d, dtype=stream_dtype(codec, st.tail), device=st.tail.device)
     if cap == 0 or b * h == 0:
         return view
     form, tiles = block_form(codec, d, st.mean)
