@@ -9,10 +9,11 @@ reference. The Triton kernels are tested on the interpreter and compiled for sm_
 (docs/vllm.md, "CUDA kernels").
 
 Attention of a request with at most ``FUSED_TOKENS`` tokens in the call (decode steps, short chunks) runs in the
-fused kernel, on the codes. A longer prefill chunk has many queries per page: its history is decoded once per layer
-(``cpu/paged_decode.cpp``, the fused twin of ``reference.decode_pages``, fp32) and the chunk attends with torch's
-CPU flash attention, history and own tokens as two calls merged by their log-sum-exp (the way vLLM's TurboQuant
-backend serves long continuation chunks); the decoded rows do not outlive the call.
+per-token kernel (``cpu/paged_attention.cpp``), on the codes. A longer prefill chunk has many queries per page: it
+runs in ``cpu/paged_prefill.cpp``, its own tokens (raw, causal) and its history (each page decoded once per call
+into a per-thread scratch of a few pages, every query row against it) as GEMM-shaped tiles, the two merged by their
+softmax states. That kernel needs a head_dim that is a multiple of ``PREFILL_DIM_MULTIPLE``; other head dims run
+every request in the per-token kernel.
 
 Tolerances against the reference (tests/vllm/test_cpu_kernels.py): the store is bitwise (raw rows copied; codes
 from the reference's own rotation product and the quantizer in torch's summation order, ``launch.sum_width``);
@@ -34,7 +35,8 @@ from .cpu import EXTENSION
 from .page import PageFormat
 from .reference import attention_reference, page_view, store_reference
 
-FUSED_TOKENS = 32  # a request's tokens in one call up to which the fused kernel serves it (else the dense path)
+FUSED_TOKENS = 32  # a request's tokens in one call up to which the per-token kernel serves it (else the tiled one)
+PREFILL_DIM_MULTIPLE = 16  # the tiled prefill kernel's head_dim granularity (one SIMD vector of fp32)
 TRITON_DEVICE = "cuda"  # the device type whose tensors the Triton kernels serve (tests: "cpu" under TRITON_INTERPRET=1)
 PAGE_FIELDS = ("anchors", "raw", "slot", "k_scale", "k_zero", "k_code", "v_scale", "v_zero", "v_code")  # page.h
 
@@ -120,40 +122,6 @@ def paged_store(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache: 
     module.paged_store(key, value, cache, slot_mapping.to(torch.int64).contiguous(), meta, kplan, vplan)
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """torch's CPU flash attention on ``(H, L, D)`` fp32: ``(out, logsumexp)``."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, causal,
-                                                                          scale=scale)
-    return out[0], lse[0]
-
-
-def _dense_request(module, fmt: PageFormat, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                   blocks: torch.Tensor, ctx: int, scale: float, s_aux: torch.Tensor | None) -> torch.Tensor:
-    """One request's attention: ``q (t, H_q, D)`` over its ``ctx`` history positions (pages ``blocks`` of ``cache``,
-    decoded) and its own ``k``, ``v (t, H, D)`` (causal); ``(t, H_q, D)`` fp32."""
-    t, hq, d = q.shape
-    heads = k.shape[1]
-    group = hq // heads
-    outs, lses = [], []
-    out, lse = _flash(q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(group, 0),
-                      v.float().transpose(0, 1).repeat_interleave(group, 0), True, scale)  # (H_q, t, .)
-    outs.append(out)
-    lses.append(lse)
-    if ctx > 0:  # the history: no mask, the GQA heads of a KV head side by side as queries
-        meta, kplan, vplan = kernel_args(fmt, sum_width(module))
-        kh, vh = module.paged_decode(cache, blocks.contiguous(), ctx, d, fmt.dtype, meta, kplan, vplan)
-        grouped = q.float().view(t, heads, group, d).permute(1, 0, 2, 3).reshape(heads, t * group, d)
-        out, lse = _flash(grouped, kh, vh, False, scale)
-        outs.append(out.view(heads, t, group, d).permute(0, 2, 1, 3).reshape(hq, t, d))
-        lses.append(lse.view(heads, t, group).permute(0, 2, 1).reshape(hq, t))
-    if s_aux is not None:
-        lses.append(s_aux.float().view(hq, 1).expand(hq, t))
-    top = torch.stack(lses).amax(0)
-    weights = [torch.exp(x - top) for x in lses]
-    merged = sum(w[..., None] * o for w, o in zip(weights, outs, strict=False)) / sum(weights)[..., None]
-    return merged.transpose(0, 1)
-
-
 def paged_attention(fmt: PageFormat, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     s_aux: torch.Tensor | None, out: torch.Tensor, max_query_len: int | None = None) -> None:
@@ -175,20 +143,14 @@ def paged_attention(fmt: PageFormat, query: torch.Tensor, key: torch.Tensor, val
         return
     meta, kplan, vplan = kernel_args(fmt, sum_width(module))
     sinks = None if s_aux is None else s_aux.float().contiguous()
-    starts = query_start_loc.to(torch.int32)
-    module.paged_attention(query, key, value, cache, block_table.to(torch.int32), seq_lens.to(torch.int32), starts,
-                           meta, kplan, vplan, float(scale), sinks, FUSED_TOKENS, out)
-    if max_query_len is None:
-        max_query_len = int((starts[1:] - starts[:-1]).max()) if starts.numel() > 1 else 0
-    if max_query_len <= FUSED_TOKENS:  # decode steps and short chunks: done, no host-side loop
+    args = (query, key, value, cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
+            query_start_loc.to(torch.int32), meta, kplan, vplan, float(scale), sinks)
+    tiled = fmt.head_dim % PREFILL_DIM_MULTIPLE == 0
+    module.paged_attention(*args, FUSED_TOKENS if tiled else query.shape[0], out)
+    if not tiled:
         return
-    bounds, lengths = starts.tolist(), seq_lens.tolist()
-    bs = cache.shape[2]
-    for r, length in enumerate(lengths):
-        qs, qe = bounds[r], bounds[r + 1]
-        if qe - qs <= FUSED_TOKENS:
-            continue
-        ctx = length - (qe - qs)
-        blocks = block_table[r, : -(-ctx // bs)].long()
-        out[qs:qe] = _dense_request(module, fmt, query[qs:qe], key[qs:qe], value[qs:qe], cache, blocks, ctx, scale,
-                                    s_aux).to(out.dtype)
+    if max_query_len is None:
+        starts = args[6]
+        max_query_len = int((starts[1:] - starts[:-1]).max()) if starts.numel() > 1 else 0
+    if max_query_len > FUSED_TOKENS:  # long prefill chunks: own tokens and history apart, merged
+        module.paged_prefill(*args, FUSED_TOKENS, out)

@@ -48,7 +48,7 @@ def test_store_is_bitwise_the_reference(paged_kernels, case):
 @given(case=batch_cases())
 def test_attention_matches_the_reference(paged_kernels, case):
     """Decodes and prefill chunks of different lengths in one batch (a request with no history, chunks longer than
-    a page, chunks longer than FUSED_TOKENS: the dense path), GQA groups 1-4, scattered block tables."""
+    a page, chunks longer than FUSED_TOKENS: the tiled kernel), GQA groups 1-4, scattered block tables."""
     batch = make_batch(case)
     cache = batch.filled_cache(case["seed"])
     scale = batch.query.shape[-1] ** -0.5
@@ -58,9 +58,9 @@ def test_attention_matches_the_reference(paged_kernels, case):
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[batch.query.dtype])
 
 
-@pytest.mark.parametrize("queries", [[1, 9, 4], [1, 40, 35]], ids=["fused", "dense"])
+@pytest.mark.parametrize("queries", [[1, 9, 4], [1, 40, 35]], ids=["per-token", "tiled"])
 def test_attention_with_sinks_matches_the_reference(paged_kernels, queries):
-    """Sink logits on both paths: the fused kernel's, and the dense one of chunks longer than FUSED_TOKENS."""
+    """Sink logits on both paths: the per-token kernel's, and the tiled one of chunks longer than FUSED_TOKENS."""
     batch = make_batch({"format": "3bit", "dtype": torch.float32, "heads": 2, "group": 3, "head_dim": 64,
                         "block_size": 16, "anchors": None, "contexts": [70, 20, 33], "queries": queries,
                         "padding": 1, "seed": 11})
@@ -71,6 +71,29 @@ def test_attention_with_sinks_matches_the_reference(paged_kernels, queries):
     out = torch.empty_like(batch.query)
     kernels.paged_attention(batch.fmt, *batch.attention_args(cache), 0.2, s_aux, out)
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("fmt", "dtype", "head_dim"), [("3bit", torch.float32, 64), ("int8", torch.bfloat16, 128),
+                                                        ("raw", torch.float32, 64), ("2bit", torch.float32, 40)])
+def test_long_chunks_match_the_reference(paged_kernels, threads, fmt, dtype, head_dim):
+    """Chunks longer than the tiled kernel's tiles (own tokens over several key tiles, a history of several groups of
+    pages, split among threads) beside a decode and a short chunk; head_dim 40 (not a multiple of
+    PREFILL_DIM_MULTIPLE) runs every request in the per-token kernel."""
+    batch = make_batch({"format": fmt, "dtype": dtype, "heads": 2, "group": 3, "head_dim": head_dim,
+                        "block_size": 16, "anchors": None, "contexts": [1100, 37, 0, 5], "queries": [300, 1, 150, 20],
+                        "padding": 2, "seed": 3})
+    cache = batch.filled_cache(3)
+    s_aux = torch.linspace(-1, 2, 6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full_like(batch.query, float("nan"))
+        kernels.paged_attention(batch.fmt, *batch.attention_args(cache), 0.125, s_aux, out)
+    finally:
+        torch.set_num_threads(before)
+    ref = attention_reference(batch.fmt, *batch.attention_args(cache), 0.125, s_aux)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
 
 
 def test_strided_rows_as_vllm_passes_them(paged_kernels):

@@ -12,7 +12,7 @@ from ...ops.cpu.build import Extension, compile_extension
 _HERE = Path(__file__).resolve().parent
 _OPS = _HERE.parent.parent / "ops" / "cpu"
 SOURCES = (_OPS / "common.h", _OPS / "pool.h", _OPS / "append.cpp", _HERE / "page.h", _HERE / "paged_store.cpp",
-           _HERE / "paged_attention.cpp", _HERE / "paged_decode.cpp", _HERE / "bindings.cpp")
+           _HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp", _HERE / "bindings.cpp")
 EXTENSION = Extension(functools.partial(compile_extension, paths=SOURCES), kernels="the vLLM plugin's store and attention")
 
 __all__ = ["EXTENSION", "SOURCES"]

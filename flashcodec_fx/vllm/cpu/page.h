@@ -36,6 +36,40 @@ struct PageLayout {
   int64_t slot_at(int64_t offset) const { return raw_rows() * raw_row_bytes() + (offset - raw_rows()) * slot; }
 };
 
+// A call's requests as vLLM's metadata gives them (int32): block-table rows, sequence lengths (history and this call),
+// query starts (R + 1: request r's tokens of this call are rows starts[r] .. starts[r + 1] - 1).
+struct Requests {
+  const int32_t *table, *lens, *starts;
+  int64_t table_stride, count;
+  Requests(const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc)
+      : table(block_table.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
+        starts(query_start_loc.data_ptr<int32_t>()), table_stride(block_table.stride(0)), count(seq_lens.size(0)) {
+    TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                    query_start_loc.scalar_type() == at::kInt,
+                "block_table, seq_lens, query_start_loc: int32");
+  }
+  int64_t tokens(int64_t r) const { return starts[r + 1] - starts[r]; }
+  int64_t history(int64_t r) const { return lens[r] - tokens(r); }
+  int64_t block(int64_t r, int64_t i) const { return table[r * table_stride + i]; }
+};
+
+// The K and V codecs of a format's code slots (parsed from the launcher's plans; none for a raw format) and their
+// rotations (R, D x D row-major: a stored row is x R^T; null without rotation).
+struct SlotCodecs {
+  Codec k, v;
+  const float *rot_k = nullptr, *rot_v = nullptr;
+  SlotCodecs(const PageLayout& p, const std::vector<at::Tensor>& kplan, const std::vector<at::Tensor>& vplan) {
+    if (p.raw) return;
+    k = Codec::parse(kplan);
+    v = Codec::parse(vplan);
+    rot_k = k.rotate ? k.rot : nullptr;
+    rot_v = v.rotate ? v.rot : nullptr;
+  }
+};
+
+// An fp16 field of a code slot (scale, zero point) as a float.
+inline float half_at(const uint8_t* p) { return static_cast<float>(*reinterpret_cast<const at::Half*>(p)); }
+
 // Rows (N, H, D) of any strides with a contiguous last dim (query, key, value, out).
 struct TokenRows {
   char* ptr = nullptr;

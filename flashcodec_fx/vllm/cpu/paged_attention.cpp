@@ -25,8 +25,6 @@ struct Lanes {
   int64_t q_row[kLanes], q_head[kLanes], token[kLanes];  // query row (N axis), query head, token index in the call
 };
 
-inline float half_at(const uint8_t* p) { return static_cast<float>(*reinterpret_cast<const at::Half*>(p)); }
-
 // (D x kLanes) lane-major transposes of the tile's queries, times `scale`: plain and rotated by R (D x D, or null).
 void load_queries(const TokenRows& q, const Lanes& lanes, int D, float scale, const float* rot, float* qt, float* qt_rot,
                   float* row) {
@@ -125,19 +123,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const int64_t Hq = query.size(1);
   const PageLayout p = PageLayout::parse(page_meta, cache, key.scalar_type(), D);
   const int64_t H = p.heads, G = Hq / H, R = seq_lens.size(0);
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt,
-              "block_table, seq_lens, query_start_loc: int32");
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const Requests req(block_table, seq_lens, query_start_loc);
+  const int32_t* lens = req.lens;
+  const int32_t* qsl = req.starts;
   const float* sink = s_aux.has_value() ? s_aux->data_ptr<float>() : nullptr;
   const bool coded = !p.raw;
-  Codec ck, cv;
-  if (coded) { ck = Codec::parse(kplan); cv = Codec::parse(vplan); }
-  const float* rot_k = coded && ck.rotate ? ck.rot : nullptr;
-  const float* rot_v = coded && cv.rotate ? cv.rot : nullptr;
+  const SlotCodecs codecs(p, kplan, vplan);
+  const Codec &ck = codecs.k, &cv = codecs.v;
+  const float *rot_k = codecs.rot_k, *rot_v = codecs.rot_v;
   const float scale = static_cast<float>(softmax_scale);
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
@@ -168,7 +161,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
       // --- the history, page by page: read once, used by every tile
       for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = std::min(bs, ctx - start), na = std::min(n, raw_rows), nc = n - na;
-        const uint8_t* page = p.page(base, bt[item.req * bt_stride + start / bs], item.head);
+        const uint8_t* page = p.page(base, req.block(item.req, start / bs), item.head);
         for (int64_t j = 0; j < na; ++j) {
           to_float(page + p.raw_at(j), p.dtype, kraw.data() + j * D, D);
           to_float(page + p.raw_at(j) + half, p.dtype, vraw.data() + j * D, D);
