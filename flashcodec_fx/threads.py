@@ -3,8 +3,9 @@ benchmarks (``--threads auto|N``; ``benchmarks/common.py`` applies the same func
 
 Why a policy: on a machine shared with other processes, several OpenMP threads per process collapse. Next to a
 2-thread torch process on 2 cores, a 2-thread SmolLM2 decode ran 3-49x slower than alone (PyTorch's own kernels
-worst), while a 1-thread decode lost what its share of the cores costs, no more (shared/DESIGN.md, "Decode on a busy
-machine"; the main job's figures: ``benchmarks/bench_main_job.py`` -> ``benchmarks/results/main_job_busy.json``).
+worst), while a 1-thread decode lost what its share of the cores costs, no more (``benchmarks/bench_e2e.py
+--neighbours``: the README's busy-machine table; the main job: ``benchmarks/bench_main_job.py`` ->
+``benchmarks/results/main_job_busy.json``).
 An OpenMP team waits at every region's barrier for its slowest thread, and a thread the OS has descheduled for
 another process's holds it a whole time slice; one thread has no barrier to wait at.
 
