@@ -7,7 +7,9 @@ bf16. The stored length is ``S - 3`` tokens (so a partial raw tail is attended t
 Codecs (``--presets``): the lossy presets of ``flashcodec_fx.PRESETS`` by name (their key and value options as the
 cache resolves them for layer 0, read from ``presets.py`` at run time, so a retuned preset is measured as it is;
 per-token codes: the CPU's token kernel), and ``jpeg-r8-int8`` (jpeg r=8, all 8 coefficients, int8 per token: the
-block kernel, the cache's default before the presets).
+block kernel, the cache's default before the presets). Raw rows as the cache stores them in the run's dtype
+(``Codec.resolved``: bf16 sinks and windows in an fp32 stream of a lossy preset); ``--raw-dtypes auto stream`` times
+each codec with its raw rows in the stream dtype too (``<name>@raw_dtype=stream``), in the same rounds.
 
 Paths, timed in interleaved rounds (each round runs every path once), medians of wall and process CPU time:
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 
@@ -62,6 +65,17 @@ def preset_codecs(name: str) -> tuple[Codec, Codec]:
     """The key and value codecs preset ``name`` (or ``BLOCK``) gives a cache's layer 0 (the cache's own option
     resolution)."""
     return presets.preset_codecs(name) if name != BLOCK else cache_config(**BLOCK_OPTIONS).layers.build(0)
+
+
+def tier_codecs(names: list[str], raw_dtypes: list[str], dtype: torch.dtype) -> dict[str, tuple[Codec, Codec]]:
+    """``{tier: (key codec, value codec)}`` as a stream of ``dtype`` stores with them (``Codec.resolved``), per name
+    and ``raw_dtype`` (``"auto"``: the name itself; else ``<name>@raw_dtype=<value>``)."""
+    tiers = {}
+    for raw in raw_dtypes:
+        for name in names:
+            codecs = preset_codecs(name) if raw == "auto" else (c.with_raw_dtype(raw) for c in preset_codecs(name))
+            tiers[name if raw == "auto" else f"{name}@raw_dtype={raw}"] = tuple(c.resolved(dtype) for c in codecs)
+    return tiers
 
 
 def kernel_path(ck: Codec, cv: Codec, q: torch.Tensor) -> str:
@@ -112,17 +126,23 @@ class Layers:
         return self.at
 
 
-def interleaved(paths: dict, rounds: int, warmup: int = 3) -> dict[str, dict[str, float]]:
+def interleaved(paths: dict, rounds: int, warmup: int = 3, shuffle: bool = False) -> dict[str, dict[str, float]]:
     """Median and minimum wall seconds and median CPU seconds of each path, the paths run in turn every round (same
-    conditions for all). On a shared machine the minimum is the least disturbed run; both are reported."""
+    conditions for all). On a shared machine the minimum is the least disturbed run; both are reported. ``shuffle``:
+    each round runs the paths in another order (seeded), so no path always runs right after the same one (the copy
+    path evicts the caches the path after it then refills)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for fn in paths.values():
         for _ in range(warmup):
             fn()
     wall = {name: [] for name in paths}
     cpu = {name: [] for name in paths}
-    for _ in range(rounds):
-        for name, fn in paths.items():
+    for r in range(rounds):
+        names = list(paths)
+        if shuffle:
+            random.Random(r).shuffle(names)
+        for name in names:
+            fn = paths[name]
             sync()
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
@@ -134,7 +154,7 @@ def interleaved(paths: dict, rounds: int, warmup: int = 3) -> dict[str, dict[str
 
 
 def bench(s: int, n_layers: int, device: str, dtype, shape_name: str, rounds: int, reference_max: int,
-          peak: float | None, presets: tuple[str, ...]):
+          peak: float | None, tiers: dict[str, tuple[Codec, Codec]], shuffle: bool = False):
     length = s - 3
     layers = Layers(n_layers, length, SHAPES[shape_name], dtype, device, seed=s + n_layers)
     raw_bytes = _nbytes(layers.k[0], layers.v[0])
@@ -159,8 +179,7 @@ def bench(s: int, n_layers: int, device: str, dtype, shape_name: str, rounds: in
     sizes = {name: raw_bytes for name in paths}
     extras = {}  # slow paths, timed in a phase of their own so that they do not disturb the main comparison
     errors, kernel_paths = {}, {}
-    for tier in presets:
-        ck, cv = preset_codecs(tier)
+    for tier, (ck, cv) in tiers.items():
         ks = [stored(ck, k) for k in layers.k]
         vs = [stored(cv, v) for v in layers.v]
         state_bytes = _nbytes(*ks[0], *vs[0])
@@ -190,7 +209,7 @@ def bench(s: int, n_layers: int, device: str, dtype, shape_name: str, rounds: in
             extras[f"{tier}/materialized"] = codec_path(materialized)
             sizes[f"{tier}/materialized"] = state_bytes + 2 * raw_bytes
     load_before = os.getloadavg()
-    times = interleaved(paths, rounds)
+    times = interleaved(paths, rounds, shuffle=shuffle)
     load_after = os.getloadavg()
     times.update(interleaved(extras, max(3, rounds // 4), warmup=1) if extras else {})
     sdpa = min(("sdpa_gqa", "sdpa_repeat_kv"), key=lambda name: times[name]["wall_s"])
@@ -228,6 +247,9 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, help="device memory bandwidth, GB/s (default: 4800 on CUDA)")
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), choices=[BLOCK, *sorted(PRESETS)],
                         help=f"codecs timed: preset names and {BLOCK} (default: all but lossless, and {BLOCK})")
+    parser.add_argument("--raw-dtypes", nargs="+", default=["auto"], choices=("auto", "stream"),
+                        help="raw rows as the cache stores them (auto), and/or in the stream dtype (stream)")
+    parser.add_argument("--shuffle", action="store_true", help="each timing round runs the paths in another order")
     parser.add_argument("--neighbour", choices=NEIGHBOURS, default="none", help="CPU-burning processes beside the run")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/attention_<device>.json)")
     args = parser.parse_args()
@@ -241,13 +263,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     peak = args.peak_gbps if args.peak_gbps else (4800.0 if device == "cuda" else None)
+    tiers = tier_codecs(args.presets, args.raw_dtypes, dtype)
     rows = []
     with torch.inference_mode(), neighbour(args.neighbour):
         for shape in shapes:
             for s in seqs:
                 for n in layers:
-                    rows += bench(s, n, device, dtype, shape, args.repeats, args.reference_max, peak,
-                                  tuple(args.presets))
+                    rows += bench(s, n, device, dtype, shape, args.repeats, args.reference_max, peak, tiers,
+                                  args.shuffle)
                     if device == "cuda":
                         torch.cuda.empty_cache()
     print("| shape | S | layers | tier | path | median us | min us | vs SDPA (median, min) | MB read | GB/s | of copy |\n"
@@ -262,8 +285,9 @@ def main() -> None:
               "threads": torch.get_num_threads(), "stored_length": "S - 3", "peak_gbps": peak,
               "neighbour": args.neighbour,
               "timer": f"median and min of {args.repeats} interleaved rounds (wall), median process CPU time",
+              "shuffled_rounds": args.shuffle,
               "scale": "1 / sqrt(D)", "kernels": os.environ.get("FLASHCODEC_KERNELS", "auto"),
-              "presets": {name: {"k": preset_codecs(name)[0].spec, "v": preset_codecs(name)[1].spec} for name in args.presets},
+              "presets": {name: {"k": ck.spec, "v": cv.spec} for name, (ck, cv) in tiers.items()},
               "load_avg_end": list(os.getloadavg())}
     path = write_result(f"attention_{device}", {"config": config, "rows": rows}, out=args.out)
     print(f"wrote {path}")

@@ -98,7 +98,9 @@ class StreamModel:
     """Reference model of one codec stream: the history (B, H, n, D) and the archive's end, kept by the contract's
     rules; the view is the raw sinks and tail and the stateless codec's decode(encode(...)) of the archived groups.
     A dynamic stream holds its history raw (``raw``) until ``until`` tokens; then the archive's end is where the
-    appends of every token would have moved it, and the mean that of the first call past the sinks (``first``)."""
+    appends of every token would have moved it, and the mean that of the first call past the sinks (``first``). Tokens
+    in the codec's state are held as stored: rounded to the raw rows' dtype (bf16 raw rows of an fp32 stream of a
+    lossy per-token codec, ``Codec.resolved``), the tokens held raw as given."""
 
     def __init__(self, codec: Codec, dtype: torch.dtype, layout: str = "dynamic"):
         self.codec, self.dtype = codec, dtype
@@ -106,6 +108,11 @@ class StreamModel:
         self.start, self.mean = codec.sinks, None
         self.until = prefix_length(codec, D, dtype) if layout == "dynamic" else 0
         self.raw, self.first = False, None
+        self.raw_dtype = codec.resolved(dtype).raw_rows_dtype(dtype)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens ``x`` as the codec's state takes them in (rounded to the raw rows' dtype)."""
+        return x.to(self.raw_dtype).to(x.dtype)
 
     @property
     def n(self) -> int:
@@ -132,11 +139,13 @@ class StreamModel:
             if n + t < self.until:
                 return
             self.raw, (lo, hi), self.first = False, self.first or (n, n + t), None  # converts
+            self.hist = self.stored(self.hist)
             if codec.center and lo <= codec.sinks < hi:
                 self._set_mean(self.hist[:, :, lo:hi], lo)
             behind = n + t - codec.sinks - codec.window
             self.start = codec.sinks + max(0, behind) // codec.group * codec.group
             return
+        x = self.stored(x)
         if codec.center and n <= codec.sinks < n + t:  # the mean of the first append's tokens past the sinks
             self._set_mean(x, n)
         self.hist = torch.cat([self.hist, x], dim=2)
@@ -196,13 +205,12 @@ class StreamModel:
     def stored_bits(self, batch: int) -> int:
         """Bits the stored tokens take as stored: filled groups, raw sinks and tail rows holding tokens, the mean."""
         codec, n = self.codec, self.n
-        item = torch.empty((), dtype=self.dtype).element_size()
         if self.raw:  # the tokens and nothing else
-            return 8 * batch * H * n * D * item
+            return 8 * batch * H * n * D * self.dtype.itemsize
         groups = max(0, min(n, self.start) - codec.sinks) // codec.group
         raw = min(n, codec.sinks) + max(0, n - max(self.start, codec.sinks))
         mean = batch * H * D * 4 if codec.center else 0
-        return 8 * (batch * H * (groups * codec.group_bytes(D, self.dtype) + raw * D * item) + mean)
+        return 8 * (batch * H * (groups * codec.group_bytes(D, self.dtype) + raw * D * self.raw_dtype.itemsize) + mean)
 
     def archive_bytes(self, batch: int) -> int:
         """Bytes of the filled archive groups."""
