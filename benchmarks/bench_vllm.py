@@ -25,10 +25,11 @@ Parts:
 - ``quality``: fp32, chunked prefill of 16 tokens (``max_num_batched_tokens=16``, one sequence at a time, no prefix
   caching), so every chunk reads the history from the pages: perplexity over the tokens from position 16 on of
   ``--windows`` windows of ``--window-tokens`` tokens of real text (bench_ppl's corpus), per configuration,
-  including the page format's options (``FLASHCODEC_VLLM_ANCHORS=0``: no raw rows). Then the same windows through
-  ``FlashCodecCache`` under the same protocol (``bench_ppl.stream_all``, prefill 16, chunks of 16: KL vs the raw
-  cache too) for each preset, the preset as a page stores it (no raw window, keys not centered), and the options
-  (no sinks; centered keys): what each part of the preset buys, and what the page costs.
+  including the page format's option ``FLASHCODEC_VLLM_ANCHORS=0`` (no raw rows: no sinks, ring or key centering).
+  Then the same windows through ``FlashCodecCache`` under the same protocol (``bench_ppl.stream_all``, prefill 16,
+  chunks of 16: KL vs the raw cache too), each preset: its twin. Each preset's row through vLLM gets its twin's
+  increase and the target of issue 33 (``TWIN_RATIO`` times it, or ``TWIN_SLACK`` ppl above it where that is more).
+  What each option of the page format buys is bench_vllm_pages.py's (fake quantization, results/vllm_pages.json).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY_TOKENS = 32
 CHUNK = 16
 RAW_BITS = 16.0  # a bf16 page: K and V of every (token, head) at 16 bits
+TWIN_RATIO, TWIN_SLACK = 1.25, 0.05  # issue 33: a preset's ppl increase through vLLM within 1.25x its twin's (+0.05)
 
 
 def configurations(presets: list[str], options: bool) -> list[dict[str, Any]]:
@@ -206,23 +208,29 @@ def compare_serving(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def flashcodec_tiers(presets: list[str]) -> list[Any]:
-    """FlashCodecCache twins under the vLLM protocol: each preset, as a page stores it, and the options."""
+    """FlashCodecCache twins under the vLLM protocol: each preset as the cache stores it."""
     from bench_ppl import FLASHCODEC, Candidate
 
-    tiers = []
-    for p in presets:
-        tiers.append(Candidate(FLASHCODEC, Tier(f"flashcodec {p}", {"preset": p})))
-        if p == "int8":  # no sinks, window or center: the page stores the preset itself
+    return [Candidate(FLASHCODEC, Tier(twin_name(p), {"preset": p})) for p in presets]
+
+
+def twin_name(preset: str) -> str:
+    return f"flashcodec {preset}"
+
+
+def against_twins(rows: list[dict[str, Any]], twins: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each preset's row through vLLM with its twin's ppl increase (``twin_delta_ppl``), the target (``TWIN_RATIO``
+    times it, or ``TWIN_SLACK`` above it where that is more) and whether the row is within it; rows of options and
+    presets without a twin in ``twins`` unchanged."""
+    deltas = {row["tier"]: row["delta_ppl"] for row in twins if "delta_ppl" in row}
+    for row in rows:
+        twin = deltas.get(twin_name(row["preset"])) if row["preset"] is not None and not row.get("anchors") == 0 \
+            else None
+        if twin is None or "delta_ppl" not in row:
             continue
-        paged = {"preset": p, "key_options": {"window": 0, "center": False}, "value_options": {"window": 0}}
-        tiers.append(Candidate(FLASHCODEC, Tier(f"{p} as paged", paged, note="no raw window, keys not centered")))
-        if p in ("4bit", "3bit"):
-            tiers.append(Candidate(FLASHCODEC, Tier(f"{p} as paged, centered", {
-                "preset": p, "key_options": {"window": 0}, "value_options": {"window": 0}})))
-            tiers.append(Candidate(FLASHCODEC, Tier(f"{p} as paged, no sinks", {
-                "preset": p, "key_options": {"window": 0, "center": False, "sinks": 0},
-                "value_options": {"window": 0, "sinks": 0}})))
-    return tiers
+        target = max(TWIN_RATIO * twin, twin + TWIN_SLACK)
+        row.update(twin_delta_ppl=twin, target_delta_ppl=target, within_target=row["delta_ppl"] <= target)
+    return rows
 
 
 def quality(args, tokenizer, texts) -> dict[str, Any]:
@@ -258,7 +266,7 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
     for row, cand in zip(twins, [None, *tiers], strict=True):
         if cand is not None:
             row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, CHUNK, CHUNK))
-    return {"vllm": rows, "flashcodec": twins, **protocol}
+    return {"vllm": against_twins(rows, twins), "flashcodec": twins, **protocol}
 
 
 def compare_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -272,7 +280,8 @@ SERVING_COLUMNS = [("config", "config", "s"), ("bits/value", "bits_per_value", "
                    ("tok/s", "tokens_per_s", "s"), ("vs stock ", "throughput_vs_stock", "s"),
                    ("greedy = stock", "greedy", "s")]
 QUALITY_COLUMNS = [("config", "config", "s"), ("bits/value", "bits", ".2f"), ("ppl", "ppl", ".3f"),
-                   ("Δppl", "delta_ppl", "+.3f")]
+                   ("Δppl", "delta_ppl", "+.3f"), ("twin Δppl", "twin_delta_ppl", "+.3f"),
+                   ("target", "target_delta_ppl", "+.3f"), ("within", "within", "s")]
 TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", ".2f"), ("KL vs raw", "kl", ".2e"),
                 ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f")]
 
@@ -301,7 +310,8 @@ def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
     """The quality part's two tables; ``table(rows, columns)`` renders each (default: ``markdown_table`` with KL
     clamped at 0, as readme_tables' ``markdown`` does)."""
     q = result["quality"]
-    vllm = [{**r, "bits": r["bits_per_value_bf16"]} for r in q["vllm"]]
+    vllm = [{**r, "bits": r["bits_per_value_bf16"],
+             "within": {True: "yes", False: "**no**"}.get(r.get("within_target"), "-")} for r in q["vllm"]]
     twins = [{"bits_end": RAW_BITS, **r} for r in q["flashcodec"]]
     if not vllm:  # only the FlashCodecCache part ran (--only twins)
         head = "Through vLLM: not measured in this run.\n\n"
@@ -381,8 +391,9 @@ def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         used.add(run)
         merged[kind] = load_part
     if quality_part is not None:
-        merged["quality"] = {**quality_part, "vllm": compare_quality(stock_first([r for _, r in quality_rows.values()])),
-                             "flashcodec": [row for _, row in twin_rows.values()]}
+        twins = [row for _, row in twin_rows.values()]
+        rows = compare_quality(stock_first([r for _, r in quality_rows.values()]))
+        merged["quality"] = {**quality_part, "vllm": against_twins(rows, twins), "flashcodec": twins}
     merged["runs"] = {name: run for name, run in runs.items() if name in used}
     loads = [r["machine"] for r in merged["runs"].values() if "machine" in r]
     if loads:  # the busiest run's machine and load, not the merge's

@@ -48,7 +48,7 @@ from flashcodec_fx.ops.triton.blocks import triton_decode, triton_encode  # noqa
 from flashcodec_fx.ops.triton.read import triton_read  # noqa: E402
 from flashcodec_fx.presets import preset_codecs  # noqa: E402
 from flashcodec_fx.vllm.config import VLLM_PRESETS  # noqa: E402
-from flashcodec_fx.vllm.page import RAW, page_format  # noqa: E402
+from flashcodec_fx.vllm.page import RAW, StorePlan, page_format  # noqa: E402
 from flashcodec_fx.vllm.triton import triton_paged_attention, triton_paged_store  # noqa: E402
 
 # Stored forms beyond the presets (every code path of the kernels): float jpeg with dropped coefficients, pruned png
@@ -198,7 +198,8 @@ def _paged(name: str, dtype: torch.dtype, d: int, g: int, tokens: int, sinks: bo
     cache = torch.zeros(8, heads, block_size, fmt.state_content_bytes(block_size), dtype=torch.uint8)
     n = requests * tokens
     key = torch.zeros(n, heads, d, dtype=dtype)
-    triton_paged_store(fmt, key, key, cache, torch.zeros(n, dtype=torch.int64))
+    slots = torch.zeros(n, dtype=torch.int64)
+    triton_paged_store(fmt, key, key, cache, slots, StorePlan(slots, slots, slots))  # the raw rows, then the codes
     query = torch.zeros(n, heads * g, d, dtype=dtype)
     starts = torch.arange(requests + 1, dtype=torch.int32) * tokens
     triton_paged_attention(fmt, query, key, key, cache, torch.zeros(requests, 4, dtype=torch.int32),

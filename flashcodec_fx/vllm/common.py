@@ -2,10 +2,13 @@
 KV cache specs become flashcodec pages (``customize_spec``), the builders' warning for layers left on vLLM's pages,
 and the attention impl (:class:`FlashCodecImpl`, mixed in before vLLM's own impl of each platform).
 
-The impl stores each new token through ``slot_mapping`` in ``do_kv_cache_update`` (``kernels.paged_store``) and
-attends on the codes through the block table in ``forward`` (``kernels.paged_attention``: the C++ kernels on CPU
-tensors, the Triton kernels on CUDA tensors). A layer vLLM gave its own pages (see :func:`servable_spec`) runs the
-platform's stock attention.
+The impl stores each new token in ``do_kv_cache_update`` (``kernels.paged_store``, phase ``store``: the sinks, the
+code slots, a completed page's last rows), attends on the pages through the block table in ``forward``
+(``kernels.paged_attention``: the C++ kernels on CPU tensors, the Triton kernels on CUDA tensors), then writes the
+call's newest tokens into their pages' raw rings (phase ``ring``: attention read the history's newest there). Where
+each token goes (``page.store_plan``) is computed once per step and phase from vLLM's metadata (positions, block
+table) and shared by the layers. A layer vLLM gave its own pages (see :func:`servable_spec`) runs the platform's stock
+attention.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from .config import ENV_PRESET, PluginConfig, config_from_env
 from .kernels import paged_attention, paged_store
-from .page import PageFormat
+from .page import PageFormat, StorePlan, store_plan
 
 logger = init_logger(__name__)
 
@@ -49,6 +52,46 @@ def customize_spec(spec: AttentionSpec) -> AttentionSpec:
         return spec
     content = plugin_config().state_content_bytes(spec.head_size, spec.dtype, spec.block_size)
     return replace(spec, dtype=torch.uint8, state_content_bytes=content)
+
+
+def check_engine(vllm_config: Any) -> None:
+    """ValueError for an engine the pages cannot serve: speculative decoding where pages keep raw rings (a ring
+    written for draft tokens the verifier rejects would hold them; ``FLASHCODEC_VLLM_ANCHORS=0`` has no ring)."""
+    if getattr(vllm_config, "speculative_config", None) is None:
+        return
+    model = vllm_config.model_config
+    head_dim, dtype = model.get_head_size(), model.dtype
+    if any(fmt.raw_rows(vllm_config.cache_config.block_size or 16) and not fmt.raw
+           for fmt in plugin_config().formats(head_dim, dtype)):
+        raise ValueError(f"{ENV_PRESET} is set with speculative decoding: flashcodec pages keep each sequence's newest "
+                         f"tokens in a raw ring that rejected draft tokens would overwrite; serve without a "
+                         f"speculative config, or set FLASHCODEC_VLLM_ANCHORS=0 (no raw rows), or unset {ENV_PRESET}")
+
+
+def _layer_metadata(layer: torch.nn.Module) -> Any:
+    """This step's attention metadata of ``layer`` from vLLM's forward context (None in the profiling run)."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    return get_attention_context(layer.layer_name)[0]
+
+
+def _layer_slots(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The slot mapping vLLM stored ``layer``'s tokens through this step (``do_kv_cache_update``'s), or None."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    return get_attention_context(layer.layer_name)[3]
+
+
+def _plan(fmt: PageFormat, kv_cache: torch.Tensor, attn_metadata: Any, slot_mapping: torch.Tensor,
+          phase: str) -> StorePlan:
+    """``page.store_plan`` of this step's tokens, computed once per (step, phase, page geometry) and kept on the
+    step's metadata, which every layer of the KV cache group shares."""
+    plans = attn_metadata.__dict__.setdefault("_flashcodec_plans", {})
+    key = (phase, fmt.raw, fmt.raw_rows(kv_cache.shape[2]), fmt.center, kv_cache.shape[2], slot_mapping.shape[0])
+    if key not in plans:
+        plans[key] = store_plan(fmt, kv_cache.shape[2], slot_mapping, attn_metadata.block_table,
+                                attn_metadata.seq_lens, attn_metadata.query_start_loc, phase)
+    return plans[key]
 
 
 def warn_stock_layers(kv_cache_spec: AttentionSpec, layer_names: list[str], stock: str) -> None:
@@ -106,11 +149,17 @@ class FlashCodecImpl:
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Phase ``store`` of this step's tokens; the step's metadata (positions, block table) is read from vLLM's
+        forward context (none in the profiling run: nothing stored)."""
         fmt = self._layer_format(layer, kv_cache, key.dtype)
         if fmt is None:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
             return
-        paged_store(fmt, key, value, kv_cache, slot_mapping)
+        attn_metadata = _layer_metadata(layer)
+        if attn_metadata is None:
+            return
+        paged_store(fmt, key, value, kv_cache, slot_mapping, attn_metadata.block_table, attn_metadata.seq_lens,
+                    attn_metadata.query_start_loc, "store", _plan(fmt, kv_cache, attn_metadata, slot_mapping, "store"))
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None,
@@ -129,4 +178,9 @@ class FlashCodecImpl:
         paged_attention(fmt, query[:n], key[:n], value[:n], kv_cache, attn_metadata.block_table,
                         attn_metadata.seq_lens, attn_metadata.query_start_loc, self.scale, self.sinks, out,
                         attn_metadata.max_query_len)
+        slot_mapping = _layer_slots(layer)
+        if self.kv_sharing_target_layer_name is None and slot_mapping is not None:  # the storing layer's rings
+            paged_store(fmt, key, value, kv_cache, slot_mapping, attn_metadata.block_table, attn_metadata.seq_lens,
+                        attn_metadata.query_start_loc, "ring", _plan(fmt, kv_cache, attn_metadata, slot_mapping,
+                                                                     "ring"))
         return output

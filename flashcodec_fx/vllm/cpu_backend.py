@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .common import FlashCodecImpl, customize_spec, warn_stock_layers
+from .common import FlashCodecImpl, check_engine, customize_spec, warn_stock_layers
 
 
 class FlashCodecCPUBackend(CPUAttentionBackend):
@@ -45,6 +45,7 @@ class FlashCodecCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        check_engine(vllm_config)
         warn_stock_layers(kv_cache_spec, layer_names, "CPU")
 
 

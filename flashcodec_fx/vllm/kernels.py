@@ -32,13 +32,12 @@ from ..ops.cpu import kernel_mode
 from ..ops.cpu.launch import KERNEL_DTYPES, sum_width
 from ..ops.cpu.plan import codec_plan
 from .cpu import EXTENSION
-from .page import PageFormat
+from .page import PageFormat, StorePlan, store_plan
 from .reference import attention_reference, page_view, store_reference
 
 FUSED_TOKENS = 32  # a request's tokens in one call up to which the per-token kernel serves it (else the tiled one)
 PREFILL_DIM_MULTIPLE = 16  # the tiled prefill kernel's head_dim granularity (one SIMD vector of fp32)
 TRITON_DEVICE = "cuda"  # the device type whose tensors the Triton kernels serve (tests: "cpu" under TRITON_INTERPRET=1)
-PAGE_FIELDS = ("anchors", "raw", "slot", "k_scale", "k_zero", "k_code", "v_scale", "v_zero", "v_code")  # page.h
 
 
 def _module(*tensors: torch.Tensor):
@@ -84,14 +83,13 @@ def build_kernels() -> None:
 
 @functools.lru_cache(maxsize=512)
 def kernel_args(fmt: PageFormat, width: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """``(page meta, key plan, value plan)`` the C++ kernels take for ``fmt`` (plans empty for a raw format)."""
+    """``(page meta, key plan, value plan)`` the C++ kernels take for ``fmt``: its fields by name
+    (``PageFormat.meta``, cpu/page.h's ``PageField``), the streams' plans (empty for a raw format)."""
+    meta = torch.tensor(list(fmt.meta().values()), dtype=torch.int64)
     if fmt.raw:
-        return torch.tensor([fmt.anchors, 1] + [0] * (len(PAGE_FIELDS) - 2), dtype=torch.int64), [], []
-    k, v = fmt.slots
-    meta = [fmt.anchors, 0, fmt.code_slot_bytes, k.scale_offset, k.zero_offset, k.code_offset, v.scale_offset,
-            v.zero_offset, v.code_offset]
-    plans = [list(codec_plan(s.codec.spec, fmt.head_dim, width)) for s in (k, v)]
-    return torch.tensor(meta, dtype=torch.int64), plans[0], plans[1]
+        return meta, [], []
+    plans = [list(codec_plan(s.codec.spec, fmt.head_dim, width)) for s in fmt.slots]
+    return meta, plans[0], plans[1]
 
 
 def _check_tokens(fmt: PageFormat, cache: torch.Tensor, **rows: torch.Tensor) -> None:
@@ -104,22 +102,27 @@ def _check_tokens(fmt: PageFormat, cache: torch.Tensor, **rows: torch.Tensor) ->
 
 
 def paged_store(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
-    """Store ``key``, ``value (N, H, D)`` into ``cache`` at ``slot_mapping (N,)`` (spec: ``store_reference``)."""
+                slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, phase: str = "store", plan: StorePlan | None = None) -> None:
+    """Store this call's ``key``, ``value (N, H, D)`` into ``cache`` at ``slot_mapping (N,)``, the part of
+    ``phase`` (``store`` before attention, ``ring`` after it; spec: ``store_reference``). ``plan``: this call's
+    ``page.store_plan`` when the caller has it (the vLLM impl computes it once per step), else computed here."""
     _check_tokens(fmt, cache, key=key, value=value)
     if key.shape[:2] != value.shape[:2] or key.shape[1] != cache.shape[1] or slot_mapping.shape != key.shape[:1]:
         raise ValueError(f"key, value must be (N, H_kv={cache.shape[1]}, D) with slot_mapping (N,), got key "
                          f"{tuple(key.shape)}, value {tuple(value.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
     paged_triton = _triton(fmt, cache, key, value, slot_mapping)
-    if paged_triton is not None:
-        paged_triton.triton_paged_store(fmt, key, value, cache, slot_mapping)
+    module = None if paged_triton is not None else _module(key, value, cache) if key.dtype in KERNEL_DTYPES else None
+    if paged_triton is None and module is None:
+        store_reference(fmt, key, value, cache, slot_mapping, block_table, seq_lens, query_start_loc, phase)
         return
-    module = _module(key, value, cache) if key.dtype in KERNEL_DTYPES else None
-    if module is None:
-        store_reference(fmt, key, value, cache, slot_mapping)
+    if plan is None:
+        plan = store_plan(fmt, cache.shape[2], slot_mapping, block_table, seq_lens, query_start_loc, phase)
+    if paged_triton is not None:
+        paged_triton.triton_paged_store(fmt, key, value, cache, slot_mapping, plan)
         return
     meta, kplan, vplan = kernel_args(fmt, sum_width(module))
-    module.paged_store(key, value, cache, slot_mapping.to(torch.int64).contiguous(), meta, kplan, vplan)
+    module.paged_store(key, value, cache, slot_mapping.to(torch.int64).contiguous(), *plan, meta, kplan, vplan)
 
 
 def paged_attention(fmt: PageFormat, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,

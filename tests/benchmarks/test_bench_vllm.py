@@ -143,3 +143,24 @@ def test_merge_takes_a_later_memory_bound_part_whole_and_keeps_the_other_parts(t
     assert merged["memory_bound"]["rows"][0]["output_tokens_per_s"] == 20.0
     assert merged["memory_bound_online"]["rows"][0]["output_tokens_per_s"] == 9.0
     assert [r["config"] for r in merged["serving"]] == ["stock vLLM"] and sorted(merged["runs"]) == ["new", "old"]
+
+
+def test_each_preset_row_is_held_against_its_twin():
+    """The target: 1.25x the twin's increase, or 0.05 above it where the twin's is tiny; option rows (anchors=0)
+    and presets without a twin get none."""
+    rows = [{"config": "stock vLLM", "preset": None, "delta_ppl": 0.0},
+            {"config": "int8", "preset": "int8", "delta_ppl": 0.05},
+            {"config": "3bit", "preset": "3bit", "delta_ppl": 2.4},
+            {"config": "3bit anchors=0", "preset": "3bit", "anchors": 0, "delta_ppl": 2.2},
+            {"config": "2bit", "preset": "2bit", "delta_ppl": 9.0}]
+    twins = [{"tier": "raw DynamicCache", "delta_ppl": 0.0}, {"tier": "flashcodec int8", "delta_ppl": -0.01},
+             {"tier": "flashcodec 3bit", "delta_ppl": 2.0}]
+    out = {row["config"]: row for row in bench_vllm.against_twins(rows, twins)}
+    assert out["int8"]["target_delta_ppl"] == pytest.approx(0.04) and not out["int8"]["within_target"]
+    assert out["3bit"]["target_delta_ppl"] == pytest.approx(2.5) and out["3bit"]["within_target"]
+    assert out["3bit"]["twin_delta_ppl"] == 2.0
+    for name in ("stock vLLM", "3bit anchors=0", "2bit"):
+        assert "within_target" not in out[name]
+    table = bench_vllm.quality_markdown({"quality": {"vllm": [{**r, "bits_per_value_bf16": 16.0} for r in rows],
+                                                     "flashcodec": [{**t, "kl": 0.0, "ppl": 1.0} for t in twins]}})
+    assert "| 3bit | 16.00 |" in table and "| yes |" in table and "| **no** |" in table

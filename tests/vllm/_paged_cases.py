@@ -44,23 +44,36 @@ class Batch:
         return torch.randint(0, 256, (self.num_blocks, heads, self.block_size, content), dtype=torch.uint8,
                              generator=gen)
 
-    def history_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(keys, values, slots)`` of every request's positions before this call."""
-        ks, vs, slots = [], [], []
+    def history_call(self) -> tuple:
+        """Every request's positions before this call, as one earlier call: ``(keys, values, slot_mapping,
+        block_table, seq_lens, query_start_loc)``."""
+        ks, vs, slots, lens = [], [], [], []
         for r, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             ctx = int(self.seq_lens[r]) - int(self.query_start_loc[r + 1] - self.query_start_loc[r])
             pos = torch.arange(ctx)
             ks.append(k[:ctx])
             vs.append(v[:ctx])
             slots.append(self.block_table[r, pos // self.block_size].long() * self.block_size + pos % self.block_size)
-        return torch.cat(ks), torch.cat(vs), torch.cat(slots)
+            lens.append(ctx)
+        starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+        return (torch.cat(ks), torch.cat(vs), torch.cat(slots), self.block_table,
+                torch.tensor(lens, dtype=torch.int32), starts)
+
+    def store_args(self, cache: torch.Tensor, call: tuple | None = None) -> tuple:
+        """The positional arguments of ``store_reference`` / ``paged_store`` after ``fmt``, before ``phase``: this
+        call's (or ``call``'s, a ``history_call``)."""
+        k, v, slots, table, lens, starts = call or (self.key, self.value, self.slot_mapping, self.block_table,
+                                                   self.seq_lens, self.query_start_loc)
+        return k, v, cache, slots, table, lens, starts
 
     def filled_cache(self, seed: int, store=store_reference) -> torch.Tensor:
-        """A cache holding every request's history and this call's tokens, as vLLM's store leaves it before forward."""
+        """A cache holding every request's history (stored, then its rings written after attention) and this call's
+        tokens, as vLLM's store leaves it before forward."""
         cache = self.empty_cache(seed)
-        k, v, slots = self.history_slots()
-        store(self.fmt, k, v, cache, slots)
-        store(self.fmt, self.key, self.value, cache, self.slot_mapping)
+        history = self.history_call()
+        store(self.fmt, *self.store_args(cache, history), "store")
+        store(self.fmt, *self.store_args(cache, history), "ring")
+        store(self.fmt, *self.store_args(cache), "store")
         return cache
 
     def attention_args(self, cache: torch.Tensor) -> tuple:

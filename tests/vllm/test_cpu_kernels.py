@@ -107,8 +107,11 @@ def test_strided_rows_as_vllm_passes_them(paged_kernels):
     q, k, v = q.view(n, 3 * h, d), k.view(n, h, d), v.view(n, h, d)
     assert not k.is_contiguous()
     cache = batch.empty_cache(5)
-    store_reference(batch.fmt, *batch.history_slots()[:2], cache, batch.history_slots()[2])
-    kernels.paged_store(batch.fmt, k, v, cache, batch.slot_mapping)
+    history = batch.history_call()
+    store_reference(batch.fmt, *batch.store_args(cache, history), "store")
+    store_reference(batch.fmt, *batch.store_args(cache, history), "ring")
+    meta = (batch.block_table, batch.seq_lens, batch.query_start_loc)
+    kernels.paged_store(batch.fmt, k, v, cache, batch.slot_mapping, *meta)
     ref_cache = batch.filled_cache(5)
     assert torch.equal(cache, ref_cache)
     buffer = torch.zeros(n + 2, 3 * h * d, dtype=torch.bfloat16)
@@ -126,10 +129,11 @@ def test_bad_arguments_are_refused_before_writing(paged_kernels):
                         "block_size": 16, "anchors": None, "contexts": [5], "queries": [2], "padding": 0, "seed": 1})
     cache = batch.empty_cache(1)
     before = cache.clone()
+    meta = (batch.block_table, batch.seq_lens, batch.query_start_loc)
     with pytest.raises(ValueError, match="key must be"):
-        kernels.paged_store(batch.fmt, batch.key.float(), batch.value, cache, batch.slot_mapping)
+        kernels.paged_store(batch.fmt, batch.key.float(), batch.value, cache, batch.slot_mapping, *meta)
     with pytest.raises(ValueError, match="slot_mapping"):
-        kernels.paged_store(batch.fmt, batch.key, batch.value, cache, batch.slot_mapping[:1])
+        kernels.paged_store(batch.fmt, batch.key, batch.value, cache, batch.slot_mapping[:1], *meta)
     with pytest.raises(ValueError, match="query must be"):
         kernels.paged_attention(batch.fmt, batch.query[:, :1, :32], batch.key, batch.value, cache, batch.block_table,
                                 batch.seq_lens, batch.query_start_loc, 0.1, None, batch.query)

@@ -16,6 +16,7 @@ pytest.importorskip("vllm.version", reason="needs vLLM: run it in the vLLM venv 
 
 import torch  # noqa: E402
 from vllm.config import CUDAGraphMode  # noqa: E402
+from vllm.forward_context import ForwardContext, override_forward_context  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
@@ -26,7 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, Sliding
 
 import flashcodec_fx.vllm as plugin  # noqa: E402
 from flashcodec_fx.vllm import kernels  # noqa: E402
-from flashcodec_fx.vllm.common import plugin_config  # noqa: E402
+from flashcodec_fx.vllm.common import check_engine, plugin_config  # noqa: E402
 from flashcodec_fx.vllm.config import ENV_NAMES, ENV_PRESET  # noqa: E402
 from flashcodec_fx.vllm.cpu_backend import FlashCodecCPUBackend  # noqa: E402
 from flashcodec_fx.vllm.cuda_backend import (  # noqa: E402
@@ -142,9 +143,10 @@ def _builder(spec: FullAttentionSpec, query_heads: int) -> FlashCodecCUDAMetadat
 def test_impl_stores_and_attends_through_the_triton_kernels(preset, monkeypatch):
     """Two requests in one call, GQA (2 KV heads, 4 query heads), sinks, q/k/v strided views of one qkv buffer and
     padding rows as vLLM passes them: a decode step after 37 tokens and a 9-token prefill chunk after 20. The
-    metadata from vLLM's Triton builder; the impl's store (through ``slot_mapping``) leaves the reference's bytes;
-    its attention (through the block table) matches ``attention_reference`` within test_triton_kernels.py's
-    tolerance; rows past the call's tokens untouched. Both through the Triton kernels (counted), none other."""
+    metadata from vLLM's Triton builder, read by the store from vLLM's forward context; the impl's store leaves the
+    reference's bytes; its attention (through the block table) matches ``attention_reference`` within
+    test_triton_kernels.py's tolerance, then its ring phase leaves the reference's bytes again; rows past the call's
+    tokens untouched. All through the Triton kernels (counted), none other."""
     from _paged_cases import make_batch
     from test_triton_kernels import TOLERANCE
 
@@ -186,20 +188,39 @@ def test_impl_stores_and_attends_through_the_triton_kernels(preset, monkeypatch)
     q, k, v = (x.unflatten(1, (-1, d)) for x in qkv.split([heads * group * d, heads * d, heads * d], dim=1))
     sinks = torch.linspace(-1, 2, heads * group)
     impl = _impl(heads, group, d, sinks=sinks)
-    layer = SimpleNamespace(layer_name="model.layers.5.self_attn.attn")
-
     cache = batch.empty_cache(seed)
-    history_k, history_v, history_slots = batch.history_slots()
-    store_reference(batch.fmt, history_k, history_v, cache, history_slots)
-    impl.do_kv_cache_update(layer, k, v, cache, metadata.slot_mapping)
-    assert impl._format == batch.fmt and torch.equal(cache, batch.filled_cache(seed))
-
+    history = batch.history_call()
+    for phase in ("store", "ring"):
+        store_reference(batch.fmt, *batch.store_args(cache, history), phase)
+    layer = SimpleNamespace(layer_name="model.layers.5.self_attn.attn", kv_cache=cache)
+    context = ForwardContext(no_compile_layers={layer.layer_name: layer}, attn_metadata={layer.layer_name: metadata},
+                             slot_mapping={layer.layer_name: metadata.slot_mapping})
+    stored = batch.filled_cache(seed)
+    ref = attention_reference(batch.fmt, *batch.attention_args(stored), impl.scale, sinks)
+    store_reference(batch.fmt, *batch.store_args(stored), "ring")
     output = torch.full((n + pad, heads * group, d), float("nan"), dtype=torch.float16)
-    assert impl.forward(layer, q, k, v, cache, metadata, output) is output
-    ref = attention_reference(batch.fmt, *batch.attention_args(cache), impl.scale, sinks)
+    with override_forward_context(context):
+        impl.do_kv_cache_update(layer, k, v, cache, metadata.slot_mapping)
+        assert impl._format == batch.fmt and torch.equal(cache, batch.filled_cache(seed))
+        assert impl.forward(layer, q, k, v, cache, metadata, output) is output
     torch.testing.assert_close(output[:n].float(), ref.float(), **TOLERANCE[torch.float16])
     assert output[n:].isnan().all()
-    assert calls == ["triton_paged_store", "triton_paged_attention"]
+    assert torch.equal(cache, stored)  # and the call's newest tokens in their rings, after attention
+    assert calls == ["triton_paged_store", "triton_paged_attention", "triton_paged_store"]
+
+
+def test_speculative_decoding_is_refused_where_pages_keep_rings(preset, monkeypatch):
+    """A ring written for draft tokens the verifier rejects would hold them: refused at the builder (both
+    platforms'), unless the pages keep no raw rows."""
+    model = SimpleNamespace(get_head_size=lambda: 64, dtype=torch.bfloat16)
+    config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=128),
+                             speculative_config=SimpleNamespace(method="ngram"))
+    with pytest.raises(ValueError, match="speculative decoding"):
+        check_engine(config)
+    check_engine(SimpleNamespace(**{**vars(config), "speculative_config": None}))
+    monkeypatch.setenv("FLASHCODEC_VLLM_ANCHORS", "0")
+    plugin_config.cache_clear()
+    check_engine(config)
 
 
 def test_impl_refuses_what_the_pages_do_not_implement(preset):

@@ -7,30 +7,65 @@ import pytest
 import torch
 from _paged_cases import batch_cases, make_batch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashcodec_fx.vllm.page import page_format
-from flashcodec_fx.vllm.reference import attention_reference, decode_pages, page_view, store_reference
+from flashcodec_fx.vllm.reference import attention_reference, history, page_view, store_reference
 
 
-def codec_round_trip(fmt, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, block_size: int):
-    """What a page gives back for tokens ``k``, ``v (n, H, D)`` at ``positions``: raw rows as stored (the model's
-    dtype), other tokens through the codec's own encode / decode."""
-    raw = (positions % block_size) < fmt.raw_rows(block_size)
+def raw_positions(fmt, block_size: int, length: int, total: int) -> torch.Tensor:
+    """``(length,)`` bool: the positions a call that stored up to ``total`` reads raw (the layout's promise, said
+    independently of ``page.history_rows``): the sinks; in later pages, the last ``A`` of a complete page, and the
+    ``A`` newest before the call in a page the call does not complete."""
+    if fmt.raw:
+        return torch.ones(length, dtype=torch.bool)
+    a, pos = fmt.raw_rows(block_size), torch.arange(length)
+    page, offset = pos // block_size, pos % block_size
+    complete = (page + 1) * block_size <= total
+    newest = (pos >= length - a) & (page == (length - 1) // block_size)
+    return torch.where(page == 0, offset < a, (complete & (offset >= block_size - a)) | (~complete & newest))
+
+
+def key_means(fmt, k: torch.Tensor, block_size: int, pages: int) -> torch.Tensor:
+    """``(pages, H, D)``: page ``i``'s key mean, the raw key rows of the page before (the first page: its sinks) in
+    row order (a later page's row ``o % A`` holds offset ``o``), added in order and divided by ``A``."""
+    a = fmt.raw_rows(block_size)
+    means = []
+    for i in range(pages):
+        before = max(i - 1, 0)
+        offsets = list(range(a)) if before == 0 else sorted(range(block_size - a, block_size), key=lambda o: o % a)
+        rows = [k[before * block_size + o].float() for o in offsets]
+        total = rows[0]
+        for row in rows[1:]:
+            total = total + row
+        means.append(total / a)
+    return torch.stack(means)
+
+
+def expected_history(fmt, k: torch.Tensor, v: torch.Tensor, length: int, total: int, block_size: int):
+    """What a page-backed sequence of keys / values ``(>= total, H, D)`` gives back for positions ``0 .. length -
+    1`` to a call that stored up to ``total``: raw where promised, else the codec's own round trip (keys centered on
+    their page's mean)."""
+    raw = raw_positions(fmt, block_size, length, total)
     out = []
-    for x, codec in ((k, fmt.key), (v, fmt.value)):
+    for x, codec in ((k[:length], fmt.key), (v[:length], fmt.value)):
         y = x.float().clone()
         if codec is not None and (~raw).any():
-            y[~raw] = codec.decode(codec.encode(x[~raw].unsqueeze(-2)), torch.float32)[..., 0, :]
+            mean = None
+            if codec.center:
+                pages = -(-length // block_size)
+                mean = key_means(fmt, k, block_size, pages)[torch.arange(length) // block_size][~raw]
+            y[~raw] = codec.decode(codec.encode(x[~raw].unsqueeze(-2), mean), torch.float32, mean)[..., 0, :]
         out.append(y)
     return out
 
 
 def dense_history(batch, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request ``r``'s keys and values as attention must read them: history round-tripped, this call's exact."""
+    """Request ``r``'s keys and values as attention must read them: history from the pages, this call's exact."""
     t = int(batch.query_start_loc[r + 1] - batch.query_start_loc[r])
     length = int(batch.seq_lens[r])
     k, v = batch.keys[r], batch.values[r]
-    kh, vh = codec_round_trip(batch.fmt, k[: length - t], v[: length - t], torch.arange(length - t), batch.block_size)
+    kh, vh = expected_history(batch.fmt, k, v, length - t, length, batch.block_size)
     return torch.cat([kh, k[length - t:].float()]), torch.cat([vh, v[length - t:].float()])
 
 
@@ -47,34 +82,64 @@ def sdpa_reference(batch, scale: float) -> torch.Tensor:
     return torch.cat(out)
 
 
+def assert_read_back(fmt, got: tuple, want: tuple, raw: torch.Tensor) -> None:
+    """Raw positions bitwise; codes up to the rotation product's rounding (it depends on the batch shape)."""
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g[:, raw], w.transpose(0, 1)[:, raw])
+        torch.testing.assert_close(g[:, ~raw], w.transpose(0, 1)[:, ~raw], atol=2e-6, rtol=2e-6)
+
+
 @settings(max_examples=25, deadline=None)
 @given(case=batch_cases())
-def test_store_then_decode_is_the_codecs_round_trip(case):
-    """Every stored token reads back as its codec round trip (raw rows bitwise; codes up to the rotation product's
-    rounding, which depends on the batch shape); pages not written are untouched, padding slots (-1) store nothing."""
+def test_store_then_read_is_the_layouts_promise(case):
+    """After the history, this call's store and its ring phase, every position reads back raw where the layout
+    promises it (sinks, the newest tokens, a complete page's last rows) and as the codec's round trip elsewhere;
+    pages not written are untouched, padding slots (-1) store nothing."""
     batch = make_batch(case)
-    cache = batch.empty_cache(case["seed"])
-    before = cache.clone()
-    n = batch.query.shape[0]
-    store_reference(batch.fmt, batch.key, batch.value, cache, batch.slot_mapping)
-    pages = page_view(cache)
-    k, v = decode_pages(batch.fmt, pages, batch.block_size)  # (blocks, H, bs, D)
-    slots = batch.slot_mapping[:n]
-    blocks, offsets = slots // batch.block_size, slots % batch.block_size
-    positions = torch.cat([torch.arange(int(L) - (int(e) - int(s)), int(L)) for L, s, e in
-                           zip(batch.seq_lens, batch.query_start_loc[:-1], batch.query_start_loc[1:], strict=True)])
-    want_k, want_v = codec_round_trip(batch.fmt, batch.key[:n], batch.value[:n], positions, batch.block_size)
-    raw = offsets < batch.fmt.raw_rows(batch.block_size)
-    for got, want in ((k[blocks, :, offsets], want_k), (v[blocks, :, offsets], want_v)):
-        assert torch.equal(got[raw], want[raw])
-        torch.testing.assert_close(got[~raw], want[~raw], atol=2e-6, rtol=2e-6)
-    fmt, bs = batch.fmt, batch.block_size
-    written = torch.zeros(page_view(cache).shape, dtype=torch.bool)  # every byte a stored token may own
-    a = fmt.raw_rows(bs)
-    for b, o in zip(blocks.tolist(), offsets.tolist(), strict=True):
-        start = o * fmt.raw_row_bytes if o < a else a * fmt.raw_row_bytes + (o - a) * fmt.code_slot_bytes
-        written[b, :, start: start + (fmt.raw_row_bytes if o < a else fmt.code_slot_bytes)] = True
-    assert torch.equal(page_view(cache)[~written], page_view(before)[~written])
+    cache = batch.filled_cache(case["seed"])
+    before = batch.empty_cache(case["seed"])
+    store_reference(batch.fmt, *batch.store_args(cache), "ring")
+    pages, bs = page_view(cache), batch.block_size
+    used = set()
+    for r, length in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_table[r, : -(-length // bs)].long()
+        used.update(blocks.tolist())
+        got = history(batch.fmt, pages, blocks, bs, length, length)
+        want = expected_history(batch.fmt, batch.keys[r], batch.values[r], length, length, bs)
+        assert_read_back(batch.fmt, got, want, raw_positions(batch.fmt, bs, length, length))
+    unused = torch.tensor(sorted(set(range(batch.num_blocks)) - used), dtype=torch.long)
+    assert torch.equal(pages[unused], page_view(before)[unused])
+
+
+@settings(max_examples=20, deadline=None)
+@given(length=st.integers(1, 80), cuts=st.lists(st.integers(1, 79), max_size=6),
+       name=st.sampled_from(["3bit", "int8", "4bit"]), anchors=st.sampled_from([None, 1, 4]),
+       block_size=st.sampled_from([8, 16]), seed=st.integers(0, 1000))
+def test_any_split_into_calls_reads_the_same(length, cuts, name, anchors, block_size, seed):
+    """One sequence stored in calls of any sizes (store, attention's read, ring): each call reads its history as the
+    layout promises, whatever the earlier calls' sizes were."""
+    fmt = page_format(name, seed % 30, 16, torch.float32, anchors)
+    if fmt.raw_rows(block_size) >= block_size:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(length, 2, 16, generator=gen), torch.randn(length, 2, 16, generator=gen)
+    pages = -(-length // block_size)
+    table = torch.randperm(pages + 2, generator=gen)[:pages].to(torch.int32)[None]
+    cache = torch.randint(0, 256, (pages + 2, 2, block_size, fmt.state_content_bytes(block_size)), dtype=torch.uint8,
+                          generator=gen)
+    bounds = sorted({0, length, *(c for c in cuts if c < length)})
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        pos = torch.arange(start, end)
+        slots = table[0, pos // block_size].long() * block_size + pos % block_size
+        args = (k[start:end], v[start:end], cache, slots, table, torch.tensor([end], dtype=torch.int32),
+                torch.tensor([0, end - start], dtype=torch.int32))
+        store_reference(fmt, *args, "store")
+        if start:
+            got = history(fmt, page_view(cache), table[0, : -(-start // block_size)].long(), block_size, start, end)
+            want = expected_history(fmt, k, v, start, end, block_size)
+            assert_read_back(fmt, got, want, raw_positions(fmt, block_size, start, end))
+        store_reference(fmt, *args, "ring")
+
 
 @settings(max_examples=25, deadline=None)
 @given(case=batch_cases())
@@ -113,6 +178,7 @@ def test_bad_cache_is_refused_before_writing():
     fmt = page_format("3bit", 0, 64, torch.bfloat16)
     k = torch.randn(2, 1, 64).bfloat16()
     with pytest.raises(ValueError, match="cannot hold format"):
-        store_reference(fmt, k, k, torch.zeros(2, 1, 16, 8, dtype=torch.uint8), torch.tensor([0, 1]))
+        store_reference(fmt, k, k, torch.zeros(2, 1, 16, 8, dtype=torch.uint8), torch.tensor([0, 1]),
+                        torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2]), torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="uint8"):
         page_view(torch.zeros(2, 1, 16, 64))

@@ -13,11 +13,13 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the paged Triton kernels are tested on CPU tensors under TRITON_INTERPRET=1", allow_module_level=True)
 
+from dataclasses import fields  # noqa: E402
+
 from _paged_cases import make_batch  # noqa: E402
 
-from flashcodec_fx.vllm.page import page_format  # noqa: E402
+from flashcodec_fx.vllm.page import page_format, store_plan  # noqa: E402
 from flashcodec_fx.vllm.reference import attention_reference  # noqa: E402
-from flashcodec_fx.vllm.triton import check_paged_limits, triton_paged_attention, triton_paged_store  # noqa: E402
+from flashcodec_fx.vllm.triton import check_paged_limits, common, triton_paged_attention, triton_paged_store  # noqa: E402
 
 # Attention, fp32: both accumulate in fp32 in different orders (the kernel folds the scale and log2(e) into q and
 # takes exp2, the reference softmaxes), unit-scale data: within 2e-5 (measured: <= 5e-7). fp16: both round an fp32
@@ -43,6 +45,20 @@ STORE_CASES = {
 }
 
 
+def triton_store(fmt, key, value, cache, slots, block_table, seq_lens, query_start_loc, phase):
+    """The Triton store with the reference store's arguments (``kernels.paged_store`` makes the plan the same way)."""
+    plan = store_plan(fmt, cache.shape[2], slots, block_table, seq_lens, query_start_loc, phase)
+    triton_paged_store(fmt, key, value, cache, slots, plan)
+
+
+def test_constants_name_the_tuples_fields():
+    """``P_<FIELD>`` / ``S_<FIELD>`` index ``PageConsts`` / ``SlotConsts`` by their fields' names and order."""
+    for prefix, consts in (("P_", common.PageConsts), ("S_", common.SlotConsts)):
+        names = {name: getattr(common, name).value for name in dir(common) if name.startswith(prefix)}
+        want = {prefix + f.name.upper(): i for i, f in enumerate(fields(consts))}
+        assert names == want
+
+
 @pytest.mark.parametrize("case", STORE_CASES.values(), ids=STORE_CASES.keys())
 def test_store_matches_the_reference_bytewise(case):
     """History and this call's tokens scattered over random pages of a cache of random bytes, padding slots skipped:
@@ -51,7 +67,7 @@ def test_store_matches_the_reference_bytewise(case):
     cases has one. On a GPU, where the rotation is a tensor-core-free fp32 dot of another order, expect the same
     caveat, untested.)"""
     batch = make_batch(case)
-    ours, ref = batch.filled_cache(case["seed"], triton_paged_store), batch.filled_cache(case["seed"])
+    ours, ref = batch.filled_cache(case["seed"], triton_store), batch.filled_cache(case["seed"])
     assert torch.equal(ours, ref), f"{int((ours != ref).sum())} of {ours.numel()} bytes differ"
 
 
@@ -63,6 +79,7 @@ ATTENTION_CASES = {
     "decode int8 fp16 anchors=0": _case("int8", torch.float16, anchors=0, head_dim=32),
     "prefill 3bit fp32 G=3": _case("3bit", torch.float32, group=3, contexts=(0, 33), queries=(5, 18)),
     "prefill 2.5bit fp16 G=4 several tiles": _case("2.5bit", torch.float16, group=4, contexts=(17, 2), queries=(20, 1)),
+    "prefill 3bit fp32 completing a ring page": _case("3bit", torch.float32, contexts=(29, 45), queries=(5, 2)),
     "mixed 4bit fp32 bs=32 anchors=1": _case("4bit", torch.float32, block_size=32, anchors=1, contexts=(40, 0, 9),
                                              queries=(1, 7, 2), heads=1, group=2, head_dim=64),
 }

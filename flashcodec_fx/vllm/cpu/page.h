@@ -1,25 +1,31 @@
-// The page layout of flashcodec_fx/vllm/page.py (PageFormat), as the launcher passes it (kernels.py PAGE_FIELDS):
-// one (block, KV head) page of a uint8 cache (num_blocks, H, block_size, C) is `raw_rows` raw rows (K then V, the
-// model's dtype), then one code slot per other token (fp16 scales / zero points of K and V, K codes, V codes).
+// The page layout of flashcodec_fx/vllm/page.py (PageFormat), as the launcher passes it (PageFormat.meta()): one
+// (block, KV head) page of a uint8 cache (num_blocks, H, block_size, C) is `raw_rows` raw rows (K then V, the model's
+// dtype), then one code slot per other token (fp16 scales / zero points of K and V, K codes, V codes). Which token
+// sits where is page.py's (store_plan: the store is told; history_rows: the readers compute it, PageLayout::read).
 // Concatenated after ops/cpu/common.h and ops/cpu/append.cpp (the quantizer), before the paged kernels.
 
 namespace fc {
 
+// page.py PAGE_FIELDS, by name and in its order (tests/vllm/test_page.py checks these names against it).
+enum PageField : int { kAnchors, kRaw, kCenter, kSlot, kKScale, kKZero, kKCode, kVScale, kVZero, kVCode, kPageFields };
+static_assert(kPageFields == 10, "page.py PAGE_FIELDS has 10 fields");
+
 struct PageLayout {
-  int64_t anchors = 0, raw = 0, slot = 0;  // raw rows asked for, every row raw (a raw format), code slot bytes
+  int64_t anchors = 0, raw = 0, center = 0, slot = 0;  // raw rows asked for, every row raw, centered keys, slot bytes
   int64_t k_scale = 0, k_zero = 0, k_code = 0, v_scale = 0, v_zero = 0, v_code = 0;  // field offsets in a slot
   int64_t bs = 0, heads = 0, head_dim = 0, elem = 0;  // block size, KV heads, D, bytes per raw value
   int64_t block_stride = 0, head_stride = 0;          // cache strides (bytes) of dims 0 and 1
   at::ScalarType dtype = at::kFloat;                   // raw rows
 
   static PageLayout parse(const at::Tensor& meta, const at::Tensor& cache, at::ScalarType dtype, int64_t head_dim) {
-    TORCH_CHECK(meta.numel() == 9 && meta.scalar_type() == at::kLong, "page meta: expected 9 int64 fields");
+    TORCH_CHECK(meta.numel() == kPageFields && meta.scalar_type() == at::kLong, "page meta: expected PAGE_FIELDS");
     TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4, "cache: expected uint8 (blocks, H, bs, C)");
     TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3), "cache: pages must be contiguous");
     const int64_t* m = meta.data_ptr<int64_t>();
     PageLayout p;
-    p.anchors = m[0]; p.raw = m[1]; p.slot = m[2];
-    p.k_scale = m[3]; p.k_zero = m[4]; p.k_code = m[5]; p.v_scale = m[6]; p.v_zero = m[7]; p.v_code = m[8];
+    p.anchors = m[kAnchors]; p.raw = m[kRaw]; p.center = m[kCenter]; p.slot = m[kSlot];
+    p.k_scale = m[kKScale]; p.k_zero = m[kKZero]; p.k_code = m[kKCode];
+    p.v_scale = m[kVScale]; p.v_zero = m[kVZero]; p.v_code = m[kVCode];
     p.bs = cache.size(2); p.heads = cache.size(1); p.head_dim = head_dim;
     p.dtype = dtype; p.elem = c10::elementSize(dtype);
     p.block_stride = cache.stride(0); p.head_stride = cache.stride(1);
@@ -28,12 +34,31 @@ struct PageLayout {
   int64_t raw_rows() const { return raw ? bs : std::min(anchors, bs); }
   int64_t raw_row_bytes() const { return 2 * head_dim * elem; }
   int64_t row_bytes() const { return head_dim * elem; }  // one of K, V
-  // Start of the page of (block, head), of raw row `offset` (offset < raw_rows()), of the code slot of `offset`.
+  // Start of the page of (block, head), of raw row `row` (< raw_rows()), of code slot `index` (< bs - raw_rows()).
   uint8_t* page(uint8_t* cache, int64_t block, int64_t head) const {
     return cache + block * block_stride + head * head_stride;
   }
-  int64_t raw_at(int64_t offset) const { return offset * raw_row_bytes(); }
-  int64_t slot_at(int64_t offset) const { return raw_rows() * raw_row_bytes() + (offset - raw_rows()) * slot; }
+  int64_t raw_at(int64_t row) const { return row * raw_row_bytes(); }
+  int64_t code_at(int64_t index) const { return raw_rows() * raw_row_bytes() + index * slot; }
+  // Where offset `off` of page `index` (of a sequence) is read from by a call that stored up to `total` positions,
+  // the page holding `held` of the history (page.py history_rows): a raw row (>= 0), or -1 - code slot index.
+  int64_t read(int64_t index, int64_t off, int64_t held, int64_t total) const {
+    const int64_t a = raw_rows();
+    if (raw) return off;
+    if (index == 0) return off < a ? off : -1 - (off - a);
+    const int64_t ring_from = total - index * bs >= bs ? bs - a : held - a;
+    return off >= ring_from ? off % a : -1 - off;
+  }
+  // The mean of a page's raw key rows, rows added in order then divided by their count (reference.raw_key_mean).
+  void key_mean(const uint8_t* page, float* mean, float* row) const {
+    const int D = static_cast<int>(head_dim);
+    to_float(page + raw_at(0), dtype, mean, D);
+    for (int64_t j = 1; j < anchors; ++j) {
+      to_float(page + raw_at(j), dtype, row, D);
+      for (int d = 0; d < D; ++d) mean[d] += row[d];
+    }
+    for (int d = 0; d < D; ++d) mean[d] /= static_cast<float>(anchors);
+  }
 };
 
 // A call's requests as vLLM's metadata gives them (int32): block-table rows, sequence lengths (history and this call),

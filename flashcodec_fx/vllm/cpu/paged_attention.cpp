@@ -2,10 +2,12 @@
 //
 // Work items are (request, KV head, group of up to kTileGroup query tiles); a tile holds up to kLanes query rows
 // (the GQA heads x this call's tokens of the request) side by side in SIMD lanes (common.h's lane kernels). The
-// history is walked page by page through the block table, and each page is read once per item: its raw rows
-// converted to fp32, its code slots unpacked into unscaled levels (an L1 scratch of one page, never a dequantized
-// copy of the cache), then every tile of the item dots them with its queries: raw rows with q, code levels with q
-// rotated once (R_k q), the fp16 scale applied per (row, lane). One online-softmax step per page and tile, then the
+// history is walked page by page through the block table, and each page is read once per item: the raw rows holding
+// history tokens converted to fp32 (PageLayout::read: a first page's sinks, a later page's ring), its code slots
+// holding the others unpacked into unscaled levels (an L1 scratch of one page, never a dequantized copy of the
+// cache), then every tile of the item dots them with its queries: raw rows with q, code levels with q rotated once
+// (R_k q), the fp16 scale applied per (row, lane), plus q . m for centered keys (m: the mean of the page before's raw
+// key rows; the first page's own). One online-softmax step per page and tile (a page's keys in any order), then the
 // values: raw rows into a plain accumulator, code levels weighted by p * scale into a rotated one, rotated back once
 // at the end (R_v^T). The call's own tokens come last, raw and causal per lane (a tile stops at its last token).
 // Optional sink logits (s_aux, per query head) join the softmax's denominator. Everything is fp32; `scale` is
@@ -43,7 +45,7 @@ struct Tile {
   int D;
   Lanes lanes;
   std::vector<float> qt, qt_rot, acc_raw, acc_rot;
-  float m[kLanes], s[kLanes], zacc[kLanes], qsum[kLanes];
+  float m[kLanes], s[kLanes], zacc[kLanes], qsum[kLanes], qmean[kLanes];
 
   explicit Tile(int d) : D(d), qt(d * kLanes), qt_rot(d * kLanes), acc_raw(kLanes * d), acc_rot(kLanes * d) {}
 
@@ -140,11 +142,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
       for (int64_t t = 0; t < tiles; t += kTileGroup) items.push_back({r, h, t, std::min<int64_t>(kTileGroup, tiles - t)});
   }
   uint8_t* base = cache.data_ptr<uint8_t>();
-  const int64_t bs = p.bs, raw_rows = p.raw_rows(), half = p.row_bytes();
+  const int64_t bs = p.bs, half = p.row_bytes();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<Tile> tiles(kTileGroup, Tile(D));
     std::vector<float> kraw(bs * D), vraw(bs * D), klev(bs * D), vlev(bs * D), kscale(bs), kzero(bs), vscale(bs);
-    std::vector<float> vzero(bs), scores(bs * kLanes), w(bs * kLanes), column(bs), row(D);
+    std::vector<float> vzero(bs), scores(bs * kLanes), w(bs * kLanes), column(bs), row(D), mean(D), mrow(D);
     std::vector<int32_t> codes(D);
     for (int64_t it = i0; it < i1; ++it) {
       const Item& item = items[it];
@@ -160,14 +162,22 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
       }
       // --- the history, page by page: read once, used by every tile
       for (int64_t start = 0; start < ctx; start += bs) {
-        const int64_t n = std::min(bs, ctx - start), na = std::min(n, raw_rows), nc = n - na;
-        const uint8_t* page = p.page(base, req.block(item.req, start / bs), item.head);
-        for (int64_t j = 0; j < na; ++j) {
-          to_float(page + p.raw_at(j), p.dtype, kraw.data() + j * D, D);
-          to_float(page + p.raw_at(j) + half, p.dtype, vraw.data() + j * D, D);
+        const int64_t index = start / bs, n = std::min(bs, ctx - start);
+        const uint8_t* page = p.page(base, req.block(item.req, index), item.head);
+        int64_t na = 0, nc = 0;  // raw rows, code slots holding history tokens (slots 0 .. nc - 1)
+        for (int64_t off = 0; off < n; ++off) {
+          const int64_t at = p.read(index, off, n, lens[item.req]);
+          if (at < 0) { nc = std::max(nc, -at); continue; }
+          to_float(page + p.raw_at(at), p.dtype, kraw.data() + na * D, D);
+          to_float(page + p.raw_at(at) + half, p.dtype, vraw.data() + na * D, D);
+          ++na;
         }
+        const bool centered = p.center && nc > 0;
+        if (centered)  // the page before's raw key rows (the first page: its own)
+          p.key_mean(p.page(base, req.block(item.req, std::max<int64_t>(index - 1, 0)), item.head), mean.data(),
+                     mrow.data());
         for (int64_t j = 0; j < nc; ++j) {
-          const uint8_t* slot = page + p.slot_at(na + j);
+          const uint8_t* slot = page + p.code_at(j);
           row_levels(ck, slot + p.k_code, 0, codes.data(), klev.data() + j * D);
           row_levels(cv, slot + p.v_code, 0, codes.data(), vlev.data() + j * D);
           kscale[j] = half_at(slot + p.k_scale);
@@ -180,8 +190,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
           lane_dots_n(tile.qt.data(), kraw.data(), D, static_cast<int>(na), D, scores.data());
           float* sc = scores.data() + na * kLanes;
           if (nc > 0) lane_dots_n(tile.qt_rot.data(), klev.data(), D, static_cast<int>(nc), D, sc);
+          if (centered) lane_dots_n(tile.qt.data(), mean.data(), D, 1, D, tile.qmean);
+          else std::fill(tile.qmean, tile.qmean + kLanes, 0.0f);
           for (int64_t j = 0; j < nc; ++j)
-            for (int l = 0; l < kLanes; ++l) sc[j * kLanes + l] = sc[j * kLanes + l] * kscale[j] + kzero[j] * tile.qsum[l];
+            for (int l = 0; l < kLanes; ++l)
+              sc[j * kLanes + l] = sc[j * kLanes + l] * kscale[j] + kzero[j] * tile.qsum[l] + tile.qmean[l];
           tile.step(scores.data(), static_cast<int>(n), column.data());
           lane_axpys(scores.data(), static_cast<int>(na), vraw.data(), D, D, tile.acc_raw.data(), tile.lanes.n);
           for (int64_t j = 0; j < nc; ++j)

@@ -4,8 +4,9 @@
 //
 // - own tokens (raw K / V of this call, causal): GEMM-shaped tiles of kOwnTokens query tokens x kOwnKeys keys.
 // - history (codes): each page of a (request, KV head) is decoded once per call into a scratch of kGroupKeys keys
-//   (keys transposed, values as rows, in the codes' rotated domain: level * scale + zero, the raw anchor rows rotated
-//   into it), and every query row of the call is attended against it in blocks of kRowBlock rows (the queries rotated
+//   (keys transposed, values as rows, in the codes' rotated domain: level * scale + zero, plus the page's key mean
+//   rotated for centered keys; the raw rows holding history tokens, PageLayout::read, rotated into it), and every
+//   query row of the call is attended against it in blocks of kRowBlock rows (the queries rotated
 //   once, R_k q). A long history is split into chunks of pages, each with a softmax state of its own, so that threads
 //   share a request's history without decoding a page twice.
 // - merge, per query row: the own state, the history chunks' states and the sink logit (s_aux) by their maxima; the
@@ -366,7 +367,7 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Ten
   std::sort(own.begin(), own.end(), [](const Item& a, const Item& b) { return a.first > b.first; });
   items.insert(items.end(), own.begin(), own.end());
   uint8_t* base = cache.data_ptr<uint8_t>();
-  const int64_t raw_rows = p.raw_rows(), half = p.row_bytes();
+  const int64_t half = p.row_bytes();
   std::vector<std::vector<float>> scratch(threads);
   run(static_cast<int64_t>(items.size()), [&](int64_t it, int thread) {
     const Item& item = items[it];
@@ -392,32 +393,40 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Ten
     // a history chunk: groups of pages decoded once, every row of the part against each group
     const Chunk& chunk = chunks[item.index];
     const Part& part = parts[chunk.part];
-    buf.resize(D * group_cols + group_cols * D + kRowBlock * group_cols + 3 * D);
+    buf.resize(D * group_cols + group_cols * D + kRowBlock * group_cols + 5 * D);
     float *kt = buf.data(), *vg = kt + D * group_cols, *sc = vg + group_cols * D, *lev = sc + kRowBlock * group_cols;
-    float* raw = lev + D;
+    float *raw = lev + D, *mean = raw + D, *mean_rot = mean + D;
     std::vector<int32_t> codes(D);
     std::fill(kt, kt + D * group_cols, 0.0f);  // columns past a group's keys stay finite (their scores are unused)
     chunk.st.reset(part.rows, D);
     for (int64_t g0 = chunk.first; g0 < chunk.first + chunk.count; g0 += group_pages) {
       int64_t n = 0;  // keys of this group
       for (int64_t pg = g0; pg < std::min(g0 + group_pages, chunk.first + chunk.count); ++pg) {
-        const int64_t start = pg * bs, len = std::min(bs, part.ctx - start), na = std::min(len, raw_rows);
+        const int64_t start = pg * bs, len = std::min(bs, part.ctx - start);
         const uint8_t* page = p.page(base, req.block(part.req, pg), part.head);
+        bool centered = false;  // coded keys + m (rotated: R m), m the page before's raw key rows' mean
         for (int64_t j = 0; j < len; ++j, ++n) {
           float* vrow = vg + n * D;
-          if (j < na) {
-            to_float(page + p.raw_at(j), p.dtype, raw, D);
+          const int64_t at = p.read(pg, j, len, req.lens[part.req]);
+          if (at >= 0) {
+            to_float(page + p.raw_at(at), p.dtype, raw, D);
             if (rotate_k) row_times(raw, rkt.data(), D, lev);
             for (int d = 0; d < D; ++d) kt[d * group_cols + n] = rotate_k ? lev[d] : raw[d];
-            to_float(page + p.raw_at(j) + half, p.dtype, raw, D);
+            to_float(page + p.raw_at(at) + half, p.dtype, raw, D);
             if (rotate_v) row_times(raw, rvt.data(), D, vrow);
             else std::memcpy(vrow, raw, sizeof(float) * D);
             continue;
           }
-          const uint8_t* slot = page + p.slot_at(j);
+          if (p.center && !centered) {
+            p.key_mean(p.page(base, req.block(part.req, std::max<int64_t>(pg - 1, 0)), part.head), mean, raw);
+            if (rotate_k) row_times(mean, rkt.data(), D, mean_rot);
+            else std::memcpy(mean_rot, mean, sizeof(float) * D);
+            centered = true;
+          }
+          const uint8_t* slot = page + p.code_at(-1 - at);
           row_levels(ck, slot + p.k_code, 0, codes.data(), lev);
           const float ks = half_at(slot + p.k_scale), kz = ck.zero_classes ? half_at(slot + p.k_zero) : 0.0f;
-          for (int d = 0; d < D; ++d) kt[d * group_cols + n] = lev[d] * ks + kz;
+          for (int d = 0; d < D; ++d) kt[d * group_cols + n] = lev[d] * ks + kz + (centered ? mean_rot[d] : 0.0f);
           row_levels(cv, slot + p.v_code, 0, codes.data(), vrow);
           const float vs = half_at(slot + p.v_scale), vz = cv.zero_classes ? half_at(slot + p.v_zero) : 0.0f;
           for (int d = 0; d < D; ++d) vrow[d] = vrow[d] * vs + vz;

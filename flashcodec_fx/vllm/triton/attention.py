@@ -4,9 +4,11 @@
 Grid ``(R, H_kv, q tiles)``: a program takes ``TQ`` of request ``r``'s tokens in this call and the ``G`` query heads
 of one KV head (GQA: rows ``(token, g)``, ``BM = max(16, TQ * pow2(G))`` rows), so every page is read once per KV
 head and q tile. It walks the request's history pages through its block-table row (positions below
-``seq_lens[r] - t``): a page's raw rows (``anchors``) as stored, its code slots decoded in registers
-(``level[code] * scale``, in the codec's rotated space: the keys' scores use ``q @ R_k^T`` once per program, the
-values' weighted sum stays rotated and is rotated back once at the end), then the call's own tokens exactly from
+``seq_lens[r] - t``): a page's raw rows that hold history tokens (``page.history_rows``: the first page's sinks, a
+later page's ring) as stored, its code slots holding the others decoded in registers (``level[code] * scale``, in
+the codec's rotated space: the keys' scores use ``q @ R_k^T`` once per program, plus ``q . m`` for centered keys,
+``m`` the mean of the page before's raw key rows; the values' weighted sum stays rotated and is rotated back once at
+the end), then the call's own tokens exactly from
 ``key`` / ``value`` (causal). One online softmax (base 2, fp32) over all of them, optional sink logits ``s_aux``.
 Every dot is fp32 ``ieee``; rows of one request's tokens beyond the tile, heads ``>= G``, are masked.
 
@@ -26,6 +28,7 @@ from ..reference import page_view
 from .common import (
     P_A,
     P_BS,
+    P_CENTER,
     P_D,
     P_DP,
     P_RAW,
@@ -116,12 +119,16 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
         acc = tl.zeros((BM, DP), tl.float32)
         acc_rot = tl.zeros((BM, DP), tl.float32)  # values' rotated space (VROT)
         dtype_ptr = tl.pointer_type(key.dtype.element_ty)
+        total = ctx + t  # positions stored by this call's store (page.history_rows)
+        jr = tl.arange(0, BNR)
         for pg in range(0, tl.cdiv(ctx, BS)):
             phys = tl.load(block_table + r.to(tl.int64) * sbt + pg).to(tl.int64)
             page = cache + phys * sc0 + h * sc1
+            held = tl.minimum(BS, ctx - pg * BS)  # history tokens in the page
+            ring_from = tl.maximum(tl.where(total - pg * BS >= BS, BS - A, held - A), 0)
             if A > 0:
-                jr = tl.arange(0, BNR)
-                ok = (jr < A) & (pg * BS + jr < ctx)
+                # the first page's sinks; a later page's ring, row j holding offset ring_from + ((j - ring_from) mod A)
+                ok = (jr < A) & tl.where(pg == 0, jr < held, ring_from + (jr - ring_from % A + A) % A < held)
                 row = (page + jr * RAW_ROW).to(dtype_ptr)
                 okd = ok[:, None] & dok
                 kr = tl.load(row[:, None] + d[None, :], mask=okd, other=0.0).to(tl.float32)
@@ -131,11 +138,16 @@ def _attention_kernel(query, sq0, sq1, key, sk0, sk1, value, sv0, sv1, out, so0,
                 acc += tl.dot(p, vr, input_precision="ieee")
             if not P[P_RAW]:
                 jc = tl.arange(0, BNC)
-                ok = (jc < BS - A) & (pg * BS + A + jc < ctx)
+                ok = (jc < BS - A) & (jc < tl.where(pg == 0, held - A, tl.minimum(ring_from, held)))
                 slot = page + A * RAW_ROW + jc * P[P_SLOT]
                 kc = slot_rows(slot, ok, levels_k, KS, P)
                 vc = slot_rows(slot, ok, levels_v, VS, P)
                 s = tl.dot(qk, tl.trans(kc), input_precision="ieee")
+                if P[P_CENTER]:  # + q . m, m the page before's raw key rows' mean (the first page: its own)
+                    before = tl.load(block_table + r.to(tl.int64) * sbt + tl.maximum(pg - 1, 0)).to(tl.int64)
+                    rows = (cache + before * sc0 + h * sc1 + jr * RAW_ROW).to(dtype_ptr)
+                    mk = tl.load(rows[:, None] + d[None, :], mask=(jr < A)[:, None] & dok, other=0.0).to(tl.float32)
+                    s += tl.sum(q * (tl.sum(mk, 0) / A)[None, :], 1)[:, None]
                 p, m, mass, acc, acc_rot = _update(s, row_ok[:, None] & ok[None, :], m, mass, acc, acc_rot)
                 if VROT:
                     acc_rot += tl.dot(p, vc, input_precision="ieee")

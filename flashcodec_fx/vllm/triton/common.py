@@ -17,7 +17,9 @@ MAX_HEAD_DIM = 128  # a (D, D) rotation and a tile's whole head_dim live in regi
 MAX_BLOCK_SIZE = 128  # a page's code slots are one tile
 LLOYD_KIND: tl.constexpr = tl.constexpr(LEVEL_KINDS["lloyd"])
 
-# Indices into the page tuple (``PageConsts.constexpr()``) and a stream's slot tuple (``SlotConsts``):
+# Indices into the page tuple (``PageConsts.constexpr()``) and a stream's slot tuple (``SlotConsts``), by field name:
+# tests/vllm/test_triton_kernels.py checks them against the dataclasses' fields; PageConsts reads the format's fields by
+# name (PageFormat.meta, page.PAGE_FIELDS).
 P_D: tl.constexpr = tl.constexpr(0)
 P_DP: tl.constexpr = tl.constexpr(1)
 P_BS: tl.constexpr = tl.constexpr(2)
@@ -25,6 +27,7 @@ P_A: tl.constexpr = tl.constexpr(3)
 P_RAW_ROW: tl.constexpr = tl.constexpr(4)
 P_SLOT: tl.constexpr = tl.constexpr(5)
 P_RAW: tl.constexpr = tl.constexpr(6)
+P_CENTER: tl.constexpr = tl.constexpr(7)
 S_BITS: tl.constexpr = tl.constexpr(0)
 S_KIND: tl.constexpr = tl.constexpr(1)
 S_SEARCH: tl.constexpr = tl.constexpr(2)
@@ -49,21 +52,24 @@ def check_paged_limits(fmt: PageFormat, block_size: int) -> None:
 
 @dataclass(frozen=True)
 class PageConsts:
-    """A page's layout in elements and bytes: ``head_dim``, its power-of-two tile, ``block_size``, raw rows ``a``,
-    bytes of a raw row and of a code slot, ``raw`` (every row raw)."""
+    """A page's layout in elements and bytes: head_dim ``d``, its power-of-two tile ``dp``, block size ``bs``, raw
+    rows ``a``, bytes of a raw row and of a code slot, ``raw`` (every row raw), ``center`` (keys coded minus a page
+    mean)."""
 
-    head_dim: int
+    d: int
     dp: int
-    block_size: int
+    bs: int
     a: int
     raw_row: int
     slot: int
     raw: bool
+    center: bool
 
     @classmethod
     def of(cls, fmt: PageFormat, block_size: int) -> PageConsts:
+        meta = fmt.meta()
         return cls(fmt.head_dim, pow2(fmt.head_dim, 16), block_size, fmt.raw_rows(block_size), fmt.raw_row_bytes,
-                   fmt.code_slot_bytes, fmt.raw)
+                   meta["slot"] if not fmt.raw else fmt.raw_row_bytes, bool(meta["raw"]), bool(meta["center"]))
 
     def constexpr(self) -> tuple:
         return astuple(self)

@@ -1,11 +1,12 @@
-"""The store on CUDA: new tokens into their page slots through ``slot_mapping`` (spec: ``reference.store_reference``).
+"""The store on CUDA: new tokens into their pages as the store plan says (spec: ``reference.store_reference``).
 
-Grid ``(cdiv(N, BT), H_kv)``: a program takes ``BT`` tokens of one KV head. A token whose slot offset is below the
-page's raw rows is copied raw (K then V, bitwise); the others are encoded into their code slot: rotated
-(``x @ R^T``, an fp32 ``ieee`` dot), then the quantizer of ``ops.triton.append`` (base scale, the clipping search
-with fp16 scales rounded up, nearest level), the fp16 scale and the packed codes written into the slot's bytes.
-Negative slots (padding) write nothing. The sums run in another order than torch's, so a code may land one level
-apart at a rounding tie and the search may pick another factor where two errors tie (tests bound both).
+Two launches of grid ``(cdiv(N, BT), H_kv)``, a program taking ``BT`` tokens of one KV head (the plan,
+``page.store_plan``, says where each goes): first the raw rows (K then V, bitwise), then the code slots, whose keys
+are centered on the mean of raw key rows the first launch may have written (rows added in order, as the reference):
+rotated (``x @ R^T``, an fp32 ``ieee`` dot), then the quantizer of ``ops.triton.append`` (base scale, the clipping
+search with fp16 scales rounded up, nearest level), the fp16 scale and the packed codes written into the slot's
+bytes. The sums run in another order than torch's, so a code may land one level apart at a rounding tie and the
+search may pick another factor where two errors tie (tests bound both).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import triton
 import triton.language as tl
 
 from ...ops.triton.append import _base, _nearest, _search
-from ..page import PageFormat
+from ..page import PageFormat, StorePlan
 from ..reference import page_view
 from .common import (
     P_A,
     P_BS,
+    P_CENTER,
     P_D,
     P_DP,
-    P_RAW,
     P_RAW_ROW,
     P_SLOT,
     S_BITS,
@@ -82,10 +83,11 @@ def _store_slice(base, code, row_ok, BITS: tl.constexpr, WIDTH: tl.constexpr, D:
 
 
 @triton.jit
-def _store_kernel(key, value, sk0, sk1, sv0, sv1, slots, n_tokens, cache, sc0, sc1,
+def _store_kernel(key, value, sk0, sk1, sv0, sv1, slots, raw_rows, code_slots, mean_blocks, n_tokens, cache, sc0, sc1,
                   rot_k, levels_k, factors_k, rot_v, levels_v, factors_v,
                   P: tl.constexpr, KF: tl.constexpr, KS: tl.constexpr, VF: tl.constexpr, VS: tl.constexpr,
-                  BT: tl.constexpr):
+                  BT: tl.constexpr, CODES: tl.constexpr):
+    """The raw rows of ``BT`` tokens of one head (``CODES`` False), or their code slots (True)."""
     D: tl.constexpr = P[P_D]
     DP: tl.constexpr = P[P_DP]
     BS: tl.constexpr = P[P_BS]
@@ -94,30 +96,36 @@ def _store_kernel(key, value, sk0, sk1, sv0, sv1, slots, n_tokens, cache, sc0, s
     n = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, DP)
-    slot = tl.load(slots + n, mask=n < n_tokens, other=-1).to(tl.int64)
-    valid = slot >= 0
-    blk = tl.where(valid, slot, 0) // BS
-    off = tl.where(valid, slot, 0) % BS
-    page = cache + blk * sc0 + h * sc1  # byte pointers (BT,)
+    inside = n < n_tokens
+    slot = tl.load(slots + n, mask=inside, other=-1).to(tl.int64)
+    target = tl.load((code_slots if CODES else raw_rows) + n, mask=inside, other=-1)
+    valid = (slot >= 0) & (target >= 0)
+    page = cache + tl.where(valid, slot, 0) // BS * sc0 + h * sc1  # byte pointers (BT,)
     okd = valid[:, None] & (d[None, :] < D)
     k = tl.load(key + n[:, None] * sk0 + h * sk1 + d[None, :], mask=okd, other=0.0)
     v = tl.load(value + n[:, None] * sv0 + h * sv1 + d[None, :], mask=okd, other=0.0)
-    raw = valid & (off < A)
-    if A > 0:  # raw rows: K then V in the model's dtype, bitwise
-        row = (page + off * RAW_ROW).to(tl.pointer_type(key.dtype.element_ty))
-        mask = raw[:, None] & (d[None, :] < D)
-        tl.store(row[:, None] + d[None, :], k, mask=mask)
-        tl.store(row[:, None] + D + d[None, :], v, mask=mask)
-    if not P[P_RAW]:
-        coded = valid & (off >= A)
-        slot_ptr = page + A * RAW_ROW + (off - A) * P[P_SLOT]
-        _encode_slots(k.to(tl.float32), coded, slot_ptr, rot_k, levels_k, factors_k, KF, KS, P)
-        _encode_slots(v.to(tl.float32), coded, slot_ptr, rot_v, levels_v, factors_v, VF, VS, P)
+    if not CODES:  # raw rows: K then V in the model's dtype, bitwise
+        row = (page + tl.where(valid, target, 0) * RAW_ROW).to(tl.pointer_type(key.dtype.element_ty))
+        tl.store(row[:, None] + d[None, :], k, mask=okd)
+        tl.store(row[:, None] + D + d[None, :], v, mask=okd)
+    else:
+        kf = k.to(tl.float32)
+        if P[P_CENTER]:  # minus the mean of the mean block's raw key rows, added in order
+            block = tl.load(mean_blocks + n, mask=inside, other=0).to(tl.int64)
+            rows = (cache + tl.where(valid, block, 0) * sc0 + h * sc1).to(tl.pointer_type(key.dtype.element_ty))
+            total = tl.load(rows[:, None] + d[None, :], mask=okd, other=0.0).to(tl.float32)
+            for j in tl.static_range(1, A):
+                total += tl.load(rows[:, None] + j * 2 * D + d[None, :], mask=okd, other=0.0).to(tl.float32)
+            kf = kf - total / A
+        slot_ptr = page + A * RAW_ROW + tl.where(valid, target, 0) * P[P_SLOT]
+        _encode_slots(kf, valid, slot_ptr, rot_k, levels_k, factors_k, KF, KS, P)
+        _encode_slots(v.to(tl.float32), valid, slot_ptr, rot_v, levels_v, factors_v, VF, VS, P)
 
 
 def store_launch(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Validate, then launch (the caller, ``kernels.paged_store``, checked shapes and dtypes)."""
+                 slot_mapping: torch.Tensor, plan: StorePlan) -> None:
+    """Validate, then launch the raw rows, then the code slots (the caller, ``kernels.paged_store``, checked shapes
+    and dtypes and made the plan)."""
     page_view(cache)
     check_paged_limits(fmt, cache.shape[2])
     if key.stride(2) != 1 or value.stride(2) != 1:
@@ -127,13 +135,18 @@ def store_launch(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache:
         return
     (kf, ks, kt), (vf, vs, vt) = stream_args(fmt, cache.device)
     grid = (triton.cdiv(n, STORE_TOKENS), heads)
-    _store_kernel[grid](key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                        slot_mapping.to(torch.int64).contiguous(), n, cache, cache.stride(0), cache.stride(1),
-                        *kt, *vt, P=PageConsts.of(fmt, cache.shape[2]).constexpr(), KF=kf, KS=ks, VF=vf, VS=vs,
-                        BT=STORE_TOKENS, num_warps=4)
+    args = (key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            slot_mapping.to(torch.int64).contiguous(), *(x.contiguous() for x in plan), n, cache, cache.stride(0),
+            cache.stride(1), *kt, *vt)
+    consts = {"P": PageConsts.of(fmt, cache.shape[2]).constexpr(), "KF": kf, "KS": ks, "VF": vf, "VS": vs,
+              "BT": STORE_TOKENS, "num_warps": 4}
+    _store_kernel[grid](*args, CODES=False, **consts)
+    if not fmt.raw:
+        _store_kernel[grid](*args, CODES=True, **consts)
 
 
 def triton_paged_store(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """``store_reference``'s twin on the device (CPU tensors under ``TRITON_INTERPRET=1``)."""
-    store_launch(fmt, key, value, cache, slot_mapping)
+                       slot_mapping: torch.Tensor, plan: StorePlan) -> None:
+    """``store_reference``'s twin on the device (CPU tensors under ``TRITON_INTERPRET=1``), ``plan`` its
+    ``page.store_plan``."""
+    store_launch(fmt, key, value, cache, slot_mapping, plan)
