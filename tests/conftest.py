@@ -16,6 +16,32 @@ import pytest
 import torch
 
 FAMILIES = ("llama", "qwen3", "mistral", "hybrid", "gemma3")
+
+SLOW = (
+    # Triton kernels on the CPU interpreter (tests/ops/test_triton_gate.py runs them in the quick subset)
+    "tests/ops/test_triton_raw_rows.py", "tests/ops/test_triton_append.py", "tests/ops/test_triton_read.py",
+    "tests/ops/test_triton_long.py", "tests/ops/test_triton_attention.py", "tests/ops/test_triton_blocks.py",
+    "tests/ops/test_normalize.py::test_triton_kernels_follow_the_reference", "tests/vllm/test_triton_kernels.py",
+    # torch.compile (tests/passes/test_match_variants.py and test_new_codec_compiled.py stay)
+    "tests/passes/test_compile_presets.py", "tests/passes/test_hf_compile.py", "tests/passes/test_compiled_toy.py",
+    "tests/passes/test_wrapper_warning.py", "tests/passes/test_backend_registry.py::test_entry_point_loads_without_import",
+    "tests/hf/test_hf_view_exact.py::test_a_compiled_update_returns_the_same_views",
+    "tests/demo/test_side_by_side.py::test_compiled_turn_decodes_the_same_tokens_as_eager",
+    # fuzzing, real models, long runs, many generate() calls, fresh interpreters
+    "tests/hf/test_cache_contract_fuzz.py", "tests/hf/test_hf_lossless_real.py", "tests/hf/test_hf_assisted.py",
+    "tests/hf/test_hf_long_run.py", "tests/demo/test_app.py::test_out_of_memory_is_a_message_in_the_page",
+    "tests/test_lazy_imports.py",
+)
+"""Tests marked ``slow`` (node-id prefixes: a module, a test, or one case): about 80% of the full suite's CPU time, left
+out of the quick subset ``-m "not slow"`` (docs/testing.md, with the timings that chose them). Every test folder keeps
+quick tests (tests/test_quick_subset.py checks that, and that each entry names a test that exists)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`SLOW` ``slow``."""
+    for item in items:
+        if any(item.nodeid == entry or item.nodeid.startswith((f"{entry}::", f"{entry}[")) for entry in SLOW):
+            item.add_marker(pytest.mark.slow)
 VOCAB = 256
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
