@@ -181,7 +181,7 @@ def test_the_checks_can_fail(tmp_path):
     doc = tmp_path / "bad.md"
     doc.write_text("See `passes/lowering.py`'s `codec_attention_fused`, `tests/test_lowering.py`, [x](nowhere.md), "
                    "`flashcodec_fx.hf.attention.StepStatus`, `fx.NoSuchThing`, `torch.ops.flashcodec.lower`, "
-                   "FLASHCODEC_LOWER and `StepStatusRecord`; `hf/cache.py`'s `no_such_function`.")
+                   "FLASHCODEC_LOWER and `StepStatusRecord`; `hf/layer.py`'s `no_such_function`.")
     assert {name for name, _ in file_names(doc)} >= {"passes/lowering.py", "tests/test_lowering.py"}
     assert not matching_files("passes/lowering.py") and not matching_files("tests/test_lowering.py")
     assert [m.group(1) for m in LINK.finditer(doc.read_text())] == ["nowhere.md"]
@@ -189,7 +189,7 @@ def test_the_checks_can_fail(tmp_path):
                                          "torch.ops.flashcodec.lower"))
     assert resolves("fx.FlashCodecCache") and resolves("flashcodec_fx.hf.handoff.StepTable")
     assert not re.search(r"\bFLASHCODEC_LOWER\b", code_text()) and not re.search(r"\bStepStatusRecord\b", code_text())
-    assert not defines("flashcodec_fx/hf/cache.py", "no_such_function") and defines("flashcodec_fx/hf/cache.py",
+    assert not defines("flashcodec_fx/hf/layer.py", "no_such_function") and defines("flashcodec_fx/hf/layer.py",
                                                                                    "fall_back_to_view")
     for check, named in ((test_named_files_exist, "lowering.py"),
                          (test_named_functions_are_defined_in_their_files, "no_such_function"),

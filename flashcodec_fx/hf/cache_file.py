@@ -28,7 +28,9 @@ from ..persist.lossless import DTYPES, check_method
 from ..persist.stream_io import export_stream, install_state, prepare_state
 from ..provenance import version
 from .attention import NAMES
-from .cache import FlashCodecCache, FlashCodecLayer, FlashCodecSlidingLayer
+from .flash_codec_cache import FlashCodecCache
+from .layer import FlashCodecLayer
+from .sliding_layer import FlashCodecSlidingLayer
 
 RUNTIME_CONFIG_FIELDS = frozenset({
     "transformers_version", "dtype", "torch_dtype", "use_cache", "output_attentions", "output_hidden_states",

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from ..persist.fork import fork
-from .cache import FlashCodecCache, FlashCodecLayer
+from .flash_codec_cache import FlashCodecCache
+from .layer import FlashCodecLayer
 
 
 def fork_cache(cache: FlashCodecCache) -> FlashCodecCache:

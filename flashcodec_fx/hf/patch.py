@@ -20,8 +20,9 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache, warn_untested_transformers
 from .attention import apply_codec_attention, remove_codec_attention
-from .cache import CACHE_SWITCHES, FlashCodecCache, resolve_codecs
 from .compile import check_compile, forget_compiled_call, install_compile_config
+from .flash_codec_cache import FlashCodecCache
+from .options import CACHE_SWITCHES, resolve_codecs
 
 METHOD = PREPARE_CACHE_METHOD
 REPLACED = (None, "dynamic", "static", "offloaded", "offloaded_static")  # cache_implementation values the codec serves

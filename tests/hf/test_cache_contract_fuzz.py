@@ -57,7 +57,7 @@ from flashcodec_fx import CodecOverflowError  # noqa: E402
 from flashcodec_fx.codecs import Codec  # noqa: E402
 from flashcodec_fx.hf import FlashCodecLayer  # noqa: E402
 from flashcodec_fx.hf.attention import MaterializationFreeFallback, flashcodec_attention_forward  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 from flashcodec_fx.raw_prefix import prefix_length  # noqa: E402
 
 H, D, GQA = 2, 16, 2  # kv heads, head dim (a power of two: the rotation is a Walsh-Hadamard transform), q heads per kv

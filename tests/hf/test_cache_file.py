@@ -16,7 +16,7 @@ from conftest import cache_kwargs, fresh_tiny_model, tiny_config, tiny_prompt  #
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf import apply_codec_attention, cache_file  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 from flashcodec_fx.presets import PRESETS  # noqa: E402
 
 COMPRESSIONS = ("raw", "zstd", "ppmd")

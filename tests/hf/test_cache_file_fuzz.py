@@ -17,7 +17,7 @@ from cache_state import same, snapshot  # noqa: E402
 from conftest import tiny_config  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 from flashcodec_fx.presets import PRESETS  # noqa: E402
 
 caches = st.fixed_dictionaries({

@@ -29,7 +29,7 @@ from conftest import (  # noqa: E402
 )
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf.cache import crop_count  # noqa: E402
+from flashcodec_fx.hf.options import crop_count  # noqa: E402
 
 NEW = 20
 PROMPT = 40  # past every preset's sinks and most windows: drafts are verified against archived codes

@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWin
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.codecs import JPEGCodec, PNGCodec  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 
 
 @pytest.mark.parametrize(("options", "message"), [

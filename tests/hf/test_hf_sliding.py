@@ -12,7 +12,7 @@ from conftest import cache_kwargs, fresh_tiny_model, output_cache, tiny_prompt  
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.cache import CodecStream  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 
 WINDOW = 12  # conftest's tiny gemma3
 LOSSY = dict(key_options={"mode": "jpeg", "block_size": 8, "quant_bits": 4, "scale_axis": "channel", "group": 8},

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from conftest import fresh_tiny_model, output_cache, tiny_prompt  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecLayer  # noqa: E402
+from flashcodec_fx.hf.layer import FlashCodecLayer  # noqa: E402
 
 NEW = 40
 

@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 from conftest import tiny_config  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
-from flashcodec_fx.hf.cache import FlashCodecLayer, FlashCodecSlidingLayer  # noqa: E402
+from flashcodec_fx.hf.layer import FlashCodecLayer  # noqa: E402
+from flashcodec_fx.hf.sliding_layer import FlashCodecSlidingLayer  # noqa: E402
 
 CALLS = (40, 16, 1, 16, 3, 1, 9)  # a prompt, then chunks longer and shorter than every preset's window
 CAPACITY = 128
