@@ -1,10 +1,12 @@
-"""The README's measured tables, regenerated from the committed results (benchmarks/results/*.json).
+"""The measured tables of README.md and docs/results.md, regenerated from the committed results
+(benchmarks/results/*.json).
 
-    python benchmarks/readme_tables.py            # rewrite every table of README.md from the JSON
-    python benchmarks/readme_tables.py --check    # exit 1 (and show what differs) when README.md and the JSON disagree
+    python benchmarks/readme_tables.py            # rewrite every table of both documents from the JSON
+    python benchmarks/readme_tables.py --check    # exit 1 (and show what differs) when a document and the JSON disagree
 
-Each table sits in README.md between ``<!-- table: NAME -->`` and ``<!-- /table -->``; ``TABLES`` says which JSON
-makes it and how. Under each table one line names the JSON, the commit it was measured at, its date and the load
+Each table sits in one of :data:`DOCUMENTS` between ``<!-- table: NAME -->`` and ``<!-- /table -->`` (every name of
+``TABLES`` exactly once over both); ``TABLES`` says which JSON makes it and how. Links are written relative to the
+document's folder. Under each table one line names the JSON, the commit it was measured at, its date and the load
 average, all read from the JSON. KL cells never show rounding noise as a number: negative values are clamped to 0,
 and a value within its recorded fp32 noise floor prints as ``< floor``. tests/benchmarks/test_readme_tables.py fails
 when the README and the JSON disagree.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -24,6 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
+DOCUMENTS = (README, HERE.parent / "docs" / "results.md")
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 MIB = 1 << 20
 
@@ -407,30 +411,47 @@ TABLES: dict[str, Callable[[], str]] = {
 }
 
 
-def regenerate(text: str) -> str:
-    """``text`` with every table block rendered anew; ValueError for an unknown or missing table."""
+def regenerate(text: str, document: Path = README) -> str:
+    """``text`` (the contents of ``document``) with every table block rendered anew, its links relative to the
+    document's folder; ValueError for an unknown or repeated table."""
     found = [m.group("name") for m in BLOCK.finditer(text)]
-    unknown, missing = sorted(set(found) - set(TABLES)), sorted(set(TABLES) - set(found))
-    if unknown or missing or len(found) != len(set(found)):
-        raise ValueError(f"README table blocks: unknown {unknown}, missing {missing}, found {found}")
-    return BLOCK.sub(lambda m: m.group(1) + TABLES[m.group("name")]() + "\n" + m.group(4), text)
+    unknown = sorted(set(found) - set(TABLES))
+    if unknown or len(found) != len(set(found)):
+        raise ValueError(f"{document.name} table blocks: unknown {unknown}, found {found}")
+    up = Path(os.path.relpath(HERE.parent, document.parent)).as_posix()
+    relative = (lambda table: table) if up == "." else (lambda table: table.replace("](benchmarks/", f"]({up}/benchmarks/"))
+    return BLOCK.sub(lambda m: m.group(1) + relative(TABLES[m.group("name")]()) + "\n" + m.group(4), text)
+
+
+def check_complete(texts: dict[Path, str]) -> None:
+    """ValueError unless every table of ``TABLES`` sits in exactly one of the documents ``texts``."""
+    found = [m.group("name") for text in texts.values() for m in BLOCK.finditer(text)]
+    missing, repeated = sorted(set(TABLES) - set(found)), sorted({n for n in found if found.count(n) > 1})
+    if missing or repeated:
+        raise ValueError(f"table blocks: missing {missing}, in more than one place {repeated}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare only; exit 1 when README.md is out of date")
-    parser.add_argument("--readme", type=Path, default=README, help="the README to update (default: the repository's)")
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 when a document is out of date")
+    parser.add_argument("--document", type=Path, action="append",
+                        help="a document to update or check (repeatable; default: README.md and docs/results.md, "
+                             "which must hold every table between them)")
     args = parser.parse_args(argv)
-    text = args.readme.read_text()
-    fresh = regenerate(text)
-    if not args.check:
-        args.readme.write_text(fresh)
-        return 0
-    if fresh != text:
-        sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), fresh.splitlines(True), "README.md",
-                                                   "README.md from benchmarks/results"))
-        return 1
-    return 0
+    documents = args.document or list(DOCUMENTS)
+    texts = {path: path.read_text() for path in documents}
+    if args.document is None:
+        check_complete(texts)
+    stale = 0
+    for path, text in texts.items():
+        fresh = regenerate(text, path)
+        if not args.check:
+            path.write_text(fresh)
+        elif fresh != text:
+            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), fresh.splitlines(True), path.name,
+                                                       f"{path.name} from benchmarks/results"))
+            stale = 1
+    return stale
 
 
 if __name__ == "__main__":

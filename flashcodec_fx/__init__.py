@@ -22,6 +22,7 @@ _LAZY = {  # public name -> the module that defines it (relative to this package
     **dict.fromkeys(("CacheConfig", "LayerConfig", "StreamConfig", "cache_config"), ".config"),
     **dict.fromkeys(("DEFAULT_PRESET", "PRESETS"), ".presets"),
     "UntestedTransformersWarning": "._compat",
+    **dict.fromkeys(("load_pretrained", "model_folder"), ".pretrained"),  # the bundled models, offline
     # the compile pass (imports Dynamo)
     **dict.fromkeys(("CompiledGenerateWarning", "backend", "compile_model"), ".passes"),
     # the transformers integration (optional dependency)
@@ -32,8 +33,8 @@ _SUBMODULES = ("ops",)  # public subpackages also reachable as attributes withou
 
 __all__ = [
     "DEFAULT_PRESET", "PRESETS", "CacheConfig", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream",
-    "JPEGCodec", "LayerConfig", "PNGCodec", "StreamConfig", "cache_config", "codec_decode_attention", "make_codec", "ops",
-    "UntestedTransformersWarning", "register_codec", "__version__",
+    "JPEGCodec", "LayerConfig", "PNGCodec", "StreamConfig", "cache_config", "codec_decode_attention", "load_pretrained",
+    "make_codec", "model_folder", "ops", "UntestedTransformersWarning", "register_codec", "__version__",
 ]
 
 

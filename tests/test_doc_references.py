@@ -5,7 +5,8 @@ variables, classes.
   spelled out from the repository root (``tests/hf/...``) is a file of the repository: a path relative to the
   package, or a bare file name, names some file ending so; ``file.py::name`` and ``file.py``'s ``name`` define
   ``name`` there;
-- a relative markdown link ``[text](path#anchor)`` resolves from the document's folder;
+- a relative markdown link ``[text](path#anchor)`` resolves from the document's folder, and its anchor (also a
+  same-page ``(#anchor)``) is the GitHub slug of a heading of the markdown file it names;
 - ``flashcodec_fx.a.b`` / ``fx.b`` resolve by import and ``getattr``; ``torch.ops.flashcodec.x`` is a defined op;
 - a ``FLASHCODEC_*`` variable is read somewhere in the code;
 - a CamelCase name in backticks is defined or imported somewhere in the code (``EXTERNAL``: the few named only in
@@ -105,15 +106,30 @@ def test_named_functions_are_defined_in_their_files(path):
     assert not wrong, f"{doc_id(path)} places names in files that do not define them: {wrong}"
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@functools.cache
+def anchors(path: Path) -> frozenset[str]:
+    """The anchors of markdown file ``path``'s headings (outside code fences)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return frozenset(slug(m.group(1)) for m in re.finditer(r"^#{1,6} +(.+?) *$", text, re.M))
+
+
 @pytest.mark.parametrize("path", DOCS, ids=doc_id)
 def test_relative_links_resolve(path):
     broken = []
     for match in LINK.finditer(path.read_text()):
-        target = (match.group(1) or match.group(2)).split("#", 1)[0]
-        if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target):  # an anchor of this page, or a URL
+        target, _, anchor = (match.group(1) or match.group(2)).partition("#")
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # a URL
             continue
-        if not (path.parent / target).exists():
+        linked = path.parent / target if target else path
+        if not linked.exists():
             broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target}#{anchor}")
     assert not broken, f"{doc_id(path)} links to paths that do not exist: {broken}"
 
 
@@ -181,10 +197,12 @@ def test_the_checks_can_fail(tmp_path):
     doc = tmp_path / "bad.md"
     doc.write_text("See `passes/lowering.py`'s `codec_attention_fused`, `tests/test_lowering.py`, [x](nowhere.md), "
                    "`flashcodec_fx.hf.attention.StepStatus`, `fx.NoSuchThing`, `torch.ops.flashcodec.lower`, "
-                   "FLASHCODEC_LOWER and `StepStatusRecord`; `hf/layer.py`'s `no_such_function`.")
+                   "FLASHCODEC_LOWER and `StepStatusRecord`; `hf/layer.py`'s `no_such_function`; [y](#no-such-heading).\n\n"
+                   "# A heading")
     assert {name for name, _ in file_names(doc)} >= {"passes/lowering.py", "tests/test_lowering.py"}
     assert not matching_files("passes/lowering.py") and not matching_files("tests/test_lowering.py")
-    assert [m.group(1) for m in LINK.finditer(doc.read_text())] == ["nowhere.md"]
+    assert [m.group(1) for m in LINK.finditer(doc.read_text())] == ["nowhere.md", "#no-such-heading"]
+    assert anchors(doc) == {"a-heading"} and slug("Install (CUDA): wired, `not` run") == "install-cuda-wired-not-run"
     assert not any(resolves(d) for d in ("flashcodec_fx.hf.attention.StepStatus", "fx.NoSuchThing",
                                          "torch.ops.flashcodec.lower"))
     assert resolves("fx.FlashCodecCache") and resolves("flashcodec_fx.hf.handoff.StepTable")
@@ -193,7 +211,8 @@ def test_the_checks_can_fail(tmp_path):
                                                                                    "fall_back_to_view")
     for check, named in ((test_named_files_exist, "lowering.py"),
                          (test_named_functions_are_defined_in_their_files, "no_such_function"),
-                         (test_relative_links_resolve, "nowhere.md"), (test_named_symbols_resolve, "StepStatus"),
+                         (test_relative_links_resolve, "nowhere.md"), (test_relative_links_resolve, "no-such-heading"),
+                         (test_named_symbols_resolve, "StepStatus"),
                          (test_named_environment_variables_are_read, "FLASHCODEC_LOWER"),
                          (test_named_classes_exist, "StepStatusRecord")):
         with pytest.raises(AssertionError, match=named):

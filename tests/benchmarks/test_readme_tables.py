@@ -1,4 +1,5 @@
-"""README.md's measured tables are what benchmarks/readme_tables.py renders from benchmarks/results/*.json."""
+"""The measured tables of README.md and docs/results.md are what benchmarks/readme_tables.py renders from
+benchmarks/results/*.json."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import readme_tables
 pytest.importorskip("transformers")
 
 
+def texts() -> dict:
+    return {path: path.read_text() for path in readme_tables.DOCUMENTS}
+
+
 def test_readme_tables_match_the_committed_json():
-    text = readme_tables.README.read_text()
-    assert readme_tables.regenerate(text) == text, "README is out of date: run python benchmarks/readme_tables.py"
+    for path, text in texts().items():
+        assert readme_tables.regenerate(text, path) == text, f"{path.name} is out of date: run benchmarks/readme_tables.py"
     assert readme_tables.main(["--check"]) == 0
 
 
 def test_every_table_names_a_json_that_records_its_commit():
-    text = readme_tables.README.read_text()
-    for match in readme_tables.BLOCK.finditer(text):
-        named = re.findall(r"\[([\w-]+)\.json\]\(benchmarks/results/", match.group("body"))
+    for match in (m for text in texts().values() for m in readme_tables.BLOCK.finditer(text)):
+        named = re.findall(r"\[([\w-]+)\.json\]\((?:\.\./)?benchmarks/results/", match.group("body"))
         assert named, match.group("name")
         for name in named:
             result = json.loads((readme_tables.RESULTS / f"{name}.json").read_text())
@@ -42,8 +46,7 @@ def kl_cells(block: str) -> list[str]:
 
 
 def test_no_kl_cell_is_negative_or_a_bare_approximation():
-    text = readme_tables.README.read_text()
-    cells = [c for m in readme_tables.BLOCK.finditer(text) for c in kl_cells(m.group("body"))]
+    cells = [c for text in texts().values() for m in readme_tables.BLOCK.finditer(text) for c in kl_cells(m.group("body"))]
     assert cells
     for cell in cells:
         assert cell == "0" or re.fullmatch(r"< \de[+-]\d\d", cell) or (re.fullmatch(r"\d\.\d\de[+-]\d\d", cell)
@@ -59,20 +62,35 @@ def test_kl_cell(row, cell):
     assert readme_tables.kl_cell(row) == cell
 
 
-def test_table_blocks_must_all_be_there_and_known():
-    text = readme_tables.README.read_text()
+def test_table_blocks_must_all_be_there_once_and_known():
+    docs = texts()
+    readme_tables.check_complete(docs)
+    results = readme_tables.DOCUMENTS[1]
     with pytest.raises(ValueError, match=r"missing \['e2e'\]"):
-        readme_tables.regenerate(text.replace("<!-- table: e2e -->", "<!-- e2e -->"))
+        readme_tables.check_complete({**docs, results: docs[results].replace("<!-- table: e2e -->", "<!-- e2e -->")})
+    with pytest.raises(ValueError, match=r"in more than one place \['presets'\]"):
+        readme_tables.check_complete({**docs, results: docs[results] + docs[readme_tables.README]})
     with pytest.raises(ValueError, match=r"unknown \['nope'\]"):
-        readme_tables.regenerate(text + "\n<!-- table: nope -->\n<!-- /table -->\n")
+        readme_tables.regenerate(docs[results] + "\n<!-- table: nope -->\n<!-- /table -->\n", results)
 
 
-def test_check_reports_a_stale_readme(tmp_path, capsys):
-    stale = tmp_path / "README.md"
-    stale.write_text(readme_tables.README.read_text().replace("| SDPA, raw fp32 K/V | - |", "| SDPA, raw fp32 K/V | x |"))
-    assert readme_tables.main(["--check", "--readme", str(stale)]) == 1
+def test_links_are_relative_to_the_document():
+    readme, results = readme_tables.DOCUMENTS
+    assert "](../benchmarks/results/" in results.read_text() and "](../benchmarks/results/" not in readme.read_text()
+    block = "<!-- table: presets -->\n<!-- /table -->\n"
+    assert "](benchmarks/results/ppl.json)" in readme_tables.regenerate(block, readme)
+    assert "](../benchmarks/results/ppl.json)" in readme_tables.regenerate(block, results)
+
+
+def test_check_reports_a_stale_document(tmp_path, capsys):
+    stale = tmp_path / "results.md"
+    text = readme_tables.DOCUMENTS[1].read_text()
+    assert "| SDPA, raw fp32 K/V | - |" in text
+    stale.write_text(text.replace("| SDPA, raw fp32 K/V | - |", "| SDPA, raw fp32 K/V | x |"))
+    assert readme_tables.main(["--check", "--document", str(stale)]) == 1
     assert "| SDPA, raw fp32 K/V | x |" in capsys.readouterr().out
-    assert readme_tables.main(["--readme", str(stale)]) == 0 and readme_tables.main(["--check", "--readme", str(stale)]) == 0
+    assert readme_tables.main(["--document", str(stale)]) == 0
+    assert readme_tables.main(["--check", "--document", str(stale)]) == 0
 
 
 
