@@ -9,7 +9,8 @@ call, history)``, their pages scattered over one cache. Per call and configurati
 (each round runs every configuration once), medians of the process's CPU time (steadier than wall time on a shared
 machine; both are kept):
 
-- ``store``: this call's K and V into the pages (``kernels.paged_store``; stock: ``cpu_attn_reshape_and_cache``);
+- ``store``: this call's K and V into the pages (``kernels.paged_store``, both phases: before attention and the
+  rings after it; stock: ``cpu_attn_reshape_and_cache``);
 - ``attention``: the call's queries over history and own tokens (``kernels.paged_attention``; stock:
   ``cpu_attention_with_kv_cache`` with the metadata its builder makes: ``cpu_attn_get_scheduler_metadata``);
 - ``sdpa`` (attention only): torch's SDPA on the raw K/V of each request, masked where the request has history
@@ -33,7 +34,7 @@ from common import write_result
 
 from flashcodec_fx.vllm import kernels
 from flashcodec_fx.vllm.config import VLLM_PRESETS
-from flashcodec_fx.vllm.page import page_format
+from flashcodec_fx.vllm.page import PHASES, PageFormat, page_format, store_plan
 
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 128  # SmolLM2-135M's layer, vLLM's CPU page size
 SCALE = HEAD_DIM**-0.5
@@ -85,6 +86,8 @@ class Call:
         self.hist_k = torch.cat([k[:c] for k, (_, c) in zip(self.keys, requests, strict=True)])
         self.hist_v = torch.cat([v[:c] for v, (_, c) in zip(self.values, requests, strict=True)])
         self.hist_slots = torch.cat([s[:c] for s, (_, c) in zip(slots, requests, strict=True)])
+        self.hist_starts = torch.tensor([0] + [sum(c for _, c in requests[: r + 1]) for r in range(len(requests))],
+                                        dtype=torch.int32)
         self.key = torch.cat([k[c:] for k, (_, c) in zip(self.keys, requests, strict=True)])
         self.value = torch.cat([v[c:] for v, (_, c) in zip(self.values, requests, strict=True)])
         self.slots = torch.cat([s[c:] for s, (_, c) in zip(slots, requests, strict=True)])
@@ -97,19 +100,38 @@ class Call:
         self.max_query_len = max(t for t, _ in requests)
 
 
-def plugin_paths(call: Call, preset: str) -> dict[str, Any]:
-    """``{"store": fn, "attention": fn}`` of a preset on a cache holding the call's history."""
-    fmt = page_format(preset, LAYER, HEAD_DIM, torch.float32)
+def filled_pages(call: Call, fmt: PageFormat) -> torch.Tensor:
+    """Pages of ``fmt`` holding the call's history as earlier steps left them and its own tokens as the store
+    before attention leaves them."""
     cache = torch.zeros(call.num_blocks, HEADS, BLOCK, fmt.state_content_bytes(BLOCK), dtype=torch.uint8)
-    kernels.paged_store(fmt, call.hist_k, call.hist_v, cache, call.hist_slots)
+    history = (call.block_table, call.seq_lens - (call.query_start_loc[1:] - call.query_start_loc[:-1]),
+               call.hist_starts)
+    for phase in PHASES:
+        kernels.paged_store(fmt, call.hist_k, call.hist_v, cache, call.hist_slots, *history, phase)
+    kernels.paged_store(fmt, call.key, call.value, cache, call.slots, call.block_table, call.seq_lens,
+                        call.query_start_loc, "store")
+    return cache
+
+
+def plugin_paths(call: Call, preset: str) -> dict[str, Any]:
+    """``{"store": fn, "attention": fn}`` of a preset on a cache holding the call's history. ``store``: both phases
+    of the call's store (before attention, and the rings after it) with their plans made once (vLLM's impl makes them
+    once per step for every layer)."""
+    fmt = page_format(preset, LAYER, HEAD_DIM, torch.float32)
+    cache = filled_pages(call, fmt)
+    meta = (call.block_table, call.seq_lens, call.query_start_loc)
+    plans = {phase: store_plan(fmt, BLOCK, call.slots, *meta, phase) for phase in PHASES}
     out = torch.empty_like(call.query)
+
+    def store() -> None:
+        for phase in PHASES:
+            kernels.paged_store(fmt, call.key, call.value, cache, call.slots, *meta, phase, plans[phase])
 
     def attention() -> None:
         kernels.paged_attention(fmt, call.query, call.key, call.value, cache, call.block_table, call.seq_lens,
                                 call.query_start_loc, SCALE, None, out, call.max_query_len)
 
-    kernels.paged_store(fmt, call.key, call.value, cache, call.slots)
-    return {"store": lambda: kernels.paged_store(fmt, call.key, call.value, cache, call.slots), "attention": attention}
+    return {"store": store, "attention": attention}
 
 
 def stock_paths(call: Call, ops: Any) -> dict[str, Any]:

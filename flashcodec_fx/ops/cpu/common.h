@@ -254,13 +254,24 @@ inline void from_float(const float* src, at::ScalarType t, void* dst, int n) {
 // --- codes ----------------------------------------------------------------------------------------------------
 
 // One power-of-two slice (codecs/pack.py): channel d in byte d*W/8, at bit d*W%8; OR-ed into codes at `shift`.
+// Eight channels at a time (W bytes, little-endian) as one 8-lane vector: the word broadcast, shifted right per lane,
+// masked (a GCC / clang vector; d_count is a multiple of 8).
 template <int W>
 inline void unpack_slice(const uint8_t* src, int shift, int d_count, int32_t* codes) {
-  constexpr int per = 8 / W;
+  typedef uint32_t vu8 __attribute__((vector_size(32)));
   constexpr uint32_t mask = (1u << W) - 1;
-  for (int i = 0; i < d_count / per; ++i) {
-    uint32_t byte = src[i];
-    for (int k = 0; k < per; ++k) codes[i * per + k] |= static_cast<int32_t>(((byte >> (k * W)) & mask) << shift);
+  if constexpr (W == 8) {
+    for (int d = 0; d < d_count; ++d) codes[d] |= static_cast<int32_t>(static_cast<uint32_t>(src[d]) << shift);
+  } else {
+    const vu8 lanes = {0, W, 2 * W, 3 * W, 4 * W, 5 * W, 6 * W, 7 * W};
+    for (int c = 0; c < d_count / 8; ++c) {
+      uint32_t word = 0;
+      std::memcpy(&word, src + c * W, W);
+      vu8 v = (((vu8{} + word) >> lanes) & mask) << shift, out;
+      std::memcpy(&out, codes + 8 * c, sizeof(out));
+      out |= v;
+      std::memcpy(codes + 8 * c, &out, sizeof(out));
+    }
   }
 }
 
@@ -282,18 +293,33 @@ inline void unpack_codes(const uint8_t* src, int bits, int d_count, int32_t* cod
   }
 }
 
-// out[d] = table[codes[d]] for a table of N levels: N - 1 selects per channel, unrolled (N is known), so the loop
-// over channels vectorizes (a gather or a runtime-length inner loop does not).
+// out[d] = table[codes[d]] for a table of N <= 16 levels. GCC: the table in one 16-lane vector read by a variable
+// shuffle (one cross-lane permute per 16 channels); otherwise N - 1 selects per channel, unrolled (N is known), so
+// the loop over channels vectorizes (a gather or a runtime-length inner loop does not).
 template <int N>
 inline void select_levels(const int32_t* codes, const float* table, int D, float* out) {
-  float t[N];
+  static_assert(N <= 16, "select_levels: at most 16 levels");
+  int d = 0;
+#if defined(__GNUC__) && !defined(__clang__)
+  typedef float vf16 __attribute__((vector_size(64)));
+  typedef int32_t vi16 __attribute__((vector_size(64)));
+  vf16 t = {};
   for (int e = 0; e < N; ++e) t[e] = table[e];
+  for (; d + 16 <= D; d += 16) {
+    vi16 c;
+    std::memcpy(&c, codes + d, sizeof(c));
+    const vf16 v = __builtin_shuffle(t, c);
+    std::memcpy(out + d, &v, sizeof(v));
+  }
+#endif
+  float t8[N];
+  for (int e = 0; e < N; ++e) t8[e] = table[e];
 #pragma omp simd
-  for (int d = 0; d < D; ++d) {
-    float v = t[0];
+  for (int k = d; k < D; ++k) {
+    float v = t8[0];
 #pragma GCC unroll 8
-    for (int e = 1; e < N; ++e) v = codes[d] == e ? t[e] : v;
-    out[d] = v;
+    for (int e = 1; e < N; ++e) v = codes[k] == e ? t8[e] : v;
+    out[k] = v;
   }
 }
 
@@ -310,12 +336,13 @@ inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* cod
   if (c.affine[j]) {
     const float off = c.level_off[j];
     for (int d = 0; d < D; ++d) out[d] = static_cast<float>(codes[d]) + off;
-  } else if (c.bits[j] <= 3) {  // small Lloyd tables: a select per level vectorizes, a gather does not
+  } else if (c.bits[j] <= 4) {  // small Lloyd tables: a shuffle or a select per level vectorizes, a gather does not
     const float* table = c.levels + j * kLevelWidth;
     switch (c.bits[j]) {
       case 1: select_levels<2>(codes, table, D, out); break;
       case 2: select_levels<4>(codes, table, D, out); break;
-      default: select_levels<8>(codes, table, D, out); break;
+      case 3: select_levels<8>(codes, table, D, out); break;
+      default: select_levels<16>(codes, table, D, out); break;
     }
   } else {
     const float* table = c.levels + j * kLevelWidth;

@@ -28,28 +28,6 @@ inline bool per_token(const Codec& c) {
   return c.mode == kJpeg && c.r == 1 && c.rows == 1 && c.blocks == 1 && (c.quant == kNone || c.quant == kToken);
 }
 
-// How a per-token archive's rows are read: stream-dtype rows, the portable path, or a SIMD code width.
-enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8 };
-
-inline RowCodes row_codes(const Codec& c, bool simd) {
-  if (c.quant == kNone) return RowCodes::kRaw;
-#ifdef FC_TOKEN_AVX2
-  if (simd) {
-    switch (c.bits[0]) {
-      case 1: return RowCodes::kBits1;
-      case 2: return RowCodes::kBits2;
-      case 3: return RowCodes::kBits3;
-      case 4: return RowCodes::kBits4;
-      case 8: return c.affine[0] ? RowCodes::kBits8 : RowCodes::kPortable;
-      default: return RowCodes::kPortable;
-    }
-  }
-#else
-  (void)simd;
-#endif
-  return RowCodes::kPortable;
-}
-
 inline const char* row_codes_name(RowCodes k) {
   switch (k) {
     case RowCodes::kRaw: return "raw";
@@ -142,34 +120,6 @@ inline const float* archive_row(const Stream& s, int64_t b, int64_t h, int64_t g
   row_levels(c, reinterpret_cast<const uint8_t*>(src), 0, w.codes, w.row);
   return w.row;
 }
-
-#ifdef FC_TOKEN_AVX2
-// fn(decoder) with the SIMD decoder of `kind` (a code width) for codec c.
-template <typename Fn>
-inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {
-  const float* table = c.levels;
-  const float off = c.level_off[0];
-  const int D = c.head_dim;
-  switch (kind) {
-    case RowCodes::kBits1: fn(avx2::Codes<1>(table, off, D)); break;
-    case RowCodes::kBits2: fn(avx2::Codes<2>(table, off, D)); break;
-    case RowCodes::kBits3: fn(avx2::Codes<3>(table, off, D)); break;
-    case RowCodes::kBits4: fn(avx2::Codes<4>(table, off, D)); break;
-    default: fn(avx2::Codes<8>(table, off, D)); break;
-  }
-}
-
-// fn(std::integral_constant<int, M>) for a tile of M rows.
-template <typename Fn>
-inline void with_rows(int M, Fn&& fn) {
-  switch (M) {
-    case 1: fn(std::integral_constant<int, 1>()); break;
-    case 2: fn(std::integral_constant<int, 2>()); break;
-    case 3: fn(std::integral_constant<int, 3>()); break;
-    default: fn(std::integral_constant<int, 4>()); break;
-  }
-}
-#endif
 
 // The token scales and zero points of archived tokens g0 .. g0 + n - 1 into w.sc / w.zc (1 and 0 when unquantized).
 inline void archive_scales(const Stream& s, int64_t b, int64_t h, int64_t g0, int64_t n, bool simd, TokenScratch& w) {

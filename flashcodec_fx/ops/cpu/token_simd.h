@@ -11,7 +11,8 @@
 //
 // Build-time selection: the compiler's own macros say what -march=native enabled (build.py). AVX2 + FMA + F16C: the code
 // below; anything else (including AArch64, where no NEON intrinsics are written yet): the portable path of
-// token_attention.cpp. simd_isa() names the compiled choice.
+// token_attention.cpp. simd_isa() names the compiled choice; row_codes / with_decoder / with_rows pick the loops for a
+// codec and a tile (also used by the vLLM plugin's per-token kernel, vllm/cpu/paged_attention.cpp).
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FC_TOKEN_AVX2 1
@@ -274,5 +275,55 @@ inline void halves(const at::Half* half, int64_t n, float* out) {
 
 }  // namespace avx2
 #endif  // FC_TOKEN_AVX2
+
+// How a per-token archive's rows are read: stream-dtype rows, the portable path, or a SIMD code width.
+enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8 };
+
+inline RowCodes row_codes(const Codec& c, bool simd) {
+  if (c.quant == kNone) return RowCodes::kRaw;
+#ifdef FC_TOKEN_AVX2
+  if (simd) {
+    switch (c.bits[0]) {
+      case 1: return RowCodes::kBits1;
+      case 2: return RowCodes::kBits2;
+      case 3: return RowCodes::kBits3;
+      case 4: return RowCodes::kBits4;
+      case 8: return c.affine[0] ? RowCodes::kBits8 : RowCodes::kPortable;
+      default: return RowCodes::kPortable;
+    }
+  }
+#else
+  (void)simd;
+#endif
+  return RowCodes::kPortable;
+}
+
+#ifdef FC_TOKEN_AVX2
+// fn(decoder) with the SIMD decoder of `kind` (a code width) for codec c.
+template <typename Fn>
+inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {
+  const float* table = c.levels;
+  const float off = c.level_off[0];
+  const int D = c.head_dim;
+  switch (kind) {
+    case RowCodes::kBits1: fn(avx2::Codes<1>(table, off, D)); break;
+    case RowCodes::kBits2: fn(avx2::Codes<2>(table, off, D)); break;
+    case RowCodes::kBits3: fn(avx2::Codes<3>(table, off, D)); break;
+    case RowCodes::kBits4: fn(avx2::Codes<4>(table, off, D)); break;
+    default: fn(avx2::Codes<8>(table, off, D)); break;
+  }
+}
+
+// fn(std::integral_constant<int, M>) for a tile of M rows.
+template <typename Fn>
+inline void with_rows(int M, Fn&& fn) {
+  switch (M) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    default: fn(std::integral_constant<int, 4>()); break;
+  }
+}
+#endif
 
 }  // namespace fc

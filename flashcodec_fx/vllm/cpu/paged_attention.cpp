@@ -12,12 +12,46 @@
 // at the end (R_v^T). The call's own tokens come last, raw and causal per lane (a tile stops at its last token).
 // Optional sink logits (s_aux, per query head) join the softmax's denominator. Everything is fp32; `scale` is
 // folded into q. Requests with more than `max_tokens` tokens in this call are left to the launcher (kernels.py).
+//
+// Items whose tiles have at most 4 rows (decode steps: the GQA heads of one token) read the code slots directly
+// where token_simd.h's loops serve both codecs (AVX2): code_dots / code_axpys expand 8 codes at a time into levels
+// in a register and feed the tile's rows (row-major queries, no lanes wasted, no level rows written).
 
 namespace fc {
 
 namespace {
 
 constexpr int kTileGroup = 8;
+constexpr int kDirectRows = 4;  // tile rows up to which code slots are read by the direct loops (token_simd.h)
+
+// out[m * os + i] = q_rows[m] . levels(code slot i) for m < M rows, i < n slots `stride` bytes apart (first: slot 0's
+// codes); the direct loops (callers check simd_codes: never reached otherwise).
+inline void code_scores(RowCodes kind, const Codec& c, int M, const float* q_rows, int D, const uint8_t* first,
+                        int64_t stride, int64_t n, float* out, int64_t os) {
+#ifdef FC_TOKEN_AVX2
+  with_rows(M, [&](auto rows) {
+    with_decoder(kind, c, [&](const auto& dec) {
+      avx2::code_dots<decltype(rows)::value>(q_rows, D, first, stride, n, dec, out, os);
+    });
+  });
+#else
+  TORCH_CHECK(false, "code_scores: built without the SIMD code loops");
+#endif
+}
+
+// acc[m * D + d] += sum_i w[m * ws + i] * levels(code slot i)[d] for m < M rows (as code_scores).
+inline void code_values(RowCodes kind, const Codec& c, int M, const float* w, int64_t ws, int D, const uint8_t* first,
+                        int64_t stride, int64_t n, float* acc) {
+#ifdef FC_TOKEN_AVX2
+  with_rows(M, [&](auto rows) {
+    with_decoder(kind, c, [&](const auto& dec) {
+      avx2::code_axpys<decltype(rows)::value>(w, ws, D, first, stride, n, dec, acc);
+    });
+  });
+#else
+  TORCH_CHECK(false, "code_values: built without the SIMD code loops");
+#endif
+}
 
 struct Item {
   int64_t req, head, first_tile, tiles;
@@ -27,15 +61,19 @@ struct Lanes {
   int64_t q_row[kLanes], q_head[kLanes], token[kLanes];  // query row (N axis), query head, token index in the call
 };
 
-// (D x kLanes) lane-major transposes of the tile's queries, times `scale`: plain and rotated by R (D x D, or null).
+// (D x kLanes) lane-major transposes of the tile's queries, times `scale`: plain and rotated by R (D x D, or null);
+// the rotated ones also row-major (kLanes x D, for the direct code loops).
 void load_queries(const TokenRows& q, const Lanes& lanes, int D, float scale, const float* rot, float* qt, float* qt_rot,
-                  float* row) {
+                  float* q_rows, float* row) {
   std::fill(qt, qt + D * kLanes, 0.0f);
   std::fill(qt_rot, qt_rot + D * kLanes, 0.0f);
   for (int l = 0; l < lanes.n; ++l) {
     to_float(q.at(lanes.q_row[l], lanes.q_head[l]), q.dtype, row, D);
     for (int d = 0; d < D; ++d) qt[d * kLanes + l] = row[d] * scale;
-    for (int e = 0; e < D; ++e) qt_rot[e * kLanes + l] = rot == nullptr ? qt[e * kLanes + l] : dot(rot + e * D, row, D) * scale;
+    for (int e = 0; e < D; ++e) {
+      qt_rot[e * kLanes + l] = rot == nullptr ? qt[e * kLanes + l] : dot(rot + e * D, row, D) * scale;
+      q_rows[l * D + e] = qt_rot[e * kLanes + l];
+    }
   }
 }
 
@@ -44,10 +82,11 @@ void load_queries(const TokenRows& q, const Lanes& lanes, int D, float scale, co
 struct Tile {
   int D;
   Lanes lanes;
-  std::vector<float> qt, qt_rot, acc_raw, acc_rot;
+  std::vector<float> qt, qt_rot, q_rows, acc_raw, acc_rot;
   float m[kLanes], s[kLanes], zacc[kLanes], qsum[kLanes], qmean[kLanes];
 
-  explicit Tile(int d) : D(d), qt(d * kLanes), qt_rot(d * kLanes), acc_raw(kLanes * d), acc_rot(kLanes * d) {}
+  explicit Tile(int d)
+      : D(d), qt(d * kLanes), qt_rot(d * kLanes), q_rows(kLanes * d), acc_raw(kLanes * d), acc_rot(kLanes * d) {}
 
   // Tile `index` of a request's rows (token-major: row idx is token idx / G, query head head * G + idx % G).
   void reset(int64_t index, int64_t head, int64_t qs, int64_t t_len, int64_t G) {
@@ -134,6 +173,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const Codec &ck = codecs.k, &cv = codecs.v;
   const float *rot_k = codecs.rot_k, *rot_v = codecs.rot_v;
   const float scale = static_cast<float>(softmax_scale);
+  const RowCodes kcodes = coded ? row_codes(ck, true) : RowCodes::kRaw, vcodes = coded ? row_codes(cv, true) : kcodes;
+  const bool simd_codes = coded && kcodes != RowCodes::kPortable && vcodes != RowCodes::kPortable;
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
     if (qsl[r + 1] - qsl[r] > max_tokens) continue;  // the launcher's dense path serves this request
@@ -147,18 +188,22 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
     std::vector<Tile> tiles(kTileGroup, Tile(D));
     std::vector<float> kraw(bs * D), vraw(bs * D), klev(bs * D), vlev(bs * D), kscale(bs), kzero(bs), vscale(bs);
     std::vector<float> vzero(bs), scores(bs * kLanes), w(bs * kLanes), column(bs), row(D), mean(D), mrow(D);
+    std::vector<float> rows_out(kDirectRows * bs), rows_w(kDirectRows * bs);
     std::vector<int32_t> codes(D);
     for (int64_t it = i0; it < i1; ++it) {
       const Item& item = items[it];
       const int64_t qs = qsl[item.req], t_len = qsl[item.req + 1] - qs, ctx = lens[item.req] - t_len;
+      bool direct = simd_codes;  // every tile small enough for the direct code loops
       for (int64_t t = 0; t < item.tiles; ++t) {
         Tile& tile = tiles[t];
         tile.reset(item.first_tile + t, item.head, qs, t_len, G);
-        load_queries(q, tile.lanes, D, scale, rot_k, tile.qt.data(), tile.qt_rot.data(), row.data());
+        load_queries(q, tile.lanes, D, scale, rot_k, tile.qt.data(), tile.qt_rot.data(), tile.q_rows.data(),
+                     row.data());
         for (int l = 0; l < kLanes; ++l) {
           tile.qsum[l] = 0.0f;
           for (int d = 0; d < D; ++d) tile.qsum[l] += tile.qt_rot[d * kLanes + l];
         }
+        direct = direct && tile.lanes.n <= kDirectRows;
       }
       // --- the history, page by page: read once, used by every tile
       for (int64_t start = 0; start < ctx; start += bs) {
@@ -178,8 +223,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      mrow.data());
         for (int64_t j = 0; j < nc; ++j) {
           const uint8_t* slot = page + p.code_at(j);
-          row_levels(ck, slot + p.k_code, 0, codes.data(), klev.data() + j * D);
-          row_levels(cv, slot + p.v_code, 0, codes.data(), vlev.data() + j * D);
+          if (!direct) {
+            row_levels(ck, slot + p.k_code, 0, codes.data(), klev.data() + j * D);
+            row_levels(cv, slot + p.v_code, 0, codes.data(), vlev.data() + j * D);
+          }
           kscale[j] = half_at(slot + p.k_scale);
           kzero[j] = ck.zero_classes ? half_at(slot + p.k_zero) : 0.0f;
           vscale[j] = half_at(slot + p.v_scale);
@@ -189,7 +236,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
           Tile& tile = tiles[t];
           lane_dots_n(tile.qt.data(), kraw.data(), D, static_cast<int>(na), D, scores.data());
           float* sc = scores.data() + na * kLanes;
-          if (nc > 0) lane_dots_n(tile.qt_rot.data(), klev.data(), D, static_cast<int>(nc), D, sc);
+          if (nc > 0 && direct) {
+            code_scores(kcodes, ck, tile.lanes.n, tile.q_rows.data(), D, page + p.code_at(0) + p.k_code, p.slot, nc,
+                        rows_out.data(), bs);
+            for (int64_t j = 0; j < nc; ++j)
+              for (int l = 0; l < kLanes; ++l) sc[j * kLanes + l] = l < tile.lanes.n ? rows_out[l * bs + j] : 0.0f;
+          } else if (nc > 0) {
+            lane_dots_n(tile.qt_rot.data(), klev.data(), D, static_cast<int>(nc), D, sc);
+          }
           if (centered) lane_dots_n(tile.qt.data(), mean.data(), D, 1, D, tile.qmean);
           else std::fill(tile.qmean, tile.qmean + kLanes, 0.0f);
           for (int64_t j = 0; j < nc; ++j)
@@ -203,7 +257,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
               w[j * kLanes + l] = pr * vscale[j];
               tile.zacc[l] += pr * vzero[j];
             }
-          if (nc > 0) lane_axpys(w.data(), static_cast<int>(nc), vlev.data(), D, D, tile.acc_rot.data(), tile.lanes.n);
+          if (nc > 0 && direct) {
+            for (int l = 0; l < tile.lanes.n; ++l)
+              for (int64_t j = 0; j < nc; ++j) rows_w[l * bs + j] = w[j * kLanes + l];
+            code_values(vcodes, cv, tile.lanes.n, rows_w.data(), bs, D, page + p.code_at(0) + p.v_code, p.slot, nc,
+                        tile.acc_rot.data());
+          } else if (nc > 0) {
+            lane_axpys(w.data(), static_cast<int>(nc), vlev.data(), D, D, tile.acc_rot.data(), tile.lanes.n);
+          }
         }
       }
       // --- this call's own tokens, exact and causal (the lane of token i sees tokens 0..i of the call)
