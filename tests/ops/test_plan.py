@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import LEVELS, Codec, JPEGCodec, make_codec
 from flashcodec_fx.codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
-from flashcodec_fx.ops.cpu.plan import LEVEL_WIDTH, META_FIELDS, codec_plan
+from flashcodec_fx.ops.cpu.plan import CLASS_FIELDS, LEVEL_WIDTH, META_FIELDS, ROW_FIELDS, codec_plan
 from flashcodec_fx.ops.plan import CHANNEL_CODES, FLOAT_ROWS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
 from flashcodec_fx.presets import PRESETS, preset_codecs
 
@@ -84,21 +84,24 @@ def _check_meta(plan: StoredFormPlan) -> None:
     meta = cpu.meta.tolist()
     head = dict(zip(META_FIELDS, meta, strict=False))
     assert head == {
-        "mode": int(not plan.jpeg), "r": plan.block_size, "rows": plan.rows, "dense": plan.dense,
+        "jpeg": plan.jpeg, "r": plan.block_size, "rows": plan.rows, "dense": plan.dense,
         "blocks": plan.group_blocks, "group": plan.group, "sinks": plan.sinks, "window": plan.window,
         "tail_cap": plan.tail, "center": plan.center, "rotate": plan.rotate,
         "quant": {TOKEN_CODES: 1, CHANNEL_CODES: 2}.get(plan.form, 0), "pruned": plan.kept, "classes": plan.classes,
-        "zero_classes": plan.zero_classes, "cumsum": int(not plan.jpeg), "head_dim": plan.head_dim,
-        "row_bytes": plan.row_bytes, "search": plan.search, "n_shrink": len(plan.shrink_factors),
-        "n_lloyd": len(plan.lloyd_factors), "sum_width": 4}
+        "zero_classes": plan.zero_classes, "head_dim": plan.head_dim, "row_bytes": plan.row_bytes,
+        "search": plan.search, "n_shrink": len(plan.shrink_factors), "n_lloyd": len(plan.lloyd_factors),
+        "sum_width": 4}
     rest = meta[len(META_FIELDS):]
-    k = len(plan.bits)
-    assert len(rest) == 4 * (k + plan.classes)
+    k, nr, nc = len(plan.bits), len(ROW_FIELDS), len(CLASS_FIELDS)
+    assert len(rest) == nr * k + nc * plan.classes
     for j in range(k):
-        assert rest[4 * j: 4 * j + 4] == [plan.bits[j], plan.byte_offset[j], plan.row_class[j], 0]
+        assert dict(zip(ROW_FIELDS, rest[nr * j: nr * (j + 1)], strict=True)) == {
+            "bits": plan.bits[j], "byte_offset": plan.byte_offset[j], "row_class": plan.row_class[j]}
     for c in range(plan.classes):
-        entry = rest[4 * (k + c): 4 * (k + c) + 4]
-        assert entry == [plan.class_levels[c], plan.class_zero[c], plan.class_first[c], plan.class_last[c]]
+        entry = rest[nr * k + nc * c: nr * k + nc * (c + 1)]
+        assert dict(zip(CLASS_FIELDS, entry, strict=True)) == {
+            "class_levels": plan.class_levels[c], "class_zero": plan.class_zero[c],
+            "class_first": plan.class_first[c], "class_last": plan.class_last[c]}
     assert torch.equal(cpu.synth, plan.synthesis)
     assert cpu.analysis.shape == (0, plan.block_size) if plan.analysis is None else torch.equal(cpu.analysis, plan.analysis)
     assert cpu.rot.shape == (0, 0) if plan.rotation is None else torch.equal(cpu.rot, plan.rotation)

@@ -243,7 +243,7 @@ inline void rounded_row(const float* table, int lo, int hi, const float* x, int 
 // The base (no-clipping) scale and zero of a slice of class k (levels.base_scale and the shared-step rule).
 inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq, float& base,
                        float& zero) {
-  const int kind = c.level_kind[k], bits = c.bits[c.class_first[k]];
+  const int kind = c.class_levels[k], bits = c.bits[c.class_first[k]];
   zero = 0.0f;
   if (shared_step) {  // int / midrise over several rows: amax per row over the blocks, / per-row divisor, max
     base = 0.0f;
@@ -275,7 +275,7 @@ inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, 
 // Scale and zero of one slice (with the clipping search) and its codes.
 inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq,
                            float& scale, float& zero, int32_t* codes) {
-  const int kind = c.level_kind[k], bits = c.bits[c.class_first[k]];
+  const int kind = c.class_levels[k], bits = c.bits[c.class_first[k]];
   float base, zero0;
   base_scale(c, k, s, shared_step, blocks, sq, base, zero0);
   const float* factors = kind == kLloyd ? c.factors + c.n_shrink : c.factors;
@@ -377,8 +377,8 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
   sq.resize(static_cast<size_t>(std::max(D, g * K)));
   for (int k = 0; k < c.classes; ++k) {
     const int first = c.class_first[k], nrows = c.class_last[k] - first + 1;
-    const int zslot = c.zero_slot[k];
-    const bool shared = (c.level_kind[k] == kInt || c.level_kind[k] == kMidrise) && nrows > 1;
+    const int zslot = c.class_zero[k];
+    const bool shared = (c.class_levels[k] == kInt || c.class_levels[k] == kMidrise) && nrows > 1;
     if (c.quant == kToken) {
       rbuf.assign(D, first);
       for (int blk = 0; blk < g; ++blk) {
@@ -411,7 +411,8 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
   }
   uint8_t* data = reinterpret_cast<uint8_t*>(slot.data);
   for (int blk = 0; blk < g; ++blk)
-    for (int j = 0; j < K; ++j) pack_row(codes.data() + (blk * K + j) * D, c.bits[j], D, data + blk * c.row_bytes + c.byte_off[j]);
+    for (int j = 0; j < K; ++j)
+      pack_row(codes.data() + (blk * K + j) * D, c.bits[j], D, data + blk * c.row_bytes + c.byte_offset[j]);
 }
 
 // --- encode / decode ------------------------------------------------------------------------------------------------
@@ -425,7 +426,8 @@ struct Buffers {
 // The plan's matrices as tensors (the same values the reference's codec uses).
 struct Matrices {
   at::Tensor synth, analysis, rot;
-  explicit Matrices(const std::vector<at::Tensor>& plan) : synth(plan[1]), analysis(plan[2]), rot(plan[4]) {}
+  explicit Matrices(const std::vector<at::Tensor>& plan)
+      : synth(plan[kPlanSynth]), analysis(plan[kPlanAnalysis]), rot(plan[kPlanRot]) {}
 };
 
 constexpr int64_t kMinAppendWorkPerThread = 1 << 16;  // values x passes per extra thread (~0.1 ms)
@@ -468,14 +470,14 @@ at::Tensor transform_groups(const Codec& c, const Matrices& mx, const Stream& s,
   if (c.rotate) x = at::matmul(x, mx.rot.t());
   at::Tensor blocks = x.reshape({B, H, n * G / c.r, c.r, D});
   // jpeg's analysis of one-token blocks is [[1.0]]: its product is the blocks themselves (a value times 1.0, exactly)
-  const bool identity = c.mode != kJpeg || (c.r == 1 && c.rows == 1);
+  const bool identity = !c.jpeg || (c.r == 1 && c.rows == 1);
   return (identity ? blocks : at::matmul(mx.analysis, blocks)).contiguous();
 }
 
 // One written group from its transform (`rows`: the group's g x K x D coefficients, or png's r x D block).
 void store_group(const Codec& c, at::ScalarType data_dtype, const float* rows, const Slot& slot, Buffers& buf) {
   const int D = c.head_dim, r = c.r;
-  if (c.mode == kJpeg) {
+  if (c.jpeg) {
     if (c.quant == kNone) {
       from_float(rows, data_dtype, slot.data, c.rows * D);
     } else {
@@ -508,7 +510,7 @@ void dense_rows(const Codec& c, at::ScalarType data_dtype, const Slot& slot, int
     for (int j = 0; j < c.rows; ++j) {
       float* dst = out + j * D;
       row_levels(c, block, j, codes, dst);
-      const int k = c.row_class[j], zs = c.zero_slot[k];
+      const int k = c.row_class[j], zs = c.class_zero[k];
       for (int d = 0; d < D; ++d) {
         const float sc = c.quant == kToken ? static_cast<float>(slot.scale[blk * c.classes + k])
                                            : static_cast<float>(slot.scale[k * D + d]);
@@ -518,7 +520,7 @@ void dense_rows(const Codec& c, at::ScalarType data_dtype, const Slot& slot, int
         dst[d] = dst[d] * sc + zr;
       }
     }
-  } else if (c.mode == kJpeg) {
+  } else if (c.jpeg) {
     to_float(slot.data, data_dtype, out, c.rows * D);
   } else {
     const float* png = reinterpret_cast<const float*>(slot.data);
@@ -548,7 +550,7 @@ at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data
         dense_rows(c, data_dtype, slot_at(bh / H, bh % H, k), static_cast<int>(blk),
                    pr + ((bh * n + k) * nb + blk) * R * D, codes.data());
   });
-  if (c.mode != kJpeg) {  // png: X[i] = X[i - 1] + S[i], in order
+  if (!c.jpeg) {  // png: X[i] = X[i - 1] + S[i], in order
     float* p = pr;
     for (int64_t block = 0; block < B * H * n; ++block, p += R * D)
       for (int64_t i = 1; i < R; ++i)
@@ -571,9 +573,10 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
   const int64_t B = x_new.size(0), H = x_new.size(1), T = x_new.size(2), D = x_new.size(3);
   const int64_t L = s.length, end = L + T;
   if (c.center && L <= c.sinks && end > c.sinks) {  // the reference's ops, so the mean is bitwise its own
-    at::Tensor counted = ((at::arange(T, state[7].options()) + state[7]) >= c.sinks).to(at::kFloat);
+    const at::Tensor& length = state[kStateLength];
+    at::Tensor counted = ((at::arange(T, length.options()) + length) >= c.sinks).to(at::kFloat);
     at::Tensor mean = (x_new.to(at::kFloat) * counted.view({1, 1, -1, 1})).sum(2) / counted.sum().clamp_min(1);
-    state[4].copy_(mean);
+    state[kStateMean].copy_(mean);
   }
   const int64_t start = s.start, new_start = c.advance(start, end);
   const int64_t first_slot = (start - c.sinks) / c.group;
@@ -596,7 +599,7 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
   at::Tensor transformed;
   if (written > 0) transformed = transform_groups(c, mx, s, B, H, T, n_enc, written, work);
   const float* pt = written > 0 ? transformed.data_ptr<float>() : nullptr;
-  const int64_t group_floats = static_cast<int64_t>(c.group / c.r) * (c.mode == kJpeg ? c.rows : c.r) * D;
+  const int64_t group_floats = static_cast<int64_t>(c.group / c.r) * (c.jpeg ? c.rows : c.r) * D;
   char* mptr = memo.has_value() ? static_cast<char*>(memo->data_ptr()) : nullptr;
   int64_t msb = 0, msh = 0, mst = 0, memo_len = 0;
   if (mptr != nullptr) {
@@ -641,8 +644,8 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
       }
     });
   }
-  *state[8].data_ptr<int64_t>() = new_start;
-  *state[7].data_ptr<int64_t>() += T;
+  *state[kStateStart].data_ptr<int64_t>() = new_start;
+  *state[kStateLength].data_ptr<int64_t>() += T;
 }
 
 // State tensors the kernel cannot address in place (inner dims not contiguous) are computed on contiguous copies

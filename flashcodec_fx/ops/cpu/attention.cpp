@@ -106,7 +106,7 @@ inline const float* block_rows(const Stream& s, int64_t b, int64_t h, int64_t nb
     return out;
   }
   const char* rows = s.data.at(b, h, nb);
-  if (c.mode == kJpeg) return float_row(rows, s.data_dtype, out, c.rows * D);
+  if (c.jpeg) return float_row(rows, s.data_dtype, out, c.rows * D);
   const float* png = reinterpret_cast<const float*>(rows);
   if (!c.pruned) return png;
   std::memcpy(out, png, sizeof(float) * D);
@@ -174,7 +174,7 @@ inline void fold_key_group(const Stream& s, int64_t b, int64_t h, int64_t g, con
     }
     float* zq = w.zq + k * kLanes;
     for (int l = 0; l < kLanes; ++l) zq[l] = 0.0f;
-    const int slot = c.zero_slot[k];
+    const int slot = c.class_zero[k];
     if (slot >= 0)
       for (int d = 0; d < D; ++d) {
         const float zd = half_at(zr, slot * D + d);
@@ -236,7 +236,7 @@ void key_archive(const Attention& A, const Stream& s, int64_t b, int64_t h, cons
           const at::Half* sc = s.scale.at(b, h, gn) + blk * c.classes;
           const at::Half* zr = s.zero.at(b, h, gn) + blk * c.zero_classes;
           for (int j = 0; j < R; ++j) {
-            const int k = c.row_class[j], slot = c.zero_slot[k];
+            const int k = c.row_class[j], slot = c.class_zero[k];
             const float sj = half_at(sc, k), zj = slot >= 0 ? half_at(zr, slot) : 0.0f;
             float* cf = coef + (n * R + j) * kLanes;
 #pragma omp simd
@@ -250,7 +250,7 @@ void key_archive(const Attention& A, const Stream& s, int64_t b, int64_t h, cons
       const int i1 = static_cast<int>(std::min<int64_t>(a1 - pb, r));
       float* out = w.scores + (pb - p0) * kLanes;
       const float* cb = coef + n * R * kLanes;
-      if (c.cumsum) {
+      if (!c.jpeg) {
         float run[kLanes];
         for (int l = 0; l < kLanes; ++l) run[l] = base[l];
         for (int i = 0; i < i1; ++i) {
@@ -318,7 +318,7 @@ inline void flush_value_group(const Stream& s, int64_t b, int64_t h, int64_t g, 
   float* zf = w.sf + D;
   for (int k = 0; k < c.classes; ++k) {
     for (int d = 0; d < D; ++d) sf[d] = half_at(sc, k * D + d);
-    const int slot = c.zero_slot[k];
+    const int slot = c.class_zero[k];
     if (slot >= 0)
       for (int d = 0; d < D; ++d) zf[d] = half_at(zr, slot * D + d);
     for (int m = 0; m < mt; ++m) {
@@ -356,7 +356,7 @@ void value_archive(const Attention& A, const Stream& s, int64_t b, int64_t h, in
 #pragma omp simd
           for (int l = 0; l < kLanes; ++l) mass[l] += wt[i * kLanes + l];
       float* pn = pc + n * R * kLanes;
-      if (c.cumsum) {
+      if (!c.jpeg) {
         float run[kLanes];
         for (int l = 0; l < kLanes; ++l) run[l] = 0.0f;
         for (int j = r - 1; j >= 0; --j) {
@@ -373,7 +373,7 @@ void value_archive(const Attention& A, const Stream& s, int64_t b, int64_t h, in
         const at::Half* sc = s.scale.at(b, h, gn) + blk * c.classes;
         const at::Half* zr = s.zero.at(b, h, gn) + blk * c.zero_classes;
         for (int j = 0; j < R; ++j) {
-          const int k = c.row_class[j], slot = c.zero_slot[k];
+          const int k = c.row_class[j], slot = c.class_zero[k];
           const float sj = half_at(sc, k), zj = slot >= 0 ? half_at(zr, slot) : 0.0f;
 #pragma omp simd
           for (int l = 0; l < kLanes; ++l) {
@@ -598,11 +598,11 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   if (k_new.has_value()) { kn = readable_rows(*k_new); vn = readable_rows(*v_new); }
   const Stream ks(kc, k_state), vs(vc, v_state);
   if (per_token(kc) && per_token(vc))
-    return token_codec_attention(q, k_state[6].size(1), ks, vs, k_new.has_value() ? &kn : nullptr,
+    return token_codec_attention(q, k_state[kStateTail].size(1), ks, vs, k_new.has_value() ? &kn : nullptr,
                                  k_new.has_value() ? &vn : nullptr, mask, scale, simd);
   Attention A;
   A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
-  A.Hkv = k_state[6].size(1); A.GT = (A.Hq / A.Hkv) * A.Tq;
+  A.Hkv = k_state[kStateTail].size(1); A.GT = (A.Hq / A.Hkv) * A.Tq;
   A.tn = k_new.has_value() ? kn.size(2) : 0;
   A.ks = &ks; A.vs = &vs;
   A.q = Rows(q);

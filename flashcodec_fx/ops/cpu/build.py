@@ -1,15 +1,16 @@
 """Just-in-time build of the C++ kernels, once per kind of binary, shared by every environment that can load it.
 
-The sources (:data:`SOURCES`, concatenated in that order) are compiled with ``torch.utils.cpp_extension.load_inline``
-into ``cache_dir()/cpu_kernels/<name>/<name>.so`` (``flashcodec_fx.pretrained.cache_dir``: ``$FLASHCODEC_CACHE``,
-else ``$XDG_CACHE_HOME/flashcodec_fx``, else ``~/.cache/flashcodec_fx``). ``<name>`` hashes what the binary depends
-on (:func:`build_key`): the sources, the compiler flags, the compiler, torch's version and C++ ABI, Python's
-extension ABI and the CPU's instruction-set flags (the build uses ``-march=native``), never a path of the
-environment, so two virtual environments with the same torch share one build. A binary that exists is loaded as it
-is (no ninja run, no rebuild); a missing one is built under a file lock (a second process waits and then loads the
-first one's binary), in a scratch folder, and published by an atomic rename, so a reader never sees half a file.
-Every build says so on stderr (``BUILDING``). When the build fails (no C++ compiler, no ninja), one warning says why
-and the kernels run the reference ops instead.
+The sources (the header generated from the layout's Python declarations, ``layout.header()``, then
+:data:`SOURCES`, concatenated in that order) are compiled with ``torch.utils.cpp_extension.load_inline`` into
+``cache_dir()/cpu_kernels/<name>/<name>.so`` (``flashcodec_fx.pretrained.cache_dir``: ``$FLASHCODEC_CACHE``, else
+``$XDG_CACHE_HOME/flashcodec_fx``, else ``~/.cache/flashcodec_fx``). ``<name>`` hashes what the binary depends on
+(:func:`build_key`): the sources (the generated header included), the compiler flags, the compiler, torch's version
+and C++ ABI, Python's extension ABI and the CPU's instruction-set flags (the build uses ``-march=native``), never a
+path of the environment, so two virtual environments with the same torch share one build. A binary that exists is
+loaded as it is (no ninja run, no rebuild); a missing one is built under a file lock (a second process waits and then
+loads the first one's binary), in a scratch folder, and published by an atomic rename, so a reader never sees half a
+file. Every build says so on stderr (``BUILDING``). When the build fails (no C++ compiler, no ninja), one warning says
+why and the kernels run the reference ops instead.
 
 Instruction sets: x86-64 builds with ``-march=native`` (``-mprefer-vector-width=512`` too where the CPU has
 AVX-512), AArch64 with ``-mcpu=native``, anything else with neither; the kernels pick their SIMD code from the
@@ -39,6 +40,7 @@ from types import ModuleType
 import torch
 
 from ...pretrained import cache_dir
+from .layout import header
 
 try:
     import fcntl
@@ -97,8 +99,10 @@ def _compiler_version(cxx: str) -> str:
 
 
 def source_text(paths: tuple[Path, ...] | None = None) -> str:
-    """The sources, concatenated: ``paths`` (default: this folder's :data:`SOURCES`)."""
-    return "\n".join(path.read_text() for path in (paths or tuple(_HERE / name for name in SOURCES)))
+    """The sources, concatenated: the generated layout header (``common.h`` uses it), then ``paths`` (default: this
+    folder's :data:`SOURCES`)."""
+    paths = paths or tuple(_HERE / name for name in SOURCES)
+    return "\n".join([header(), *(path.read_text() for path in paths)])
 
 
 def build_key(source: str) -> dict[str, str]:

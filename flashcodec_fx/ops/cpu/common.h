@@ -1,6 +1,9 @@
 // Shared by the CPU kernels (attention.cpp, append.cpp): the codec as parsed from plan.py's tables, views of one
 // stream's stored state, code unpacking, row loads and small vector math. The launcher (build.py) concatenates this
-// file before the kernels; it is not a standalone header.
+// file before the kernels, after the header generated from the Python declarations of the layout (layout.py:
+// `python -m flashcodec_fx.ops.cpu.layout` prints it): the enums that name each state tensor (StateField: kStateTail,
+// ...), plan tensor (PlanField) and meta field, and CodecMeta, the meta fields as members. It is not a standalone
+// header.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -18,26 +21,14 @@
 
 namespace fc {
 
-constexpr int kMaxRows = 256;           // rows of a block (codecs cap block_size at 256)
-constexpr int kLevelWidth = 256;        // columns of the level table (plan.LEVEL_WIDTH)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kFp16Max = 65504.0f;
 
-enum Mode { kJpeg = 0, kPng = 1 };
 enum Quant { kNone = 0, kToken = 1, kChannel = 2 };
 enum Levels { kInt = 0, kUniform = 1, kMidrise = 2, kLloyd = 3 };
 
-// One codec, parsed from plan.Plan (meta layout: plan.META_FIELDS, then rows, then classes).
-struct Codec {
-  int mode, r, rows, dense, blocks, group, sinks, window, tail_cap;
-  bool center, rotate;
-  int quant, pruned, classes, zero_classes;
-  bool cumsum;
-  int head_dim, row_bytes;
-  bool search;
-  int n_shrink, n_lloyd, sum_width;
-  int bits[kMaxRows], byte_off[kMaxRows], row_class[kMaxRows];
-  int level_kind[kMaxRows], zero_slot[kMaxRows], class_first[kMaxRows], class_last[kMaxRows];
+// One codec, parsed from plan.Plan: the meta fields by name (CodecMeta, generated), the tables, and what follows.
+struct Codec : CodecMeta {
   float level_off[kMaxRows];  // affine level sets: level[c] == c + level_off (int, uniform, midrise)
   bool affine[kMaxRows];
   bool bytes8;            // every row 8-bit affine, rows back to back: a block converts as one run of bytes
@@ -47,35 +38,27 @@ struct Codec {
   const float* factors;   // shrink factors, then lloyd factors
 
   static Codec parse(const std::vector<at::Tensor>& plan) {
-    TORCH_CHECK(plan.size() == 6, "codec plan: expected 6 tensors");
-    const int64_t* m = plan[0].data_ptr<int64_t>();
+    TORCH_CHECK(plan.size() == kPlanFields, "codec plan: expected the tensors of plan.Plan");
+    const int64_t* m = plan[kPlanMeta].data_ptr<int64_t>();
     Codec c;
-    int i = 0;
-    c.mode = m[i++]; c.r = m[i++]; c.rows = m[i++]; c.dense = m[i++]; c.blocks = m[i++]; c.group = m[i++];
-    c.sinks = m[i++]; c.window = m[i++]; c.tail_cap = m[i++]; c.center = m[i++]; c.rotate = m[i++];
-    c.quant = m[i++]; c.pruned = m[i++]; c.classes = m[i++]; c.zero_classes = m[i++]; c.cumsum = m[i++];
-    c.head_dim = m[i++]; c.row_bytes = m[i++]; c.search = m[i++]; c.n_shrink = m[i++]; c.n_lloyd = m[i++];
-    c.sum_width = m[i++];
+    c.read_head(m);
     if (c.quant != kNone) {
-      for (int j = 0; j < c.rows; ++j, i += 4) {
-        c.bits[j] = m[i]; c.byte_off[j] = m[i + 1]; c.row_class[j] = m[i + 2];
-      }
-      for (int k = 0; k < c.classes; ++k, i += 4) {
-        c.level_kind[k] = m[i]; c.zero_slot[k] = m[i + 1]; c.class_first[k] = m[i + 2]; c.class_last[k] = m[i + 3];
-      }
+      const int64_t* record = m + kMetaFields;
+      for (int j = 0; j < c.rows; ++j, record += kRowFields) c.read_row(j, record);
+      for (int k = 0; k < c.classes; ++k, record += kClassFields) c.read_class(k, record);
       for (int j = 0; j < c.rows; ++j) {
-        int kind = c.level_kind[c.row_class[j]], half = 1 << (c.bits[j] - 1);
+        int kind = c.class_levels[c.row_class[j]], half = 1 << (c.bits[j] - 1);
         c.affine[j] = kind != kLloyd;
         c.level_off[j] = kind == kInt ? -half : kind == kMidrise ? 0.5f - half : 0.0f;
       }
     }
     c.bytes8 = c.quant != kNone;
     for (int j = 0; c.bytes8 && j < c.rows; ++j)
-      c.bytes8 = c.bits[j] == 8 && c.affine[j] && c.byte_off[j] == j * c.head_dim;
-    c.synth = plan[1].data_ptr<float>();
-    c.levels = plan[3].numel() ? plan[3].data_ptr<float>() : nullptr;
-    c.rot = plan[4].numel() ? plan[4].data_ptr<float>() : nullptr;
-    c.factors = plan[5].data_ptr<float>();
+      c.bytes8 = c.bits[j] == 8 && c.affine[j] && c.byte_offset[j] == j * c.head_dim;
+    c.synth = plan[kPlanSynth].data_ptr<float>();
+    c.levels = plan[kPlanLevels].numel() ? plan[kPlanLevels].data_ptr<float>() : nullptr;
+    c.rot = plan[kPlanRot].numel() ? plan[kPlanRot].data_ptr<float>() : nullptr;
+    c.factors = plan[kPlanFactors].data_ptr<float>();
     return c;
   }
 
@@ -113,10 +96,11 @@ struct Stream {
   int64_t elem, groups, length, start;  // start: the archive's end (state.start)
 
   Stream(const Codec& codec, const std::vector<at::Tensor>& st)
-      : c(&codec), dtype(st[6].scalar_type()), data_dtype(st[0].scalar_type()), data(st[0]),
-        data_elem(st[0].element_size()), scale(st[1]), zero(st[2]), index(st[3]), mean(st[4]), sink(st[5]),
-        tail(st[6]), elem(st[6].element_size()), groups(st[0].size(2)), length(*st[7].data_ptr<int64_t>()),
-        start(*st[8].data_ptr<int64_t>()) {
+      : c(&codec), dtype(st[kStateTail].scalar_type()), data_dtype(st[kStateData].scalar_type()),
+        data(st[kStateData]), data_elem(st[kStateData].element_size()), scale(st[kStateScale]),
+        zero(st[kStateZero]), index(st[kStateIndex]), mean(st[kStateMean]), sink(st[kStateSink]),
+        tail(st[kStateTail]), elem(st[kStateTail].element_size()), groups(st[kStateData].size(2)),
+        length(*st[kStateLength].data_ptr<int64_t>()), start(*st[kStateStart].data_ptr<int64_t>()) {
     // Lead3<char> strides count elements; convert to bytes.
     data.sb *= data_elem; data.sh *= data_elem; data.sn *= data_elem;
     sink.sb *= elem; sink.sh *= elem; sink.sn *= elem;
@@ -136,8 +120,13 @@ inline bool inner_contiguous(const at::Tensor& t, int64_t first) {
   return true;
 }
 
-// The first inner dim of state field i: archive fields (0-3) are read per group (dims 3..), the others per row.
-inline int64_t state_inner_dim(size_t field) { return field < 4 ? 3 : -1; }
+// The first inner dim of state field i: the archive's fields are read per group (dims 3..), the others per row.
+inline int64_t state_inner_dim(size_t field) {
+  switch (field) {
+    case kStateData: case kStateScale: case kStateZero: case kStateIndex: return 3;
+    default: return -1;
+  }
+}
 
 inline std::vector<at::Tensor> readable_state(const std::vector<at::Tensor>& st) {
   std::vector<at::Tensor> out(st);
@@ -326,7 +315,7 @@ inline void select_levels(const int32_t* codes, const float* table, int D, float
 // The unscaled level values of row j of a packed block (`block` = the block's row_bytes).
 inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* codes, float* out) {
   const int D = c.head_dim;
-  const uint8_t* src = block + c.byte_off[j];
+  const uint8_t* src = block + c.byte_offset[j];
   if (c.bits[j] == 8 && c.affine[j]) {
     const float off = c.level_off[j];
     for (int d = 0; d < D; ++d) out[d] = static_cast<float>(src[d]) + off;

@@ -1,25 +1,55 @@
 """The :class:`~flashcodec_fx.ops.plan.StoredFormPlan` serialized for the C++ kernels: an int64 ``meta`` vector and
 fp32 matrices (memoized per spec).
 
-``meta`` starts with the fields of :data:`META_FIELDS`, then 4 entries per stored row (bits, byte offset inside a
-block's packed codes, scale class, 0) and 4 per scale class (level set, zero slot, first row, last row). The order
-is the contract with ``common.h`` (``Codec::parse``); keep both in sync.
+``meta`` is the fields of :data:`META_FIELDS` (by name and in that order), then one record of :data:`ROW_FIELDS`
+per stored row of a quantized block and one of :data:`CLASS_FIELDS` per scale class. The C++ side reads them by
+name: its ``CodecMeta`` struct and the enums that place each field (and each tensor of :class:`Plan` and of a
+stream's state) are generated from these declarations (``layout.py``), so a field added here is one line plus its
+use in the kernels.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from ...codecs import jpeg, png
 from ..plan import CHANNEL_CODES, TOKEN_CODES, StoredFormPlan, stored_form_plan
 
-META_FIELDS = ("mode", "r", "rows", "dense", "blocks", "group", "sinks", "window", "tail_cap", "center", "rotate",
-               "quant", "pruned", "classes", "zero_classes", "cumsum", "head_dim", "row_bytes", "search",
-               "n_shrink", "n_lloyd", "sum_width")
 LEVEL_WIDTH = 256  # columns of the per-row level table (8-bit codes at most)
+MAX_ROWS = max(jpeg.MAX_BLOCK, png.MAX_BLOCK)  # stored rows of a block, at most (the C++ arrays' size)
 QUANT_AXES = {TOKEN_CODES: 1, CHANNEL_CODES: 2}  # the rest: 0
+
+# The head of ``meta``: each field's C++ type (a member of ``CodecMeta``) and its value for a plan and the summation
+# width (``sum_width``, the one input that is not the plan's).
+META_FIELDS: dict[str, tuple[str, Callable[[StoredFormPlan, int], int]]] = {
+    "jpeg": ("bool", lambda p, w: p.jpeg),  # stored rows are DCT coefficients, else png's anchor + deltas
+    "r": ("int", lambda p, w: p.block_size),
+    "rows": ("int", lambda p, w: p.rows),
+    "dense": ("int", lambda p, w: p.dense),
+    "blocks": ("int", lambda p, w: p.group_blocks),
+    "group": ("int", lambda p, w: p.group),
+    "sinks": ("int", lambda p, w: p.sinks),
+    "window": ("int", lambda p, w: p.window),
+    "tail_cap": ("int", lambda p, w: p.tail),
+    "center": ("bool", lambda p, w: p.center),
+    "rotate": ("bool", lambda p, w: p.rotate),
+    "quant": ("int", lambda p, w: QUANT_AXES.get(p.form, 0)),
+    "pruned": ("int", lambda p, w: p.kept),
+    "classes": ("int", lambda p, w: p.classes),
+    "zero_classes": ("int", lambda p, w: p.zero_classes),
+    "head_dim": ("int", lambda p, w: p.head_dim),
+    "row_bytes": ("int", lambda p, w: p.row_bytes),
+    "search": ("bool", lambda p, w: p.search),
+    "n_shrink": ("int", lambda p, w: len(p.shrink_factors)),
+    "n_lloyd": ("int", lambda p, w: len(p.lloyd_factors)),
+    "sum_width": ("int", lambda p, w: w),
+}
+ROW_FIELDS = ("bits", "byte_offset", "row_class")  # per stored row of a quantized block: StoredFormPlan's tuples
+CLASS_FIELDS = ("class_levels", "class_zero", "class_first", "class_last")  # per scale class: StoredFormPlan's
 
 
 class Plan(NamedTuple):
@@ -28,27 +58,17 @@ class Plan(NamedTuple):
     meta: torch.Tensor  # int64, see the module docstring
     synth: torch.Tensor  # (r, dense) fp32: a block is synth @ dense rows
     analysis: torch.Tensor  # (rows, r) fp32 jpeg DCT rows kept, (0, r) for png
-    levels: torch.Tensor  # (rows, 256) fp32 level value of each code (quantized), else (0, 256)
+    levels: torch.Tensor  # (rows, LEVEL_WIDTH) fp32 level value of each code (quantized), else (0, LEVEL_WIDTH)
     rot: torch.Tensor  # (D, D) fp32 rotation, or (0, 0)
     factors: torch.Tensor  # fp32 clipping factors of the scale search: shrink then lloyd
 
 
 def meta(plan: StoredFormPlan, sum_width: int) -> list[int]:
     """The ``meta`` vector of ``plan`` (see the module docstring)."""
-    fields = {
-        "mode": int(not plan.jpeg), "r": plan.block_size, "rows": plan.rows, "dense": plan.dense,
-        "blocks": plan.group_blocks, "group": plan.group, "sinks": plan.sinks, "window": plan.window,
-        "tail_cap": plan.tail, "center": int(plan.center), "rotate": int(plan.rotate),
-        "quant": QUANT_AXES.get(plan.form, 0), "pruned": plan.kept, "classes": plan.classes,
-        "zero_classes": plan.zero_classes, "cumsum": int(not plan.jpeg), "head_dim": plan.head_dim,
-        "row_bytes": plan.row_bytes, "search": int(plan.search), "n_shrink": len(plan.shrink_factors),
-        "n_lloyd": len(plan.lloyd_factors), "sum_width": sum_width,
-    }
-    out = [fields[name] for name in META_FIELDS]
-    for row in zip(plan.bits, plan.byte_offset, plan.row_class, strict=True):
-        out += [*row, 0]
-    for cls in zip(plan.class_levels, plan.class_zero, plan.class_first, plan.class_last, strict=True):
-        out += cls
+    out = [int(value(plan, sum_width)) for _, value in META_FIELDS.values()]
+    for fields in (ROW_FIELDS, CLASS_FIELDS):
+        for record in zip(*(getattr(plan, name) for name in fields), strict=True):
+            out += record
     return out
 
 

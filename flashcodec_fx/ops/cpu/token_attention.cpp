@@ -25,7 +25,7 @@ constexpr int64_t kMinTokenWorkPerThread = 16384;  // stored positions x tiles (
 
 // A codec whose archive holds one row per token: block_size 1, one stored row, token-axis scales or unquantized.
 inline bool per_token(const Codec& c) {
-  return c.mode == kJpeg && c.r == 1 && c.rows == 1 && c.blocks == 1 && (c.quant == kNone || c.quant == kToken);
+  return c.jpeg && c.r == 1 && c.rows == 1 && c.blocks == 1 && (c.quant == kNone || c.quant == kToken);
 }
 
 inline const char* row_codes_name(RowCodes k) {
