@@ -26,7 +26,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     from .. import __version__
-    from ..kernels import kernel_report
+    from ..kernel_report import kernel_report
     from ..provenance import version
 
     floors = {"torch": _compat.TORCH_FLOOR, "transformers": _compat.TRANSFORMERS_FLOOR, "triton": _compat.TRITON_FLOOR}

@@ -149,7 +149,7 @@ class FlashCodecCache(Cache):
     def fork(self) -> FlashCodecCache:
         """A cache continuing from this one's tokens that shares its archives until either writes them
         (copy-on-append, :mod:`flashcodec_fx.persist.fork`): the prompt-cache recipe without copying the prompt."""
-        from .fork import fork_cache
+        from .cache_fork import fork_cache
 
         return fork_cache(self)
 

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache, warn_untested_transformers
 from .attention import apply_codec_attention, remove_codec_attention
-from .compile import check_compile, forget_compiled_call, install_compile_config
+from .compile_option import check_compile, forget_compiled_call, install_compile_config
 from .flash_codec_cache import FlashCodecCache
 from .options import CACHE_SWITCHES, resolve_codecs
 
@@ -70,7 +70,7 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
     bound = inspect.signature(native).bind(*args, **kwargs)
     model_kwargs, max_cache_length = bound.arguments["model_kwargs"], bound.arguments["max_cache_length"]
     generation_config = bound.arguments["generation_config"]
-    install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.hf.compile
+    install_compile_config(generation_config, compiled)  # compile=...: see flashcodec_fx.hf.compile_option
     wanted = getattr(generation_config, "cache_implementation", None)
     if wanted not in REPLACED and not _user_cache(bound.arguments["model_kwargs"]):
         raise ValueError(f"flashcodec_fx replaces transformers' dynamic and static caches (cache_implementation in "
@@ -110,7 +110,7 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
     ``preset=NAME`` picks a preset (``flashcodec_fx.PRESETS``); other options override it. Attention runs on the
     stored form (the model switches to the ``"kvcodec"`` attention implementation) unless ``materialization_free=False``.
     ``compile=True`` (or a dict of ``flashcodec_fx.backend`` options, ``mode``, ``dynamic``) decodes through
-    ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.hf.compile``).
+    ``torch.compile`` with the flashcodec backend on a static, unmemoized cache (see ``flashcodec_fx.hf.compile_option``).
     Calling it again replaces the options. Returns ``model``. Undo with :func:`remove_flash_codec`.
     """
     warn_untested_transformers()

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf.attention import flashcodec_attention_forward, take  # noqa: E402
-from flashcodec_fx.kernels import kernel_kind, kernel_registry  # noqa: E402
+from flashcodec_fx.kernel_report import kernel_kind, kernel_registry  # noqa: E402
 
 TOKENS = 20_000
 PROMPT = 16

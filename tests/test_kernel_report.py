@@ -1,4 +1,4 @@
-"""`flashcodec_fx.kernels`: the kernel registry report reads torch's registry (what dispatch actually runs)."""
+"""`flashcodec_fx.kernel_report`: the kernel registry report reads torch's registry (what dispatch actually runs)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import importlib.util
 
 import torch
 
-from flashcodec_fx import kernels
+from flashcodec_fx import kernel_report
 from flashcodec_fx.ops import cpu
 
 
 def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
     """codec_attention and append run the C++ kernels of ``ops/cpu`` on CPU (unless ``FLASHCODEC_KERNELS=reference``),
     every other op the reference."""
-    registry = kernels.kernel_registry()
-    assert sorted(registry) == sorted(kernels.OPS)
+    registry = kernel_report.kernel_registry()
+    assert sorted(registry) == sorted(kernel_report.OPS)
     fast = cpu.kernel_mode() != "reference"
     want = {"flashcodec::codec_attention": ("flashcodec_fx.ops.cpu.launch.cpu_codec_attention" if fast
                                             else "flashcodec_fx.ops.reference.attention.codec_attention"),
@@ -23,25 +23,25 @@ def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
     for op, by_device in registry.items():
         if op in want:
             assert by_device["cpu"] == want[op]
-        assert kernels.kernel_kind(by_device["cpu"]) == ("cpu" if fast and op in want else "reference"), op
+        assert kernel_report.kernel_kind(by_device["cpu"]) == ("cpu" if fast and op in want else "reference"), op
 
 
 def test_cuda_kernels_are_triton_exactly_where_triton_has_one():
     """With Triton, the ops of ``triton_gate.KERNELS`` (every op) run Triton on CUDA; without Triton, every op
     runs the reference."""
-    registry = kernels.kernel_registry()
+    registry = kernel_report.kernel_registry()
     triton = importlib.util.find_spec("triton") is not None
     on_triton = set()
     if triton:
         from flashcodec_fx.ops.triton import gate as triton_gate
 
         on_triton = set(triton_gate.KERNELS)
-        assert on_triton == set(kernels.OPS)
+        assert on_triton == set(kernel_report.OPS)
         for op, fn in triton_gate.KERNELS.items():
             assert registry[op]["cuda"] == f"{fn.__module__}.{fn.__qualname__}"
     for op, by_device in registry.items():
-        assert kernels.kernel_kind(by_device["cuda"]) == ("triton" if op in on_triton else "reference"), op
-    why = kernels.kernel_report()["why"]["cuda"]
+        assert kernel_report.kernel_kind(by_device["cuda"]) == ("triton" if op in on_triton else "reference"), op
+    why = kernel_report.kernel_report()["why"]["cuda"]
     for op in on_triton:
         assert op.split("::")[1] in why.split("; the plain-torch")[0]
 
@@ -56,15 +56,15 @@ def test_a_kernel_registered_for_cpu_shows_up(monkeypatch):
         return x + x
 
     twice.register_kernel("cpu")(compiled_twice)
-    monkeypatch.setattr(kernels, "OPS", ("flashcodec_kernels_test::twice",))
-    registry = kernels.kernel_registry()["flashcodec_kernels_test::twice"]
+    monkeypatch.setattr(kernel_report, "OPS", ("flashcodec_kernels_test::twice",))
+    registry = kernel_report.kernel_registry()["flashcodec_kernels_test::twice"]
     assert registry["cpu"].endswith("test_a_kernel_registered_for_cpu_shows_up.<locals>.compiled_twice")
     assert registry["cuda"].endswith("test_a_kernel_registered_for_cpu_shows_up.<locals>.twice")
     assert torch.equal(twice(torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_report_says_why():
-    report = kernels.kernel_report()
+    report = kernel_report.kernel_report()
     fast = cpu.kernel_mode() != "reference"
     assert report["active"]["cpu"] == (["cpu", "reference"] if fast else ["reference"])
     assert ("CPU kernels registered: cpu, reference" if fast else "reference") in report["why"]["cpu"]
