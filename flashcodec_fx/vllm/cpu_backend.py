@@ -5,7 +5,7 @@ that backend). ``customize_spec`` turns a full-attention decoder layer's spec in
 ``PluginConfig.state_content_bytes`` per (token, KV head); every other spec (sliding window, cross attention, ...)
 stays vLLM's, and those layers run vLLM's own CPU attention (one warning per KV cache group names them).
 :class:`FlashCodecCPUImpl` stores through ``slot_mapping`` in ``do_kv_cache_update`` (before forward, as the CPU
-backend declares) and attends on the codes through the block table in ``forward`` (``common.FlashCodecImpl``).
+backend declares) and attends on the codes through the block table in ``forward`` (``backend_base.FlashCodecImpl``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .common import FlashCodecImpl, check_engine, customize_spec, warn_stock_layers
+from .backend_base import FlashCodecImpl, check_engine, customize_spec, warn_stock_layers
 
 
 class FlashCodecCPUBackend(CPUAttentionBackend):

@@ -26,8 +26,8 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from .common import FlashCodecImpl, check_engine, customize_spec, warn_stock_layers
-from .triton.common import MAX_BLOCK_SIZE
+from .backend_base import FlashCodecImpl, check_engine, customize_spec, warn_stock_layers
+from .triton.page_form import MAX_BLOCK_SIZE
 
 
 class FlashCodecCUDABackend(TritonAttentionBackend):

@@ -4,7 +4,7 @@
 kernels for CPU tensors, the reference after one warning when they cannot be built; ``reference`` always the
 reference (the spec); ``fast`` the C++ kernels or an error. CUDA tensors run the Triton kernels (``triton/``) the
 same way: ``auto`` takes the reference after one warning when triton does not import or the format exceeds the
-Triton limits (``triton.common.check_paged_limits``), ``fast`` raises instead. Tensors on other devices run the
+Triton limits (``triton.page_form.check_paged_limits``), ``fast`` raises instead. Tensors on other devices run the
 reference. The Triton kernels are tested on the interpreter and compiled for sm_90, never run on a GPU
 (docs/vllm.md, "CUDA kernels").
 

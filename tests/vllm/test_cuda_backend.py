@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, Sliding
 
 import flashcodec_fx.vllm as plugin  # noqa: E402
 from flashcodec_fx.vllm import kernels  # noqa: E402
-from flashcodec_fx.vllm.common import check_engine, plugin_config  # noqa: E402
+from flashcodec_fx.vllm.backend_base import check_engine, plugin_config  # noqa: E402
 from flashcodec_fx.vllm.config import ENV_NAMES, ENV_PRESET  # noqa: E402
 from flashcodec_fx.vllm.cpu_backend import FlashCodecCPUBackend  # noqa: E402
 from flashcodec_fx.vllm.cuda_backend import (  # noqa: E402

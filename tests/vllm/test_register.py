@@ -35,7 +35,7 @@ def test_register_replaces_cpu_attention_once(monkeypatch):
 
 def test_pages_for_full_attention_only(monkeypatch):
     monkeypatch.setenv(ENV_PRESET, "3bit")
-    from flashcodec_fx.vllm.common import plugin_config
+    from flashcodec_fx.vllm.backend_base import plugin_config
     from flashcodec_fx.vllm.cpu_backend import FlashCodecCPUBackend
 
     plugin_config.cache_clear()

@@ -19,7 +19,7 @@ from _paged_cases import make_batch  # noqa: E402
 
 from flashcodec_fx.vllm.page import page_format, store_plan  # noqa: E402
 from flashcodec_fx.vllm.reference import attention_reference  # noqa: E402
-from flashcodec_fx.vllm.triton import check_paged_limits, common, triton_paged_attention, triton_paged_store  # noqa: E402
+from flashcodec_fx.vllm.triton import check_paged_limits, page_form, triton_paged_attention, triton_paged_store  # noqa: E402
 
 # Attention, fp32: both accumulate in fp32 in different orders (the kernel folds the scale and log2(e) into q and
 # takes exp2, the reference softmaxes), unit-scale data: within 2e-5 (measured: <= 5e-7). fp16: both round an fp32
@@ -53,8 +53,8 @@ def triton_store(fmt, key, value, cache, slots, block_table, seq_lens, query_sta
 
 def test_constants_name_the_tuples_fields():
     """``P_<FIELD>`` / ``S_<FIELD>`` index ``PageConsts`` / ``SlotConsts`` by their fields' names and order."""
-    for prefix, consts in (("P_", common.PageConsts), ("S_", common.SlotConsts)):
-        names = {name: getattr(common, name).value for name in dir(common) if name.startswith(prefix)}
+    for prefix, consts in (("P_", page_form.PageConsts), ("S_", page_form.SlotConsts)):
+        names = {name: getattr(page_form, name).value for name in dir(page_form) if name.startswith(prefix)}
         want = {prefix + f.name.upper(): i for i, f in enumerate(fields(consts))}
         assert names == want
 

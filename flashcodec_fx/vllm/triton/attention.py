@@ -25,7 +25,7 @@ import triton.language as tl
 from ...ops.triton.common import pow2
 from ..page import PageFormat
 from ..reference import page_view
-from .common import (
+from .page_form import (
     P_A,
     P_BS,
     P_CENTER,

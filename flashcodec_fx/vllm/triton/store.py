@@ -18,7 +18,7 @@ import triton.language as tl
 from ...ops.triton.append import _base, _nearest, _search
 from ..page import PageFormat, StorePlan
 from ..reference import page_view
-from .common import (
+from .page_form import (
     P_A,
     P_BS,
     P_CENTER,
