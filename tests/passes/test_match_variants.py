@@ -23,11 +23,12 @@ N_STATE = len(fc.ops.StreamState._fields)
 
 
 def _streams(length: int):
-    """Flat ``[*key_state, *value_state]`` of a static cache holding ``length`` tokens, and the two specs."""
+    """Flat ``[*key_state, *value_state]`` of a static cache holding ``length`` tokens, and the two specs the streams
+    store with (``CodecStream.spec``: the value codec's fp32 stream keeps its raw rows in bf16, ``raw=bfloat16``)."""
     torch.manual_seed(0)
     cache = fc.CodecKVCache(KEY_CODEC, VALUE_CODEC, layout="static", max_length=CAP)
     cache.append(torch.randn(B, HKV, length, D), torch.randn(B, HKV, length, D))
-    return [*cache.keys.state, *cache.values.state], (KEY_CODEC.spec, VALUE_CODEC.spec)
+    return [*cache.keys.state, *cache.values.state], (cache.keys.spec, cache.values.spec)
 
 
 def _read(state, spec):
