@@ -256,7 +256,7 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
     if args.only is not None and "twins" not in args.only:
         return {"vllm": rows, "flashcodec": [], **protocol}
     print("== quality (FlashCodecCache, same protocol)", flush=True)
-    from bench_ppl import stored_bits, stream_all
+    from bench_ppl import WORST_SPAN, stored_bits, stream_all
 
     from flashcodec_fx.pretrained import load_pretrained
 
@@ -265,7 +265,8 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
     twins = stream_all(model, batch, tiers, CHUNK, CHUNK)
     for row, cand in zip(twins, [None, *tiers], strict=True):
         if cand is not None:
-            row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, CHUNK, CHUNK))
+            row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, CHUNK, CHUNK,
+                                   min(WORST_SPAN, args.window_tokens - 1)))
     return {"vllm": against_twins(rows, twins), "flashcodec": twins, **protocol}
 
 

@@ -49,6 +49,14 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atte
                tie_word_embeddings=False)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the thread count the session started with (tests that pin threads need not undo it)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(family: str):
     """The config of a tiny model of ``family`` (see module docstring)."""
     transformers = pytest.importorskip("transformers")

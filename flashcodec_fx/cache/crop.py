@@ -7,7 +7,6 @@ import torch
 
 from ..codecs import PNGCodec
 from ..ops.reference.normalize import from_stored, to_stored
-from ..ops.state import StreamState
 
 CROP_MODES = ("decode", "exact")  # the first is the default
 
@@ -113,11 +112,11 @@ class StreamCrop:
             return
         self._repay_memo()
         groups, st = tokens // codec.group, self.state
-        rolled = [t.roll(-groups, dims=2) if t.numel() else t for t in st[:4]]
-        for t in rolled:
+        rolled = {name: t.roll(-groups, dims=2) if t.numel() else t for name, t in st.archive()._asdict().items()}
+        for t in rolled.values():
             if t.numel():
                 t[:, :, t.shape[2] - groups:].zero_()
-        self.state = StreamState(*rolled, *st[4:])
+        self.state = st._replace(**rolled)
         st.length.sub_(tokens)
         st.start.sub_(tokens)
         if self.memo is not None:
@@ -142,7 +141,8 @@ class StreamCrop:
         else:
             group = (reopened - codec.sinks) // codec.group
             end = torch.full_like(st.start, codec.sinks + codec.group)  # the group archived, no tail row
-            alone = StreamState(*(t[:, :, group: group + 1].contiguous() for t in st[:4]), *st[4:7], end, end, st.norm)
+            archive = {name: t[:, :, group: group + 1].contiguous() for name, t in st.archive()._asdict().items()}
+            alone = st._replace(**archive, length=end, start=end)
             view = torch.ops.flashcodec.read(list(alone), self.spec)[:, :, codec.sinks: codec.sinks + keep - reopened]
         return to_stored(codec, st, view)
 

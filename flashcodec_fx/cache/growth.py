@@ -123,7 +123,7 @@ class StreamGrowth:
         self._first_call = first_call_after(self._first_call, n, t, self.codec.sinks)
         self._host_length = n + t
 
-    @torch.compiler.disable
+    @_compat.disable_dynamo
     def _convert(self, x: torch.Tensor) -> torch.Tensor:
         """Leave the raw prefix before appending ``x (B, H, T, D)``: allocate the codec state for the held tokens and
         ``x``, and append the held ones as the calls of :func:`~flashcodec_fx.raw_prefix.replay_calls`. Returns the

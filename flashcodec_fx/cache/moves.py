@@ -32,8 +32,9 @@ class StreamMoves:
             return
         st, filled, length = self.state, self.filled_groups, self.get_seq_length()
         groups = max(filled, self.covering_groups if groups is None else groups)
-        archive = [_moved(t, device, filled, groups) for t in st[:4]]
-        self.state = StreamState(*archive, *(t.to(device, non_blocking=True) for t in st[4:]))
+        archive = st.archive()._fields
+        self.state = StreamState(**{name: _moved(t, device, filled, groups) if name in archive
+                                    else t.to(device, non_blocking=True) for name, t in st._asdict().items()})
         if self.memo is not None:
             self.memo = _moved(self.memo, device, length, self.capacity)
 

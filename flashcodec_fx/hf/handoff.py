@@ -16,8 +16,9 @@ codec layer at ``layer_idx`` of the cache's table (a layer used on its own has a
 update puts the step there, and the attention call of the module whose ``layer_idx`` it is takes it out. transformers
 passes attention functions the module (so its ``layer_idx``), not the cache: the table a layer handed a step to last
 is the current one of this context (``_FORWARD``, a ``ContextVar``: per thread and asyncio task, as vLLM's forward
-context). It is ``hf``'s one piece of module-level state: a reference to a table, nothing keyed by object ids. The layer learns whether its step was taken by looking at the table (taken: no longer
-there), never from a flag attention writes back.
+context). It is ``hf``'s one piece of module-level state: a reference to a table, nothing keyed by object ids. The
+layer learns whether its step was taken by looking at the table (taken: no longer there), never from a flag attention
+writes back.
 
 A model that calls ``cache.update`` with another index than its attention module's ``layer_idx`` (a cache offset, as
 looped models do) leaves its steps untaken: the layer then attends on the decoded view, with a

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..codecs import Codec, JPEGCodec, PNGCodec, codec_from_spec
+from ..codecs import Codec, Encoded, JPEGCodec, PNGCodec, codec_from_spec
 from ..codecs.channel_norm import NORM_DTYPE
 
 KERNEL_CODECS = (JPEGCodec, PNGCodec)  # what the fast kernels (C++, Triton) know; other codecs run the reference
@@ -57,6 +57,10 @@ class StreamState(NamedTuple):
     length: torch.Tensor
     start: torch.Tensor
     norm: torch.Tensor
+
+    def archive(self) -> Encoded:
+        """The archive's fields (``data``, ``scale``, ``zero``, ``index``) as the codec's :class:`Encoded`."""
+        return Encoded(*(getattr(self, name) for name in Encoded._fields))
 
 
 BATCHED_FIELDS = tuple(f for f in StreamState._fields if f not in ("length", "start"))  # (B, H, ...) tensors
@@ -85,7 +89,7 @@ def empty_state(codec: Codec, batch: int, heads: int, groups: int, head_dim: int
 
 def capacity(codec: Codec, state) -> int:
     """Positions a state can hold: ``sinks + NG * G``."""
-    return codec.sinks + state[0].shape[2] * codec.group
+    return codec.sinks + StreamState(*state).data.shape[2] * codec.group
 
 
 def advance(codec: Codec, start, end):

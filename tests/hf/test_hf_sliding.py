@@ -18,6 +18,9 @@ WINDOW = 12  # conftest's tiny gemma3
 LOSSY = dict(key_options={"mode": "jpeg", "block_size": 8, "quant_bits": 4, "scale_axis": "channel", "group": 8},
              value_options={"mode": "jpeg", "block_size": 1, "quant_bits": 4, "levels": "lloyd", "rotate": True,
                             "window": 4})
+# The two routes' float arithmetic differs in the last bits; rows kept raw in bf16 (an fp32 stream's default) would
+# round such a difference up to a bf16 step and carry it on: the routes are compared with rows stored as computed.
+SAME_ROWS = {**LOSSY, "value_options": {**LOSSY["value_options"], "raw_dtype": "stream"}}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_lossy_ring_stored_form_equals_its_decoded_view(gemma):
     ids = tiny_prompt(1, 9, seed=3)
     outs = []
     for free in (True, False):
-        fx.apply_flash_codec(gemma, materialization_free=free, strict=free, memoize=False, **LOSSY)
+        fx.apply_flash_codec(gemma, materialization_free=free, strict=free, memoize=False, **SAME_ROWS)
         try:
             outs.append(_generate(gemma, ids, 36, output_scores=True))
         finally:

@@ -113,19 +113,28 @@ def _check_meta(plan: StoredFormPlan) -> None:
 
 def _check_triton(plan: StoredFormPlan, codec: Codec) -> None:
     """The Triton tuple and tables: each field the plan's (``fold`` only for channel codes, ``offset`` as given)."""
-    from flashcodec_fx.ops.triton.common import StreamForm, pow2, stream_tables
+    from flashcodec_fx.ops.triton import common
+    from flashcodec_fx.ops.triton.common import F_FOLD, F_OFFSET, F_R, StreamForm, pow2, stream_tables
 
     form = StreamForm.of(plan, fold=True, offset=3)
-    assert form.constexpr() == (
-        plan.form, plan.block_size, plan.rows, plan.dense, pow2(plan.dense), plan.kept, plan.sinks, plan.tail,
-        plan.group_blocks, plan.classes, plan.zero_classes, plan.row_bytes, plan.slices, plan.lloyd, plan.level_width,
-        plan.rotate, plan.center, plan.form == CHANNEL_CODES, 3)
+    assert form._asdict() == {
+        "form": plan.form, "r": plan.block_size, "rows": plan.rows, "dense": plan.dense, "dense_p": pow2(plan.dense),
+        "kept": plan.kept, "sinks": plan.sinks, "tail": plan.tail, "group_blocks": plan.group_blocks,
+        "classes": plan.classes, "zeros": plan.zero_classes, "row_bytes": plan.row_bytes, "slices": plan.slices,
+        "lloyd": plan.lloyd, "levels_w": plan.level_width, "rotate": plan.rotate, "center": plan.center,
+        "fold": plan.form == CHANNEL_CODES, "offset": 3}
+    tup = form.constexpr()
+    assert type(tup) is tuple and tup[F_R] == plan.block_size and tup[F_OFFSET] == 3 and tup[F_FOLD] == form.fold
+    for name in form._fields:  # each F_<NAME> is its field's place in the kernels' tuple
+        assert tup[getattr(common, f"F_{name.upper()}")] == getattr(form, name)
     assert not StreamForm.of(plan).fold and StreamForm.of(plan).offset == 0
     tables = stream_tables(codec, plan.head_dim, "cpu")
     assert torch.equal(tables.synthesis, plan.synthesis)
     if plan.bits:
-        want = [plan.bits, plan.bit_offset, plan.row_class, plan.zero_slot, plan.level_kind]
-        assert tables.rows.dtype == torch.int32 and tables.rows.tolist() == [list(r) for r in want]
+        want = {common.ROW_BITS: plan.bits, common.ROW_BIT_OFFSET: plan.bit_offset, common.ROW_CLASS: plan.row_class,
+                common.ROW_ZERO_SLOT: plan.zero_slot, common.ROW_KIND: plan.level_kind}
+        assert tables.rows.dtype == torch.int32 and len(tables.rows) == len(want)
+        assert all(tables.rows[row.value].tolist() == list(values) for row, values in want.items())
         assert torch.equal(tables.levels, plan.levels)
     else:
         assert tables.rows.numel() == 1 and tables.levels.numel() == 1

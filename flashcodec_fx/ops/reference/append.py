@@ -107,7 +107,7 @@ def _write_groups(codec: Codec, st: StreamState, work: torch.Tensor, start: torc
     :func:`_archived_groups` writes."""
     first, write = _archived_groups(codec, st, work.shape[2] - codec.tail_capacity, start, end)
     enc = codec.encode(work[:, :, : write.shape[0] * codec.group], st.mean)
-    for store, fresh in zip(st[:4], enc, strict=True):
+    for store, fresh in zip(st.archive(), enc, strict=True):
         write_prefix(store, first, fresh, write)
 
 
@@ -124,7 +124,7 @@ def write_memo(codec: Codec, st: StreamState, memo: torch.Tensor, new: torch.Ten
         return
     first, write = _archived_groups(codec, st, t, start, st.start)
     slots = (first + torch.arange(write.shape[0], device=new.device)).clamp(0, ng - 1)
-    enc = Encoded(*(field.index_select(2, slots) for field in st[:4]))
+    enc = Encoded(*(field.index_select(2, slots) for field in st.archive()))
     rows = from_stored(codec, st, codec.decode(enc, memo.dtype, st.mean)).view(b, h, write.shape[0], g, d)
     write_prefix(memo[:, :, codec.sinks:].view(b, h, ng, g, d), first, rows, write)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...codecs import Codec, Encoded
+from ...codecs import Codec
 from ..state import StreamState, capacity, check_state, spec_codec, stream_dtype
 from .normalize import from_stored
 
@@ -39,7 +39,7 @@ def read_reference(state: list[torch.Tensor], spec: str, new: torch.Tensor | Non
     """``(B, H, capacity, D)`` in the stream dtype: position ``p`` holds what attention reads there."""
     codec, st = check_read_args(state, spec, new)
     dev, length, dtype = st.tail.device, st.length, stream_dtype(codec, st.tail)
-    archive = codec.decode(Encoded(*st[:4]), dtype, st.mean)
+    archive = codec.decode(st.archive(), dtype, st.mean)
     view = torch.cat([st.sink.to(dtype), archive], dim=2)
     pos = torch.arange(capacity(codec, st), device=dev)
     start = st.start

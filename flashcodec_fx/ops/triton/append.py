@@ -21,8 +21,6 @@ CUDA-graph capturable), in the reference's order (``ops/reference/append.py``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +57,7 @@ from .common import (
     ROW_KIND,
     ROW_ZERO_SLOT,
     StreamForm,
+    TupleFields,
     check_group_tokens,
     check_triton_limits,
     float_rows,
@@ -74,47 +73,28 @@ _CHANNEL_CODES: tl.constexpr = tl.constexpr(CHANNEL_CODES)
 _PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 _CHUNK = 16  # token rows per step of the intake and tail loops
-# Index of each EncodeTiles field in its constexpr tuple:
-E_D: tl.constexpr = tl.constexpr(0)
-E_DP: tl.constexpr = tl.constexpr(1)
-E_GP: tl.constexpr = tl.constexpr(2)
-E_RP: tl.constexpr = tl.constexpr(3)
-E_RC: tl.constexpr = tl.constexpr(4)
-E_WINDOW: tl.constexpr = tl.constexpr(5)
-E_IS_JPEG: tl.constexpr = tl.constexpr(6)
-E_QUANT: tl.constexpr = tl.constexpr(7)
-E_SEARCH: tl.constexpr = tl.constexpr(8)
-E_HAS_MEMO: tl.constexpr = tl.constexpr(9)
-E_CHUNK: tl.constexpr = tl.constexpr(10)
-E_DC: tl.constexpr = tl.constexpr(11)
-E_GBP: tl.constexpr = tl.constexpr(12)
-E_RPP: tl.constexpr = tl.constexpr(13)
+# The fields of the append kernels' shape tuple (:class:`EncodeTiles`), in tuple order (kernels: ``E[E_D]``):
+_ENCODE = TupleFields("EncodeTiles")
+E_D = _ENCODE("head_dim")
+E_DP = _ENCODE("dp")  # head_dim's tile
+E_GP = _ENCODE("gp")  # rows of a group's token tile (a power of two >= 16, tl.dot's minimum)
+E_RP = _ENCODE("rp")  # rows of its stored-row tile (likewise)
+E_RC = _ENCODE("rc")  # the rotation's column chunk
+E_WINDOW = _ENCODE("window")
+E_IS_JPEG = _ENCODE("is_jpeg")
+E_QUANT = _ENCODE("quant")
+E_SEARCH = _ENCODE("search")  # the clipping search
+E_HAS_MEMO = _ENCODE("has_memo")
+E_CHUNK = _ENCODE("chunk")  # token rows per loop step of the intake and tail kernels
+E_DC = _ENCODE("dc")  # channels per encode program: head_dim for token-axis codes (their scales span it), else rc
+E_GBP = _ENCODE("gbp")  # gbp x rpp: the (blocks, positions) tile the memo decodes a group of several blocks in
+E_RPP = _ENCODE("rpp")  # (gbp * rpp >= 16)
 
 
-@dataclass(frozen=True)
-class EncodeTiles:
-    """The append kernels' shape constexprs (tuple order = field order): ``head_dim`` (``dp`` its tile), ``gp`` rows
-    of a group's token tile and ``rp`` of its stored-row tile (powers of two >= 16, tl.dot's minimum), ``rc`` the
-    rotation's column chunk, ``window``, ``is_jpeg``, ``quant``, ``search`` (the clipping search), ``has_memo``,
-    ``chunk`` token rows per loop step of the intake and tail kernels, ``dc`` channels per encode program (the whole
-    head_dim for token-axis codes, whose scales span it; else ``rc``: every other stored form is per channel),
-    ``gbp`` x ``rpp`` the (blocks, positions) tile the memo decodes a group of several blocks in (``gbp * rpp >=
-    16``)."""
+class EncodeTiles(_ENCODE.namedtuple()):
+    """The append kernels' shape constexprs (its fields: the ``E_*`` declarations above, in tuple order)."""
 
-    head_dim: int
-    dp: int
-    gp: int
-    rp: int
-    rc: int
-    window: int
-    is_jpeg: bool
-    quant: bool
-    search: bool
-    has_memo: bool
-    chunk: int
-    dc: int
-    gbp: int
-    rpp: int
+    __slots__ = ()
 
     @classmethod
     def of(cls, plan: StoredFormPlan, has_memo: bool) -> EncodeTiles:
@@ -122,12 +102,13 @@ class EncodeTiles:
         stored = plan.group_blocks * pow2(plan.rows if plan.jpeg else plan.block_size)
         rc = min(32, dp)
         rpp = pow2(plan.block_size)
-        return cls(plan.head_dim, dp, pow2(plan.group, 16), pow2(stored, 16), rc, plan.window, plan.jpeg,
-                   plan.quantized, plan.search, has_memo, _CHUNK, dp if plan.form == TOKEN_CODES else rc,
-                   max(pow2(plan.group_blocks), -(-16 // rpp)), rpp)
+        return cls(head_dim=plan.head_dim, dp=dp, gp=pow2(plan.group, 16), rp=pow2(stored, 16), rc=rc,
+                   window=plan.window, is_jpeg=plan.jpeg, quant=plan.quantized, search=plan.search,
+                   has_memo=has_memo, chunk=_CHUNK, dc=dp if plan.form == TOKEN_CODES else rc,
+                   gbp=max(pow2(plan.group_blocks), -(-16 // rpp)), rpp=rpp)
 
     def constexpr(self) -> tuple:
-        return tuple(self.__dict__.values())
+        return tuple(self)
 
 
 # --- device helpers ---------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from .common import (
     MAX_TILE_POSITIONS,
     ROW_ZERO_SLOT,
     StreamForm,
+    TupleFields,
     check_triton_limits,
     fdiv,
     float_rows,
@@ -78,16 +79,33 @@ _BOOL_MASK: tl.constexpr = tl.constexpr(BOOL_MASK)
 _FLOAT_ROWS: tl.constexpr = tl.constexpr(FLOAT_ROWS)
 _PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
 _TOKEN_CODES: tl.constexpr = tl.constexpr(TOKEN_CODES)
-# Index of each AttentionTiles field in its constexpr tuple:
-T_D: tl.constexpr = tl.constexpr(0)
-T_DP: tl.constexpr = tl.constexpr(1)
-T_BP: tl.constexpr = tl.constexpr(2)
-T_BPP: tl.constexpr = tl.constexpr(3)
-T_NKB: tl.constexpr = tl.constexpr(4)
-T_NVB: tl.constexpr = tl.constexpr(5)
-T_BLOCK_M: tl.constexpr = tl.constexpr(6)
-T_RC: tl.constexpr = tl.constexpr(7)
-T_A0: tl.constexpr = tl.constexpr(8)
+# The fields of the split kernel's shape tuple (:class:`AttentionTiles`), in tuple order (kernels: ``TL[T_D]``):
+_TILES = TupleFields("AttentionTiles")
+T_D = _TILES("head_dim")
+T_DP = _TILES("dp")  # head_dim's tile
+T_BP = _TILES("positions")  # positions per tile
+T_BPP = _TILES("positions_p")  # their power-of-two tile
+T_NKB = _TILES("key_blocks")  # key block slots per tile
+T_NVB = _TILES("value_blocks")  # value block slots per tile
+T_BLOCK_M = _TILES("block_m")  # query rows per program
+T_RC = _TILES("rc")  # the column chunk of the rotations
+T_A0 = _TILES("a0")  # the first position both streams archive
+# The fields of one stream's tuple of kernel arguments (pointers), in tuple order (kernels: ``K[S_MEAN]``): the
+# state's tensors the kernels read through pointers (StreamState's names: all but length and start, passed apart,
+# and norm, applied by the launcher), the call's new tokens, the stream's tables (StreamTables' names).
+_STREAM = TupleFields("StreamArgs")
+S_DATA = _STREAM("data")
+S_SCALE = _STREAM("scale")
+S_ZERO = _STREAM("zero")
+S_INDEX = _STREAM("index")
+S_MEAN = _STREAM("mean")
+S_SINK = _STREAM("sink")
+S_TAIL = _STREAM("tail")
+S_NEW = _STREAM("new")
+S_SYNTHESIS = _STREAM("synthesis")
+S_ROTATION = _STREAM("rotation")
+S_ROWS = _STREAM("rows")
+S_LEVELS = _STREAM("levels")
 
 
 # --- one stream's pieces ----------------------------------------------------------------------------------------
@@ -97,7 +115,8 @@ def _arch_rows_t(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, KA_T: tl.co
                  q_k, qsum):
     """Key coefficients ``q_k . S[blk, j]`` of one tile, ``(BLOCK_M, NKB * DENSE_P)``, column ``n * DENSE_P + j`` for
     block ``blk0 + n`` (scales, level offsets and zero points applied)."""
-    data, scale, zero, index, mean, sink, tail, new, syn, rot, rows, levels = S
+    data, scale, zero, index = S[S_DATA], S[S_SCALE], S[S_ZERO], S[S_INDEX]
+    rows, levels = S[S_ROWS], S[S_LEVELS]
     FORM: tl.constexpr = F[F_FORM]
     R: tl.constexpr = F[F_R]
     K: tl.constexpr = F[F_ROWS]
@@ -163,7 +182,8 @@ def _arch_rows_t(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, KA_T: tl.co
 def _arch_values(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, VA_T: tl.constexpr, PREC: tl.constexpr, pc):
     """``sum_(n, j) pc[:, (n, j)] * S[blk0 + n, j, :]`` ``(BLOCK_M, DP)`` for the value blocks of one tile; ``pc``
     ``(BLOCK_M, NVB * DENSE_P)``: the probabilities folded through the synthesis matrix."""
-    data, scale, zero, index, mean, sink, tail, new, syn, rot, rows, levels = S
+    data, scale, zero, index = S[S_DATA], S[S_SCALE], S[S_ZERO], S[S_INDEX]
+    rows, levels = S[S_ROWS], S[S_LEVELS]
     FORM: tl.constexpr = F[F_FORM]
     R: tl.constexpr = F[F_R]
     K: tl.constexpr = F[F_ROWS]
@@ -242,7 +262,7 @@ def _raw_found(L, F: tl.constexpr, p, ok):
 def _raw_rows(S, N, L, F: tl.constexpr, D: tl.constexpr, b, kvh, bh, p, d, ok):
     """Raw tokens of one stream at positions ``p``, channel ``d`` (broadcast to the tile), zero where not held raw:
     sink ``p``, tail row ``p - start`` or new token ``p - stored_end`` (``N``: the new tokens' strides)."""
-    data, scale, zero, index, mean, sink, tail, new, syn, rot, rows, levels = S
+    sink, tail, new = S[S_SINK], S[S_TAIL], S[S_NEW]
     length, start, stored_end, arch_end, NB = L
     sn0, sn1, sn2, sn3 = N
     SINKS: tl.constexpr = F[F_SINKS]
@@ -420,8 +440,8 @@ def _split_kernel(
     RC: tl.constexpr = TL[T_RC]
     A0: tl.constexpr = TL[T_A0]
     K_SINKS: tl.constexpr = KF[F_SINKS]
-    kmean, k_syn, k_rot = K[4], K[8], K[9]
-    vmean, v_syn, v_rot = V[4], V[8], V[9]
+    kmean, k_syn, k_rot = K[S_MEAN], K[S_SYNTHESIS], K[S_ROTATION]
+    vmean, v_syn, v_rot = V[S_MEAN], V[S_SYNTHESIS], V[S_ROTATION]
     pid = tl.program_id(0)
     split = tl.program_id(1)
     bh = (pid // N_MCHUNK).to(tl.int64)
@@ -578,24 +598,13 @@ def _sm_count(device: torch.device) -> int:
     return 2
 
 
-@dataclass(frozen=True)
-class AttentionTiles:
-    """The split kernel's shape constexprs (tuple order = field order): ``head_dim`` (``DP`` its tile), ``positions``
-    per tile ``BP`` (``BPP`` its power-of-two tile), key / value block slots per tile, ``block_m`` query rows per
-    program, ``rc`` the column chunk of the rotations, ``a0`` the first position both streams archive."""
+class AttentionTiles(_TILES.namedtuple()):
+    """The split kernel's shape constexprs (its fields: the ``T_*`` declarations above, in tuple order)."""
 
-    head_dim: int
-    dp: int
-    positions: int
-    positions_p: int
-    key_blocks: int
-    value_blocks: int
-    block_m: int
-    rc: int
-    a0: int
+    __slots__ = ()
 
     def constexpr(self) -> tuple:
-        return tuple(self.__dict__.values())
+        return tuple(self)
 
 
 @dataclass(frozen=True)
@@ -641,9 +650,10 @@ def tile_plan(ck, cv) -> TilePlan:
 
 def _tiles(ck, cv, positions: int, offset: int, head_dim: int, block_m: int) -> AttentionTiles:
     dp = pow2(head_dim, 16)
-    return AttentionTiles(head_dim, dp, positions, pow2(positions), pow2(positions // ck.block_size),
-                          pow2(positions // cv.block_size + (offset > 0)), block_m, min(32, dp),
-                          max(ck.sinks, cv.sinks))
+    return AttentionTiles(head_dim=head_dim, dp=dp, positions=positions, positions_p=pow2(positions),
+                          key_blocks=pow2(positions // ck.block_size),
+                          value_blocks=pow2(positions // cv.block_size + (offset > 0)), block_m=block_m,
+                          rc=min(32, dp), a0=max(ck.sinks, cv.sinks))
 
 
 def attention_plan(batch: int, kv_heads: int, rows: int, ck, cv, groups_k: int, head_dim: int, device: torch.device,
@@ -695,13 +705,15 @@ def _exact16(form: StreamForm, data: torch.Tensor) -> bool:
 
 
 def _stream_args(codec, st, new: torch.Tensor | None, placeholder: torch.Tensor, tables) -> list:
-    """One stream's kernel arguments: the tuple of state tensors (empty ones replaced by ``placeholder``: never read),
-    new tokens and tables, then length, start, the new tokens' strides and the archive's capacity in blocks."""
-    tensors = tuple(placeholder if x.numel() == 0 else x for x in st[:7])
-    new_t = placeholder if new is None else new
+    """One stream's kernel arguments: the tuple of its ``S_*`` fields (state tensors, empty ones replaced by
+    ``placeholder``: never read; the new tokens; the tables), then length, start, the new tokens' strides and the
+    archive's capacity in blocks."""
+    given = {**st._asdict(), **vars(tables), "new": placeholder if new is None else new}
+    state = set(StreamState._fields)
+    pointers = tuple(placeholder if name in state and given[name].numel() == 0 else given[name]
+                     for name in _STREAM.names)
     strides = (0, 0, 0, 0) if new is None else tuple(new.stride())
-    return [(*tensors, new_t, tables.synthesis, tables.rotation, tables.rows, tables.levels), st.length, st.start,
-            strides, st.data.shape[2] * codec.blocks]
+    return [pointers, st.length, st.start, strides, st.data.shape[2] * codec.blocks]
 
 
 def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, k_new: torch.Tensor | None = None,
@@ -715,8 +727,8 @@ def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, 
     b, hq, t, d = q.shape
     check_triton_limits(ck, d, "spec_k")
     check_triton_limits(cv, d, "spec_v")
-    require_contiguous(**{f"{name}.{field}": x for name, st in (("k_state", ks), ("v_state", vs))
-                          for field, x in zip(st._fields[:7], st[:7], strict=True)})
+    require_contiguous(**{f"{name}.{field}": getattr(st, field) for name, st in (("k_state", ks), ("v_state", vs))
+                          for field in _STREAM.names if field in st._fields})
     hkv = ks.tail.shape[1]
     g = hq // hkv
     plan = attention_plan(b, hkv, g * t, ck, cv, ks.data.shape[2], d, q.device, num_splits)

@@ -10,8 +10,6 @@ checks and allocate, the kernels compute.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +35,7 @@ def block_form(codec: Codec, head_dim: int, mean: torch.Tensor | None) -> tuple[
     ``mean``, as ``codec.prepare`` / ``restore`` do) and the group tiles."""
     plan = stored_form_plan(codec.spec, head_dim)
     form = StreamForm.of(plan)
-    return replace(form, center=form.center and mean is not None).constexpr(), EncodeTiles.of(plan, False)
+    return form._replace(center=form.center and mean is not None).constexpr(), EncodeTiles.of(plan, False)
 
 
 def warps(rows: int, channels: int) -> int:

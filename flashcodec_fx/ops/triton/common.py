@@ -11,8 +11,9 @@ dot); ``lloyd`` levels come from a small per-row level table.
 
 from __future__ import annotations
 
+import collections
 import functools
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,6 +22,27 @@ import triton.language as tl
 from ...codecs import Codec
 from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 from ..plan import CHANNEL_CODES, FLOAT_ROWS, LEVEL_KINDS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
+
+
+class TupleFields:
+    """The fields of a tuple the kernels take as one argument (or the rows of a table they read), declared once, in
+    order: ``F_R = _FORM("r")`` declares field ``r`` and is its index, a module-level ``tl.constexpr`` (the globals
+    Triton kernels may read, and part of their cache key) by which kernels read it: ``F[F_R]``. :meth:`namedtuple`
+    is the Python side's tuple of those fields (built by name)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.names: list[str] = []
+
+    def __call__(self, field: str) -> tl.constexpr:
+        if field in self.names:
+            raise ValueError(f"{self.name} declares {field!r} twice")
+        self.names.append(field)
+        return tl.constexpr(len(self.names) - 1)
+
+    def namedtuple(self) -> type:
+        return collections.namedtuple(self.name, self.names)
+
 
 # What the Triton path accepts (launchers raise a ValueError naming the limit; the reference ops take more):
 MAX_BLOCK_SIZE = 64  # a block's rows and a tile's positions live in registers
@@ -38,32 +60,36 @@ _FLOAT_ROWS: tl.constexpr = tl.constexpr(FLOAT_ROWS)
 _PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
 _TOKEN_CODES: tl.constexpr = tl.constexpr(TOKEN_CODES)
 _CHANNEL_CODES: tl.constexpr = tl.constexpr(CHANNEL_CODES)
-# Index of each StreamForm field in its constexpr tuple (kernels: ``R: tl.constexpr = F[F_R]``):
-F_FORM: tl.constexpr = tl.constexpr(0)
-F_R: tl.constexpr = tl.constexpr(1)
-F_ROWS: tl.constexpr = tl.constexpr(2)
-F_DENSE: tl.constexpr = tl.constexpr(3)
-F_DENSE_P: tl.constexpr = tl.constexpr(4)
-F_KEPT: tl.constexpr = tl.constexpr(5)
-F_SINKS: tl.constexpr = tl.constexpr(6)
-F_TAIL: tl.constexpr = tl.constexpr(7)
-F_GROUP_BLOCKS: tl.constexpr = tl.constexpr(8)
-F_CLASSES: tl.constexpr = tl.constexpr(9)
-F_ZEROS: tl.constexpr = tl.constexpr(10)
-F_ROW_BYTES: tl.constexpr = tl.constexpr(11)
-F_SLICES: tl.constexpr = tl.constexpr(12)
-F_LLOYD: tl.constexpr = tl.constexpr(13)
-F_LEVELS_W: tl.constexpr = tl.constexpr(14)
-F_ROTATE: tl.constexpr = tl.constexpr(15)
-F_CENTER: tl.constexpr = tl.constexpr(16)
-F_FOLD: tl.constexpr = tl.constexpr(17)
-F_OFFSET: tl.constexpr = tl.constexpr(18)
-# Rows of the per-row int32 table (``StreamTables.rows``), one column per stored row of a quantized block:
-ROW_BITS: tl.constexpr = tl.constexpr(0)
-ROW_BIT_OFFSET: tl.constexpr = tl.constexpr(1)
-ROW_CLASS: tl.constexpr = tl.constexpr(2)
-ROW_ZERO_SLOT: tl.constexpr = tl.constexpr(3)
-ROW_KIND: tl.constexpr = tl.constexpr(4)
+# The fields of the kernels' tuple of one stream's stored form (:class:`StreamForm`), in tuple order: each
+# declaration is the field and its index (kernels: ``R: tl.constexpr = F[F_R]``).
+_FORM = TupleFields("StreamForm")
+F_FORM = _FORM("form")  # one of FLOAT_ROWS .. CHANNEL_CODES
+F_R = _FORM("r")  # tokens per block
+F_ROWS = _FORM("rows")  # stored rows per block in data (float / pruned), or quantized rows K
+F_DENSE = _FORM("dense")  # rows of S (A's columns)
+F_DENSE_P = _FORM("dense_p")  # dense's power-of-two tile
+F_KEPT = _FORM("kept")  # deltas of a pruned png
+F_SINKS = _FORM("sinks")
+F_TAIL = _FORM("tail")  # rows of the raw tail
+F_GROUP_BLOCKS = _FORM("group_blocks")  # blocks per scale group
+F_CLASSES = _FORM("classes")  # scale classes
+F_ZEROS = _FORM("zeros")  # zero-point classes
+F_ROW_BYTES = _FORM("row_bytes")  # packed bytes per block
+F_SLICES = _FORM("slices")  # the OR of the rows' bit widths (which power-of-two slices exist)
+F_LLOYD = _FORM("lloyd")  # any Lloyd-Max row
+F_LEVELS_W = _FORM("levels_w")  # the level table's width
+F_ROTATE = _FORM("rotate")
+F_CENTER = _FORM("center")
+F_FOLD = _FORM("fold")  # channel axis: every attention tile lies inside one scale group (scales fold into q / out)
+F_OFFSET = _FORM("offset")  # the position of an attention tile's first token inside this stream's blocks
+# The rows of the per-row int32 table (``StreamTables.rows``), by StoredFormPlan's per-row field: one column per
+# stored row of a quantized block.
+_ROWS = TupleFields("RowTable")
+ROW_BITS = _ROWS("bits")
+ROW_BIT_OFFSET = _ROWS("bit_offset")  # units of D / 8 bytes
+ROW_CLASS = _ROWS("row_class")  # scale class
+ROW_ZERO_SLOT = _ROWS("zero_slot")  # zero-point slot (-1: none)
+ROW_KIND = _ROWS("level_kind")  # ops.plan.LEVEL_KINDS
 # Level kinds (``ROW_KIND``: ``ops.plan.LEVEL_KINDS``):
 KIND_INT: tl.constexpr = tl.constexpr(LEVEL_KINDS["int"])
 KIND_UNIFORM: tl.constexpr = tl.constexpr(LEVEL_KINDS["uniform"])
@@ -96,50 +122,24 @@ def check_group_tokens(codec: Codec, op: str) -> None:
                          f"program), got {codec.group}")
 
 
-@dataclass(frozen=True)
-class StreamForm:
-    """One stream's :class:`~flashcodec_fx.ops.plan.StoredFormPlan` as the kernels' constexpr tuple (field order =
-    tuple order; kernels read it with ``NAME: tl.constexpr = F[F_NAME]``).
+class StreamForm(_FORM.namedtuple()):
+    """One stream's :class:`~flashcodec_fx.ops.plan.StoredFormPlan` as the kernels' constexpr tuple (its fields:
+    the ``F_*`` declarations above, in tuple order); ``fold`` holds for channel-axis codes only, ``offset`` is 0 for
+    the stream attention tiles align to."""
 
-    ``form``: one of ``FLOAT_ROWS .. CHANNEL_CODES``; ``r`` tokens per block; ``rows`` stored rows per block in
-    ``data`` (float / pruned) or quantized rows ``K``; ``dense`` rows of ``S`` (``A``'s columns) and ``dense_p`` its
-    power-of-two tile; ``kept`` deltas of a pruned png; ``sinks``; ``tail`` rows of the raw tail; ``group_blocks``
-    blocks per scale group; ``classes`` / ``zeros`` scale and zero-point classes; ``row_bytes`` packed bytes per
-    block; ``slices`` the OR of the rows' bit widths (which power-of-two slices exist); ``lloyd`` any Lloyd-Max row;
-    ``levels_w`` the level table's width; ``rotate`` / ``center``; ``fold`` (channel axis: every attention tile lies
-    inside one scale group, so the per-channel scales fold into q or into the output once per tile); ``offset``: the
-    position of an attention tile's first token inside this stream's blocks (0 for the stream tiles align to).
-    """
-
-    form: int
-    r: int
-    rows: int
-    dense: int
-    dense_p: int
-    kept: int
-    sinks: int
-    tail: int
-    group_blocks: int
-    classes: int
-    zeros: int
-    row_bytes: int
-    slices: int
-    lloyd: bool
-    levels_w: int
-    rotate: bool
-    center: bool
-    fold: bool
-    offset: int
+    __slots__ = ()
 
     @classmethod
     def of(cls, plan: StoredFormPlan, fold: bool = False, offset: int = 0) -> StreamForm:
         """The tuple of ``plan`` (``ops.plan.stored_form_plan``); ``fold`` applies to channel-axis codes only."""
-        return cls(plan.form, plan.block_size, plan.rows, plan.dense, pow2(plan.dense), plan.kept, plan.sinks,
-                   plan.tail, plan.group_blocks, plan.classes, plan.zero_classes, plan.row_bytes, plan.slices,
-                   plan.lloyd, plan.level_width, plan.rotate, plan.center, fold and plan.form == CHANNEL_CODES, offset)
+        return cls(form=plan.form, r=plan.block_size, rows=plan.rows, dense=plan.dense, dense_p=pow2(plan.dense),
+                   kept=plan.kept, sinks=plan.sinks, tail=plan.tail, group_blocks=plan.group_blocks,
+                   classes=plan.classes, zeros=plan.zero_classes, row_bytes=plan.row_bytes, slices=plan.slices,
+                   lloyd=plan.lloyd, levels_w=plan.level_width, rotate=plan.rotate, center=plan.center,
+                   fold=fold and plan.form == CHANNEL_CODES, offset=offset)
 
     def constexpr(self) -> tuple:
-        return astuple(self)
+        return tuple(self)
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,7 @@ def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
     placeholder = torch.zeros(1, dtype=torch.float32)
     rows = torch.zeros(1, dtype=torch.int32)
     if plan.bits:
-        rows = torch.tensor([plan.bits, plan.bit_offset, plan.row_class, plan.zero_slot, plan.level_kind],
-                            dtype=torch.int32)
+        rows = torch.tensor([getattr(plan, name) for name in _ROWS.names], dtype=torch.int32)
     factors = torch.zeros(2, FACTOR_SLOTS.value, dtype=torch.float32)
     factors[0, : len(plan.shrink_factors)] = torch.tensor(plan.shrink_factors)
     factors[1, : len(plan.lloyd_factors)] = torch.tensor(plan.lloyd_factors)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..reference.normalize import from_stored, to_stored
 from ..reference.read import check_read_args
-from ..state import capacity, stream_dtype
+from ..state import StreamState, capacity, stream_dtype
 from .append import E_D, E_GP, E_RC, decode_group
 from .blocks import block_form, nonempty, warps
 from .common import F_GROUP_BLOCKS, F_R, F_SINKS, F_TAIL, check_group_tokens, check_triton_limits, stream_tables
@@ -100,11 +100,12 @@ def triton_read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None =
         return view
     form, tiles = block_form(codec, d, st.mean)
     tab = stream_tables(codec, d, st.tail.device)
-    tensors = [nonempty(t, st.tail).contiguous() for t in st[:7]]
+    ct = StreamState(*(nonempty(t, st.tail).contiguous() for t in st))  # empty ones: never read
     new = to_stored(codec, st, new)
     new_t = st.tail if new is None else new
     strides = (0, 0, 0, 0) if new is None else new.stride()
     _read_kernel[(b * h, ng + (1 if codec.sinks else 0), tiles.dp // tiles.rc)](
-        *tensors, st.length, st.start, new_t, *strides, view, tab.synthesis, tab.rotation, tab.rows, tab.levels, h,
-        ng, 0 if new is None else new.shape[2], F=form, E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.rc))
+        ct.data, ct.scale, ct.zero, ct.index, ct.mean, ct.sink, ct.tail, st.length, st.start, new_t, *strides, view,
+        tab.synthesis, tab.rotation, tab.rows, tab.levels, h, ng, 0 if new is None else new.shape[2], F=form,
+        E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.rc))
     return from_stored(codec, st, view)
