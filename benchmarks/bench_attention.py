@@ -106,7 +106,7 @@ def stored(codec, x: torch.Tensor) -> list[torch.Tensor]:
     """The state of stream ``x`` appended in one call (the op's kernel: the C++ one on CPU)."""
     b, h, s, d = x.shape
     state = list(empty_state(codec, b, h, -(-s // codec.group) + 1, d, x.dtype, x.device))
-    torch.ops.flashcodec.append(state, x, codec.spec)
+    torch.ops.flashcodec.append(state, x, codec.spec, None)
     return state
 
 

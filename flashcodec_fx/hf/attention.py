@@ -50,17 +50,27 @@ def take(module: torch.nn.Module, key: torch.Tensor) -> AttentionStep | None:
     handed none (layers without a codec, other caches). Raises ``RuntimeError`` when a decode step is pending and
     ``key`` is not the key it returned (the model changes K/V between ``cache.update`` and attention: attending on
     ``key`` would read this call's tokens only, a wrong answer); a prompt step with other keys stays untaken (its
-    layer then attends on the decoded view, warned)."""
+    layer then attends on the decoded view, warned). A step is owed to this call only when it is the one handed last
+    (:attr:`StepTable.fresh`) and ``key`` has its shape: one a forward left behind (an exception between update and
+    attention, then a model on another cache in this context) is not; it stays, and its layer's next update reports
+    it untaken."""
     table = current_table()
     if table is None:
         return None
     layer_idx = getattr(module, "layer_idx", None)
+    fresh = table.fresh
+    if fresh == layer_idx:
+        table.fresh = None
     step = table.pop(layer_idx, None)
     if step is not None and step.key is key:
         return step
     if step is not None:
-        table[layer_idx] = step  # handed for other keys: it stays
-    if step.decode if step is not None else table.decode_pending():
+        table[layer_idx] = step  # not for these keys: it stays (the layer's next update finds it untaken)
+        owed = fresh == layer_idx and step.key.shape == key.shape
+    else:
+        step = table.get(fresh)  # another layer's step, handed just before this call
+        owed = step is not None
+    if owed and step.decode:
         raise RuntimeError("the 'kvcodec' attention did not receive the keys its cache layer handed out for this step "
                            "(the model changes K/V between cache.update and attention): attention on the stored form "
                            "cannot serve this model; build the cache with materialization_free=False")

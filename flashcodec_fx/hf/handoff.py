@@ -99,17 +99,20 @@ class StepTable(dict[int, AttentionStep]):
     ``pop`` takes.
 
     Only the table and the attention call hold a step, so its snapshot lives for one call: an offload right after the
-    update moves the streams while attention still reads the step's device tensors, freed when it returns."""
+    update moves the streams while attention still reads the step's device tensors, freed when it returns.
+
+    ``fresh``: the layer index handed to last, until the attention call of that index comes (None: it came), so that
+    an attention call tells the step a layer just handed out from one a forward left behind (an exception between
+    update and attention, then a model on another cache in the same context): only the fresh step can be owed."""
+
+    fresh: int | None = None
 
     def hand(self, layer_idx: int, step: AttentionStep) -> None:
         """Put ``step`` at ``layer_idx`` (replacing what is there) and make this the context's current table."""
         self[layer_idx] = step
+        self.fresh = layer_idx
         if _FORWARD.get() is not self:
             _FORWARD.set(self)
-
-    def decode_pending(self) -> bool:
-        """Some layer handed out a decode step that no attention call took."""
-        return any(step.decode for step in self.values())
 
 
 _FORWARD: ContextVar[StepTable | None] = ContextVar("flashcodec_step_table", default=None)

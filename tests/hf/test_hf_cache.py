@@ -72,6 +72,25 @@ def test_stored_form_layer_hands_attention_its_step():
     assert table.get(0) is None and not layer.handed_out and not layer.attention_bound  # a reset forgets it
 
 
+def test_a_step_left_behind_is_not_owed_to_another_caches_keys():
+    """A decode step nobody took (the forward stopped between update and attention) does not make a later model on
+    another cache in this context fail: its attention calls bring keys of another shape (the whole history), so the
+    step is not theirs; keys of the step's shape at the step's layer (a model changing K/V after update) still raise,
+    and the layer's own next update reports the step untaken."""
+    layer = _layer(view=False, quant_bits=8)
+    layer.update(*_states(13, 0))
+    assert take(_Attention(0), layer._steps.get(0).key) is not None
+    nk, nv = _states(1, 1)
+    layer.update(nk, nv)  # a decode step, never taken
+    with pytest.raises(RuntimeError, match="did not receive the keys"):
+        take(_Attention(0), nk.clone())  # its own attention call, with changed keys of its shape
+    other_cache_keys = torch.cat([_states(13, 2)[0], nk], 2)  # a DynamicCache's view: 14 positions
+    for idx in (0, 1, 0):
+        assert take(_Attention(idx), other_cache_keys) is None
+    with pytest.raises(RuntimeError, match="did not receive the keys"):
+        layer.update(nk, nv)
+
+
 def test_a_cache_seats_each_layer_at_its_index():
     """Layers of a FlashCodecCache hand their steps to the cache's table at the index the model passes to update; the
     attention of each module takes its own layer's step, whatever the order."""

@@ -158,5 +158,5 @@ def test_dispatcher_runs_the_cpu_kernel(cpu_kernels, monkeypatch):
     monkeypatch.setattr(launch, "append_reference", fail)
     c = codec("jpeg-int8")
     state = list(empty_state(c, 1, 2, 3, 8, torch.float32, "cpu"))
-    torch.ops.flashcodec.append(state, torch.randn(1, 2, 9, 8), c.spec)
+    torch.ops.flashcodec.append(state, torch.randn(1, 2, 9, 8), c.spec, None)
     assert int(state[7]) == 9 and int(state[8]) == 8

@@ -129,4 +129,13 @@ def test_fake_append_leaves_the_state_alone():
     mode = FakeTensorMode()
     with mode:
         fstate = [mode.from_tensor(t) for t in state]
-        assert ops.append(fstate, mode.from_tensor(torch.randn(1, 2, 9, D)), codec.spec) is None
+        assert ops.append(fstate, mode.from_tensor(torch.randn(1, 2, 9, D)), codec.spec, None) is None
+
+
+def test_mutating_ops_take_every_argument_explicitly():
+    """torch 2.11 bumps the version of each mutated argument by its index in the call's own arguments, from which
+    the dispatcher drops a trailing argument equal to its default: a defaulted ``memo`` made every ``append`` without
+    a memo raise IndexError there (found on the GPU image). Ops that mutate declare no defaults."""
+    schema = torch.ops.flashcodec.append.default._schema
+    assert any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
+    assert not [arg.name for arg in schema.arguments if arg.has_default_value()]

@@ -110,7 +110,7 @@ def test_mismatched_dtypes_are_refused_naming_the_argument():
     state, _ = fill(codec, x, [PROMPT, 4], positions=16)
     before = [t.clone() for t in state]
     with pytest.raises(ValueError, match="new must be .* in torch.float32"):
-        ops.append(state, x[:, :, :2].bfloat16(), codec.spec)
+        ops.append(state, x[:, :, :2].bfloat16(), codec.spec, None)
     with pytest.raises(ValueError, match="memo must be torch.float32"):
         ops.append(state, x[:, :, :2], codec.spec, new_memo(codec, state).bfloat16())
     with pytest.raises(ValueError, match="q dtype must match the streams' dtype"):

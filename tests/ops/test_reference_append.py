@@ -54,7 +54,7 @@ def test_archived_groups_never_change(tier, dtype):
     sinks = mean = None
     at = 0
     for n in chunks(total, seed=len(tier), largest=2 * codec.group + 3):
-        ops.append(state, x[:, :, at: at + n], codec.spec)
+        ops.append(state, x[:, :, at: at + n], codec.spec, None)
         at += n
         assert int(state.start) == uncropped_start(codec, at)
         done = (int(state.start) - codec.sinks) // codec.group
@@ -89,12 +89,12 @@ def test_mean_is_set_once_by_the_first_append_past_the_sinks():
     codec = TIERS["token-lloyd2"]  # sinks=2, center
     x = kv_like((1, 2, 12, 8), torch.float32, seed=6)
     state = new_state(codec, x, 12)
-    ops.append(state, x[:, :, :1], codec.spec)  # still inside the sinks: no mean yet
+    ops.append(state, x[:, :, :1], codec.spec, None)  # still inside the sinks: no mean yet
     assert not state.mean.any()
-    ops.append(state, x[:, :, 1:5], codec.spec)  # positions 1..4: the mean of 2..4 (the non-sink ones)
+    ops.append(state, x[:, :, 1:5], codec.spec, None)  # positions 1..4: the mean of 2..4 (the non-sink ones)
     torch.testing.assert_close(state.mean, x[:, :, 2:5].mean(2), atol=1e-6, rtol=0)
     mean = state.mean.clone()
-    ops.append(state, x[:, :, 5:12], codec.spec)
+    ops.append(state, x[:, :, 5:12], codec.spec, None)
     assert torch.equal(state.mean, mean)
     assert torch.equal(state.sink, x[:, :, :2])  # the sinks hold the first tokens, raw
 
@@ -105,8 +105,8 @@ def test_append_op_state_after_two_calls():
     codec = TIERS["jpeg-table"]  # sinks=2, groups of 16
     x = kv_like((1, 2, 40, 8), torch.float32, seed=7)
     state = new_state(codec, x, 64)
-    ops.append(state, x[:, :, :11], codec.spec)
-    ops.append(state, x[:, :, 11:], codec.spec)
+    ops.append(state, x[:, :, :11], codec.spec, None)
+    ops.append(state, x[:, :, 11:], codec.spec, None)
     assert int(state.length) == 40 and int(state.start) == 34
     enc = codec.encode(x[:, :, 2:34])
     for got, want in zip(state[:4], enc, strict=True):
@@ -191,7 +191,7 @@ def test_rollback_inside_the_tail_then_reappend_is_the_uncut_fill(tier):
         cut = rolled_back(state, keep)
         view = ops.read(cut, codec.spec)
         assert torch.equal(view[:, :, :keep], ops.read(state, codec.spec)[:, :, :keep]) and not view[:, :, keep:].any()
-        ops.append(cut, x[:, :, keep:], codec.spec)
+        ops.append(cut, x[:, :, keep:], codec.spec, None)
         for name, a, b in zip(StreamState._fields, cut, want, strict=True):
             assert torch.equal(a, b), (keep, name)
 

@@ -98,7 +98,7 @@ def test_bad_state_tensor_is_rejected_naming_the_field(tier, field, how):
     before = [t.clone() for t in bad]
     match = f"state.{field}|state must hold" if field != "tail" else "state"
     with pytest.raises(ValueError, match=match):
-        ops.append(bad, torch.randn(1, 2, 3, 8), codec.spec)
+        ops.append(bad, torch.randn(1, 2, 3, 8), codec.spec, None)
     assert all(torch.equal(a, b) for a, b in zip(before, bad, strict=True))
     with pytest.raises(ValueError, match=match):
         ops.read(bad, codec.spec)
@@ -132,6 +132,6 @@ def test_state_of_another_codec_is_rejected():
 def test_bad_spec_is_rejected_naming_the_argument(spec):
     state = new_state(TIERS["png"], torch.zeros(1, 1, 1, 8), 8)
     with pytest.raises(ValueError, match="^spec: "):
-        ops.append(state, torch.randn(1, 1, 1, 8), spec)
+        ops.append(state, torch.randn(1, 1, 1, 8), spec, None)
     with pytest.raises(ValueError, match="^spec_v: "):
         ops.codec_attention(torch.randn(1, 1, 1, 8), state, state, TIERS["png"].spec, spec)

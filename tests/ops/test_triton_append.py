@@ -7,7 +7,7 @@ import torch
 from _triton_cases import DEVICES, FORMS, dtypes, form, groups_for, same_archive, smooth, to
 
 from flashcodec_fx.codecs import make_codec
-from flashcodec_fx.ops import empty_state
+from flashcodec_fx.ops import StreamState, empty_state
 from flashcodec_fx.ops.plan import stored_form_plan
 from flashcodec_fx.ops.reference.append import append_reference, completable_groups
 from flashcodec_fx.ops.reference.read import read_reference
@@ -150,8 +150,9 @@ def test_append_names_the_triton_limits():
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_step_launches_the_same_grids_and_only_completable_groups(device, monkeypatch):
     """Every decode step makes the same launches (grids from shapes only: CUDA-graph safe); the encode grid has
-    ``completable_groups(T, G) = ceil(T / G)`` programs per head, which is the exact bound on the groups one append
-    can archive (a single decode token: one), times the channel chunks (channel-axis codes: ``D / 32``, here one)."""
+    ``completable_groups(T, G) = ceil(T / G)`` programs (its first axis) per head (its second), which is the exact
+    bound on the groups one append can archive (a single decode token: one), times the channel chunks (channel-axis
+    codes: ``D / 32``, here one)."""
     grids = []
 
     class Recording:
@@ -173,8 +174,8 @@ def test_each_step_launches_the_same_grids_and_only_completable_groups(device, m
         triton_append(state, x[:, :, i: i + 1], codec.spec)
     steps = [tuple(grids[i: i + 4]) for i in range(0, len(grids), 4)]
     assert len(steps) == 7 and all(s == steps[0] for s in steps)
-    assert dict(steps[0])["_encode_kernel"] == (2, completable_groups(1, codec.group), 1) == (2, 1, 1)
-    assert int(state[8]) == 4 + 64  # the group completed on the way and was archived
+    assert dict(steps[0])["_encode_kernel"] == (completable_groups(1, codec.group), 2, 1) == (1, 2, 1)
+    assert int(StreamState(*state).start) == 4 + 64  # the group completed on the way and was archived
     for g in (1, 8, 64):
         for t in range(1, 3 * g + 2):
             # archived groups = (tail tokens + T - window) // G over every tail fill h in [window, window + G)

@@ -10,6 +10,7 @@ from flashcodec_fx import PRESETS
 from flashcodec_fx.codecs import Encoded, make_codec
 from flashcodec_fx.ops.reference.attention import codec_attention_reference
 from flashcodec_fx.ops.reference.read import read_reference
+from flashcodec_fx.ops.state import StreamState
 from flashcodec_fx.ops.triton.attention import attention_plan, split_partials, tile_plan, triton_codec_attention
 
 F32, F16 = torch.float32, torch.float16
@@ -132,8 +133,9 @@ def test_scale_strides_and_validation(device):
         _run(device, (q, ks, vs, sk, sv, kn, vn, torch.ones(2, 1, 2, 40, dtype=torch.int32)))
     with pytest.raises(ValueError, match="num_splits"):
         _run(device, (q, ks, vs, sk, sv, kn, vn, None), num_splits=0)
-    strided = list(ks)
-    strided[6] = torch.cat([ks[6], ks[6]], 3)[..., :16]
+    strided = [x.to(device) for x in ks]  # made on the device: moving a strided tensor there would pack it
+    tail = StreamState._fields.index("tail")
+    strided[tail] = torch.cat([strided[tail], strided[tail]], 3)[..., :16]
     with pytest.raises(ValueError, match="k_state.tail must be contiguous"):
         _run(device, (q, strided, vs, sk, sv, kn, vn, None))
 

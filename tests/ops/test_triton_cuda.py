@@ -98,14 +98,14 @@ def test_cuda_graph_replay_matches_eager(preset):
         vs = list(empty_state(cv, b, hkv, groups_for(cv, prompt + steps), d, BF16, "cuda"))
         flashcodec_fx.ops.warm(ck, d, "cuda")
         flashcodec_fx.ops.warm(cv, d, "cuda")
-        ops.append(ks, k[:, :, :prompt], ck.spec)
-        ops.append(vs, v[:, :, :prompt], cv.spec)
+        ops.append(ks, k[:, :, :prompt], ck.spec, None)
+        ops.append(vs, v[:, :, :prompt], cv.spec, None)
         return ks, vs
 
     def step(state, new_k, new_v, q):
         ks, vs = state
-        ops.append(ks, new_k, ck.spec)
-        ops.append(vs, new_v, cv.spec)
+        ops.append(ks, new_k, ck.spec, None)
+        ops.append(vs, new_v, cv.spec, None)
         return ops.codec_attention(q, ks, vs, ck.spec, cv.spec, new_k, new_v)
 
     static_k, static_v, static_q = (torch.zeros_like(t) for t in (k[:, :, :1], v[:, :, :1], qs[0]))

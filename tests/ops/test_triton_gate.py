@@ -63,7 +63,7 @@ def test_the_gated_kernel_runs_what_the_choice_says(monkeypatch, device):
         return "reference"
 
     assert triton_gate.gated(appended, appended_reference)(ks, q, ck.spec) == "reference"
-    assert seen == [torch.device(device)]
+    assert [d.type for d in seen] == [torch.device(device).type]  # cuda:0 on a GPU
 
 
 def _op_args(op: str, d: int, device: str) -> list[tuple]:

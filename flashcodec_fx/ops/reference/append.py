@@ -187,11 +187,13 @@ def append_reference(state: list[torch.Tensor], new: torch.Tensor, spec: str, me
 
 
 @torch.library.custom_op("flashcodec::append", mutates_args=("state", "memo"))
-def append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None = None) -> None:
-    """The ``flashcodec::append`` op; its default kernel is :func:`append_reference` (the spec)."""
+def append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo: torch.Tensor | None) -> None:
+    """The ``flashcodec::append`` op; its default kernel is :func:`append_reference` (the spec). ``memo`` (None:
+    no memo) has no default in the schema: torch 2.11's version bump of mutated arguments indexes the call's own
+    arguments, from which the dispatcher drops a trailing argument equal to its default."""
     append_reference(state, new, spec, memo)
 
 
 @append.register_fake
-def _(state, new, spec, memo=None):
+def _(state, new, spec, memo):
     return None

@@ -5,7 +5,7 @@ CUDA-graph capturable), in the reference's order (``ops/reference/append.py``):
 
 1. ``_intake_kernel``, one program per (batch * head): sink rows, the per-channel mean (``center``: the first
    append reaching past the sinks), the new tokens' raw rows in the memo;
-2. ``_encode_kernel``, one program per (batch * head, completable group ``k``): group ``k`` of the work buffer (old
+2. ``_encode_kernel``, one program per (completable group ``k``, batch * head): group ``k`` of the work buffer (old
    tail, then the new tokens) is encoded and stored when ``advance`` archives it and it fits in the capacity (never
    past it); else the program does nothing. Encoding: center, rotate (``x @ R^T``), the jpeg DCT (``M @ X`` per
    block) or png's anchor + deltas (pruned: the largest kept per channel), then the quantizer: each scale class's
@@ -61,6 +61,7 @@ from .common import (
     check_group_tokens,
     check_triton_limits,
     float_rows,
+    grid_rows,
     level_values,
     pow2,
     require_contiguous,
@@ -555,8 +556,8 @@ def _encode_kernel(data, scale, zero, index, mean, tail, len_ptr, start_ptr, new
     """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of group ``k`` of the work buffer (the whole head_dim
     for token-axis codes, whose scales span it), encoded (:func:`encode_group`) and stored in its archive slot when
     the append archives it (:func:`_archives`); else nothing."""
-    bh = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1)
+    k = tl.program_id(0)  # archive groups on the grid's first axis (up to 2**31 - 1 programs)
+    bh = tl.program_id(1).to(tl.int64)
     length = tl.load(len_ptr)
     start = tl.load(start_ptr)
     write, slot = _archives(start, length, T, k, NG, F, E)
@@ -694,8 +695,8 @@ def _memo_kernel(data, scale, zero, index, mean, len_ptr, start_ptr, memo, syn, 
     its decoded rows (:func:`decode_group`) into the memo."""
     G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
     D: tl.constexpr = E[E_D]
-    bh = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1)
+    k = tl.program_id(0)  # archive groups on the grid's first axis (up to 2**31 - 1 programs)
+    bh = tl.program_id(1).to(tl.int64)
     length = tl.load(len_ptr)
     start = tl.load(start_ptr)
     write, slot = _archives(start, length, T, k, NG, F, E)
@@ -780,12 +781,12 @@ def _launch(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor
     groups = completable_groups(t, codec.group)
     _intake_kernel[(b * h,)](some(st.sink), some(st.mean), memo_t, st.length, new, *strides, h, t, memo_cap,
                              F=form, E=tiles)
-    _encode_kernel[(b * h, groups, enc.dp // enc.dc)](
+    _encode_kernel[(groups, grid_rows(b * h), enc.dp // enc.dc)](
         st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.tail, st.length, st.start, new,
         *strides, tab.rotation, tab.rows, tab.levels, tab.analysis, tab.factors, h, ng, t, F=form, E=tiles,
         num_warps=8 if enc.gp * enc.dc >= 8192 else 4)
     if memo is not None:
-        _memo_kernel[(b * h, groups, enc.dp // enc.rc)](
+        _memo_kernel[(groups, grid_rows(b * h), enc.dp // enc.rc)](
             st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.length, st.start, memo,
             tab.synthesis, tab.rotation, tab.rows, tab.levels, ng, t, memo_cap, F=form, E=tiles,
             num_warps=8 if enc.gp * enc.rc >= 8192 else 4)

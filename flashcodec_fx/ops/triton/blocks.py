@@ -4,7 +4,7 @@ Both are the append's group kernels (``append``) over every group of the input:
 ``_encode_groups_kernel`` runs :func:`~flashcodec_fx.ops.triton.append.encode_group` on group ``k`` of ``x`` (the
 append's work buffer with no old tail: token ``k * G + w`` is row ``w`` of group ``k``), ``_decode_groups_kernel``
 writes out :func:`~flashcodec_fx.ops.triton.append.decode_group` (the dequantized rows the append's memo gets). One
-launch each, grid ``(B * H, NG, channel chunks)`` from shapes only; the launchers validate with the reference's
+launch each, grid ``(NG, B * H, channel chunks)`` from shapes only; the launchers validate with the reference's
 checks and allocate, the kernels compute.
 """
 
@@ -24,6 +24,7 @@ from .common import (
     StreamForm,
     check_group_tokens,
     check_triton_limits,
+    grid_rows,
     stream_tables,
 )
 
@@ -51,8 +52,8 @@ def _encode_groups_kernel(x, sx0, sx1, sx2, sx3, data, scale, zero, index, mean,
     """Program ``(bh, k, chunk)``: channels ``chunk * DC ..`` of tokens ``k * G .. k * G + G - 1`` of ``x`` (strides
     ``sx*``) encoded into archive group ``bh * NG + k``."""
     G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
-    bh = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1).to(tl.int64)
+    k = tl.program_id(0).to(tl.int64)  # archive groups on the grid's first axis (up to 2**31 - 1 programs)
+    bh = tl.program_id(1).to(tl.int64)
     encode_group((data, scale, zero, index, mean), (rot, rows_t, levels, analysis, factors), x, x,
                  (sx0, sx1, sx2, sx3), bh // H, bh % H, bh, k, bh * NG + k, tl.program_id(2) * E[E_DC], 0, 0, NG * G,
                  F, E)
@@ -65,8 +66,8 @@ def _decode_groups_kernel(data, scale, zero, index, mean, out, syn, rot, rows_t,
     tokens ``k * G ..`` of ``out (B, H, NG * G, D)``."""
     G: tl.constexpr = F[F_R] * F[F_GROUP_BLOCKS]
     D: tl.constexpr = E[E_D]
-    bh = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1).to(tl.int64)
+    k = tl.program_id(0).to(tl.int64)  # archive groups on the grid's first axis (up to 2**31 - 1 programs)
+    bh = tl.program_id(1).to(tl.int64)
     rows, w, dc = decode_group((data, scale, zero, index, mean), (syn, rot, rows_t, levels), bh, bh * NG + k,
                                tl.program_id(2), F, E)
     dst = out + ((bh * NG + k) * G + w) * D + dc
@@ -98,7 +99,7 @@ def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) 
     form, tiles = block_form(codec, d, mean)
     tab = stream_tables(codec, d, x.device)
     mean_t = None if mean is None else mean.contiguous()
-    _encode_groups_kernel[(b * h, ng, tiles.dp // tiles.dc)](
+    _encode_groups_kernel[(ng, grid_rows(b * h), tiles.dp // tiles.dc)](
         x, *x.stride(), enc[0], *(nonempty(t, x) for t in (*enc[1:], mean_t)), tab.rotation, tab.rows, tab.levels,
         tab.analysis, tab.factors, h, ng, F=form, E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.dc))
     return tuple(enc)
@@ -121,7 +122,7 @@ def triton_decode(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, i
     tab = stream_tables(codec, d, data.device)
     data = data.contiguous()
     stored = (nonempty(t, data).contiguous() for t in (scale, zero, index, mean))
-    _decode_groups_kernel[(b * h, ng, tiles.dp // tiles.rc)](
+    _decode_groups_kernel[(ng, grid_rows(b * h), tiles.dp // tiles.rc)](
         data, *stored, out, tab.synthesis, tab.rotation, tab.rows, tab.levels, ng, F=form, E=tiles.constexpr(),
         num_warps=warps(tiles.gp, tiles.rc))
     return out

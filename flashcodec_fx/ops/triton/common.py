@@ -50,6 +50,7 @@ MAX_PRUNED_BLOCK_SIZE = 16  # pruned png scatters its deltas with one unrolled l
 MAX_HEAD_DIM = 256  # one program holds a tile's whole head_dim
 MAX_TILE_POSITIONS = 256  # positions of one attention tile: a multiple of lcm(block_size_k, block_size_v)
 MAX_GROUP_TOKENS = 128  # the group encode / decode hold one archive group in registers
+MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second and third axes: (batch * heads) of the per-group kernels
 # The scale search's clipping factors (``quant.SHRINK_FACTORS`` / ``LLOYD_FACTORS``): slots a kernel loops over, counts
 FACTOR_SLOTS: tl.constexpr = tl.constexpr(8)
 N_SHRINK: tl.constexpr = tl.constexpr(len(SHRINK_FACTORS))
@@ -112,6 +113,15 @@ def check_triton_limits(codec: Codec, head_dim: int, name: str = "spec") -> None
                          f"{MAX_PRUNED_BLOCK_SIZE}, got {r}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def grid_rows(batch_heads: int) -> int:
+    """``batch_heads`` (batch * heads) as the second axis of a per-group kernel's grid (the groups take the first,
+    which holds up to 2**31 - 1 programs: a 128k-token stream has 128k groups of one token); raises a ValueError past
+    CUDA's 65,535."""
+    if batch_heads > MAX_GRID_ROWS:
+        raise ValueError(f"batch * heads must be at most {MAX_GRID_ROWS} on the Triton path, got {batch_heads}")
+    return batch_heads
 
 
 def check_group_tokens(codec: Codec, op: str) -> None:

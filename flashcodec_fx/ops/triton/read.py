@@ -19,7 +19,16 @@ from ..reference.read import check_read_args
 from ..state import StreamState, capacity, stream_dtype
 from .append import E_D, E_GP, E_RC, decode_group
 from .blocks import block_form, nonempty, warps
-from .common import F_GROUP_BLOCKS, F_R, F_SINKS, F_TAIL, check_group_tokens, check_triton_limits, stream_tables
+from .common import (
+    F_GROUP_BLOCKS,
+    F_R,
+    F_SINKS,
+    F_TAIL,
+    check_group_tokens,
+    check_triton_limits,
+    grid_rows,
+    stream_tables,
+)
 
 SINK_ROWS: tl.constexpr = tl.constexpr(16)  # sink rows per step of the sinks program's loop
 
@@ -53,8 +62,8 @@ def _read_kernel(data, scale, zero, index, mean, sink, tail, len_ptr, start_ptr,
     D: tl.constexpr = E[E_D]
     GP: tl.constexpr = E[E_GP]
     RC: tl.constexpr = E[E_RC]
-    bh = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1).to(tl.int64)
+    k = tl.program_id(0).to(tl.int64)  # archive groups on the grid's first axis (up to 2**31 - 1 programs)
+    bh = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(2)
     b = bh // H
     h = bh % H
@@ -104,7 +113,7 @@ def triton_read(state: list[torch.Tensor], spec: str, new: torch.Tensor | None =
     new = to_stored(codec, st, new)
     new_t = st.tail if new is None else new
     strides = (0, 0, 0, 0) if new is None else new.stride()
-    _read_kernel[(b * h, ng + (1 if codec.sinks else 0), tiles.dp // tiles.rc)](
+    _read_kernel[(ng + (1 if codec.sinks else 0), grid_rows(b * h), tiles.dp // tiles.rc)](
         ct.data, ct.scale, ct.zero, ct.index, ct.mean, ct.sink, ct.tail, st.length, st.start, new_t, *strides, view,
         tab.synthesis, tab.rotation, tab.rows, tab.levels, h, ng, 0 if new is None else new.shape[2], F=form,
         E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.rc))
