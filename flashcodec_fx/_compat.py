@@ -132,6 +132,12 @@ PRIVATE = {
 PREPARE_CACHE_METHOD = "_prepare_cache_for_generation"  # GenerationMixin: builds the cache of one generate() call
 
 
+def inductor_takes_pass_lists() -> bool:
+    """Inductor's ``post_grad_custom_pre_pass`` takes a list of passes (torch 2.13's ``get_custom_graph_passes``);
+    torch 2.11 takes one pass (``passes/chain.py`` chains ours with the user's there)."""
+    return hasattr(importlib.import_module("torch._inductor.custom_graph_pass"), "get_custom_graph_passes")
+
+
 def layer_types_and_kwargs(config: Any) -> tuple[list[str], list[dict]]:
     """Per layer of a transformers config's text decoder: its cache layer type and the kwargs its cache layer is built
     with (``get_layer_types_and_kwargs``: one kwargs dict shared by all layers before 5.2x, one per layer since)."""

@@ -4,7 +4,9 @@
 ``torch_dynamo_backends``); ``torch.compile(model, backend=flashcodec_fx.backend(strict=True))`` configures it.
 ``mode`` ("reduce-overhead": CUDA graphs, "max-autotune", ...) and ``options`` are honoured as with Inductor;
 ``options`` may also carry this backend's own keys ``strict`` and ``debug`` (handy from transformers'
-``CompileConfig(backend="flashcodec", options={"strict": True})``).
+``CompileConfig(backend="flashcodec", options={"strict": True})``; torch.compile takes a ``mode`` or ``options``, not
+both: with a mode, configure the backend instead, ``CompileConfig(backend=flashcodec_fx.backend(strict=True),
+mode="reduce-overhead")``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _compat
+from .chain import post_grad_pre_pass
 from .sdpa_over_cache import SDPAOverCachePass
 
 OWN_OPTIONS = ("strict", "debug", "inductor")
@@ -46,7 +49,7 @@ class FlashCodecBackend:
         patches.update(options or {})
         user = patches.get("post_grad_custom_pre_pass", _compat.inductor_config.post_grad_custom_pre_pass)
         user = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
-        patches["post_grad_custom_pre_pass"] = [self.pass_, *(p for p in user if p is not self.pass_)]
+        patches["post_grad_custom_pre_pass"] = post_grad_pre_pass([self.pass_, *(p for p in user if p is not self.pass_)])
         return patches
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str | None = None,

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from _triton_cases import form, groups_for, preset_codecs, same_archive, smooth, stored_state  # noqa: E402
 from test_triton_attention import CASES, TOL, _ids, _inputs  # noqa: E402
 
+import flashcodec_fx  # noqa: E402
 import flashcodec_fx.ops  # noqa: E402,F401  (defines the ops and registers their CUDA kernels)
 from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
@@ -191,8 +192,8 @@ def test_tiny_llama_decode_under_cuda_graphs_with_the_pass(preset):
     counters = torch._dynamo.utils.counters
     skips = counters["inductor"]["cudagraph_skips"]
     graphs = counters["stats"]["unique_graphs"]
-    compiled = generate(CompileConfig(backend="flashcodec", fullgraph=True, mode="reduce-overhead",
-                                      options={"strict": True}))
+    # torch.compile takes a mode or options, not both: the backend is configured instead of options={"strict": True}
+    compiled = generate(CompileConfig(backend=flashcodec_fx.backend(strict=True), fullgraph=True, mode="reduce-overhead"))
     assert counters["inductor"]["cudagraph_skips"] == skips, "a decode step fell back from CUDA graphs"
     assert counters["stats"]["unique_graphs"] - graphs >= 1
     assert compiled.shape == eager.shape
