@@ -401,13 +401,23 @@ def vllm_quality_table() -> str:
     return bench_vllm.quality_markdown(result, markdown) + "\n\n" + provenance("vllm")
 
 
+def vllm_memory_table() -> str:
+    """Memory-bound serving (bench_vllm.py's memory_bound parts): many decode-heavy requests in a KV space that binds."""
+    import bench_vllm
+
+    result = load("vllm")
+    if not any(part in result for part in bench_vllm.LOAD_PARTS):
+        return "Not measured in this vllm.json (its memory-bound parts did not run).\n\n" + provenance("vllm")
+    return bench_vllm.memory_markdown(result, markdown) + "\n\n" + provenance("vllm")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
     "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
     "budget": budget_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
-    "vllm": vllm_table, "vllm-quality": vllm_quality_table,
+    "vllm": vllm_table, "vllm-quality": vllm_quality_table, "vllm-memory": vllm_memory_table,
 }
 
 
