@@ -180,7 +180,7 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _nearest(x, s, z, bits, kind, j, levels, F: tl.constexpr):
+def nearest_codes(x, s, z, bits, kind, j, levels, F: tl.constexpr):
     """Codes (int32) of the levels nearest to ``x`` for scale ``s`` and zero ``z`` (all broadcast): grids round half
     to even and clamp to their code range (``int`` skips code 0), Lloyd-Max rows count the level midpoints below."""
     W: tl.constexpr = F[F_LEVELS_W]
@@ -219,7 +219,7 @@ def _level(code, bits, kind, j, levels, ok, F: tl.constexpr):
 
 
 @triton.jit
-def _base(x, ok, bits, kind, axis: tl.constexpr, count):
+def base_scales(x, ok, bits, kind, axis: tl.constexpr, count):
     """Each slice's no-clipping ``(scale, zero)`` before the search (``levels.base_scale``; ``int`` / ``midrise``
     classes of several rows share the largest step any row needs), reducing ``x`` over ``axis`` where ``ok``."""
     step = tl.where(kind == KIND_INT, ((1 << bits) >> 1) - 1, (1 << bits) >> 1).to(tl.float32)
@@ -231,7 +231,7 @@ def _base(x, ok, bits, kind, axis: tl.constexpr, count):
 
 
 @triton.jit
-def _search(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s, bits_s, axis: tl.constexpr,
+def search_scales(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s, bits_s, axis: tl.constexpr,
             F: tl.constexpr, SEARCH: tl.constexpr):
     """The fp16 ``(scale, zero)`` of each slice with the least squared error over the clipping factors
     (``Quantizer._candidates`` then the argmin; the first of equal errors), given the slice's kind / bits."""
@@ -250,7 +250,7 @@ def _search(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s,
                 sb, zb = s[:, None], z[:, None]
             else:
                 sb, zb = s[None, :], z[None, :]
-            code = _nearest(x, sb, zb, bits, kind, j, levels, F)
+            code = nearest_codes(x, sb, zb, bits, kind, j, levels, F)
             err = _level(code, bits, kind, j, levels, ok, F) * sb + zb - x
             err = tl.sum(tl.where(ok, err * err, 0.0), axis)
             better = f_ok & (err < best_err)
@@ -328,8 +328,8 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
             count = tl.sum(in_k.to(tl.float32), 0)
             kind_k = tl.load(rows_t + ROW_KIND * K + k + tl.zeros_like(dd))  # class k's level kind: row k's (DC 0, AC 1)
             bits_k = tl.load(rows_t + k + tl.zeros_like(dd))
-            amax, low, high, rms = _base(x, in_k, bits2, kind2, 0, tl.where(count > 0, count, 1.0))
-            s, z = _search(x, in_k, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind_k, bits_k, 0, F,
+            amax, low, high, rms = base_scales(x, in_k, bits2, kind2, 0, tl.where(count > 0, count, 1.0))
+            s, z = search_scales(x, in_k, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind_k, bits_k, 0, F,
                            SEARCH)
             d_ok = dd < D
             tl.store(scale + (grp * C + k) * D + dd, s.to(tl.float16), mask=d_ok)
@@ -340,14 +340,14 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
             z_rows = tl.where(in_k, z[None, :], z_rows)
     else:
         # token axis: every row its own class, one scale over head_dim (the chunk is the whole head_dim)
-        amax, low, high, rms = _base(x, ok, bits2, kind2, 1, D * 1.0)
-        s, z = _search(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, SEARCH)
+        amax, low, high, rms = base_scales(x, ok, bits2, kind2, 1, D * 1.0)
+        s, z = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, SEARCH)
         tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
         if Z > 0:
             tl.store(zero + grp * Z + zslot, z.to(tl.float16), mask=row_ok & (zslot >= 0))
         s_rows = s[:, None] + tl.zeros((RP, DC), tl.float32)
         z_rows = z[:, None] + tl.zeros((RP, DC), tl.float32)
-    code = tl.where(ok, _nearest(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
+    code = tl.where(ok, nearest_codes(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
     _store_codes(data, code, grp * GB + n, bits, bit_off, row_ok, c0, F, D, DC)
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.triton.append import _base, _nearest, _search
+from ...ops.triton.append import base_scales, nearest_codes, search_scales
 from ..page import PageFormat, StorePlan
 from ..reference import page_view
 from .page_form import (
@@ -57,9 +57,9 @@ def _encode_slots(x, row_ok, slot, rot, levels, factors, F: tl.constexpr, S: tl.
     kind = tl.full((BT,), S[S_KIND], tl.int32)
     j = tl.zeros((BT,), tl.int32)
     bits2, kind2, j2 = bits[:, None], kind[:, None], j[:, None]
-    amax, low, high, rms = _base(x, ok, bits2, kind2, 1, D * 1.0)
-    s, z = _search(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, S[S_SEARCH])
-    code = tl.where(ok, _nearest(x, s[:, None], z[:, None], bits2, kind2, j2, levels, F), 0)
+    amax, low, high, rms = base_scales(x, ok, bits2, kind2, 1, D * 1.0)
+    s, z = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, S[S_SEARCH])
+    code = tl.where(ok, nearest_codes(x, s[:, None], z[:, None], bits2, kind2, j2, levels, F), 0)
     tl.store((slot + S[S_SCALE]).to(tl.pointer_type(tl.float16)), s.to(tl.float16), mask=row_ok)
     base = slot + S[S_CODE]  # codecs/pack.py: power-of-two slices, widest first (it holds the low bits)
     _store_slice(base, code, row_ok, BITS, 8, D, DP)
