@@ -224,3 +224,13 @@ def test_overflow_writes_nothing_past_capacity(device, name, batch):
     torch.testing.assert_close(got_memo.cpu(), want_memo, atol=1e-5 + 2 * step, rtol=1e-5)
     for before, after in zip(guard_before, guard_after, strict=True):
         assert torch.equal(after.cpu(), before.cpu())
+
+
+def test_grid_rows_bound_batch_heads_not_groups():
+    """The per-group kernels put the archive's groups on the grid's first axis (a 128k stream of one-token groups
+    passes CUDA's 65,535 on the others: seen on an H200) and batch * heads on the second, which is checked."""
+    from flashcodec_fx.ops.triton.common import MAX_GRID_ROWS, grid_rows
+
+    assert grid_rows(MAX_GRID_ROWS) == MAX_GRID_ROWS == 65535
+    with pytest.raises(ValueError, match="batch \\* heads must be at most 65535"):
+        grid_rows(MAX_GRID_ROWS + 1)
