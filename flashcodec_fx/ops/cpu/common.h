@@ -1,5 +1,5 @@
-// Shared by the CPU kernels (attention.cpp, append.cpp): the codec as parsed from plan.py's tables, views of one
-// stream's stored state, code unpacking, row loads and small vector math. The launcher (build.py) concatenates this
+// Shared by the CPU kernels (attention.cpp, quantize.h, append.cpp): the codec as parsed from plan.py's tables, views
+// of one stream's stored state, code unpacking, row loads and small vector math. The launcher (build.py) concatenates this
 // file before the kernels, after the header generated from the Python declarations of the layout (layout.py:
 // `python -m flashcodec_fx.ops.cpu.layout` prints it): the enums that name each state tensor (StateField: kStateTail,
 // ...), plan tensor (PlanField) and meta field, and CodecMeta, the meta fields as members. It is not a standalone

@@ -2,7 +2,7 @@
 // (block, KV head) page of a uint8 cache (num_blocks, H, block_size, C) is `raw_rows` raw rows (K then V, the model's
 // dtype), then one code slot per other token (fp16 scales / zero points of K and V, K codes, V codes). Which token
 // sits where is page.py's (store_plan: the store is told; history_rows: the readers compute it, PageLayout::read).
-// Concatenated after ops/cpu/common.h and ops/cpu/append.cpp (the quantizer), before the paged kernels.
+// Concatenated after ops/cpu/common.h and ops/cpu/quantize.h (the quantizer), before the paged kernels.
 
 namespace fc {
 

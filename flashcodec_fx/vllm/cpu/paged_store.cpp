@@ -2,7 +2,7 @@
 // goes (page.py store_plan: a raw row, a code slot, the block whose raw key rows center its key). Raw rows are copied
 // first; then coded keys are centered on the mean of their mean block's raw key rows (added in the reference's
 // order), rotated with the reference's own ATen product (the coded tokens' (n, H, 1, D) fp32 rows times R^T, as
-// codec.prepare computes it, so BLAS rounds it identically) and quantized by append.cpp's quantizer (torch's
+// codec.prepare computes it, so BLAS rounds it identically) and quantized by quantize.h's quantizer (torch's
 // summation order): the bytes are the reference's, bitwise.
 
 namespace fc {
