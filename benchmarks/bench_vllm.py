@@ -20,8 +20,12 @@ Parts:
 - ``throughput``: the offline throughput of one batch of ``--batch`` prompts of 1-4k tokens of real text, each
   generating ``--gen-tokens`` tokens, per configuration in ``--throughput-dtype`` (default fp32: this project's
   CPUs have no bf16 matrix instructions, and vLLM's bf16 CPU matmuls run at a few prompt tokens per second here),
-  the configurations one after another in one run and stock timed again at the end (its two runs bracket the
-  machine's drift), the load average before each engine.
+  after one untimed warm-up request in the same engine. Each engine mode of ``--throughput-modes`` (``eager``:
+  ``enforce_eager=True``; ``compiled``: vLLM's default, its torch.compile of the model) runs
+  ``--throughput-rounds`` rounds, each round every configuration once (every other round in reverse order, so
+  stock runs first and last); the load average before each engine. Per mode and configuration: the median
+  tokens/s over the rounds, and ``vs_stock``, the median of its rounds' ratios to the same round's stock run
+  (pairs close in time: this machine drifts by tens of percent over minutes).
 - ``quality``: fp32, chunked prefill of 16 tokens (``max_num_batched_tokens=16``, one sequence at a time, no prefix
   caching), so every chunk reads the history from the pages: perplexity over the tokens from position 16 on of
   ``--windows`` windows of ``--window-tokens`` tokens of real text (bench_ppl's corpus), per configuration,
@@ -38,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +64,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY_TOKENS = 32
 CHUNK = 16
 RAW_BITS = 16.0  # a bf16 page: K and V of every (token, head) at 16 bits
+WARMUP_TOKENS = 64  # the throughput part's warm-up request (its first prompt's first tokens), untimed
+THROUGHPUT_MODES = ("eager", "compiled")  # enforce_eager=True; vLLM's default (its torch.compile of the model)
 TWIN_RATIO, TWIN_SLACK = 1.25, 0.05  # issue 33: a preset's ppl increase through vLLM within 1.25x its twin's (+0.05)
 
 
@@ -125,28 +132,50 @@ def serving(args) -> list[dict[str, Any]]:
 
 
 def throughput(args, tokenizer, texts) -> dict[str, Any]:
-    """One offline batch per configuration, stock first and again last; tokens/s (prompt + generated) vs stock's
-    mean of its two runs."""
+    """One offline batch per configuration, engine mode and round (module docstring): every run's tokens/s, then
+    per (mode, configuration) the median over the rounds and ``vs_stock``, the median of each round's ratio to that
+    round's stock run in the same mode."""
     lengths = [1024 + (4096 - 1024) * i // max(args.batch - 1, 1) for i in range(args.batch)]
     batch = windows(texts, args.batch, max(lengths), leading_tokens(tokenizer))
     prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
-    llm = {"dtype": args.throughput_dtype, "max_model_len": max(lengths) + args.gen_tokens}
-    rows = []
-    for config in stock_first_and_last(selected(configurations(args.presets, options=False), args.only)):
-        print(f"== throughput: {config['name']}", flush=True)
-        load = os.getloadavg()
-        out = run_job({"model": str(model_folder()), "llm": llm,
-                       "throughput": {"prompts": prompts, "tokens": args.gen_tokens}},
-                      engine_env(config, args.kv_gib), timeout=7200)
-        tput = out["throughput"]
-        rows.append({"config": config["name"], "preset": config["preset"], **tput,
-                     "tokens_per_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["seconds"],
-                     "load_avg_before": list(load), "start_seconds": out["start_seconds"]})
-    stock = [r["tokens_per_s"] for r in rows if r["preset"] is None]
-    for row in rows:
-        row["vs_stock"] = row["tokens_per_s"] / (sum(stock) / len(stock)) if stock else None
+    configs = selected(configurations(args.presets, options=False), args.only)
+    runs = []
+    for mode in args.throughput_modes:
+        llm = {"dtype": args.throughput_dtype, "max_model_len": max(lengths) + args.gen_tokens}
+        for round_ in range(args.throughput_rounds):
+            for config in configs if round_ % 2 == 0 else configs[::-1]:
+                print(f"== throughput ({mode}, round {round_ + 1}): {config['name']}", flush=True)
+                load = os.getloadavg()
+                out = run_job({"model": str(model_folder()), "llm": llm, "eager": mode == "eager",
+                               "throughput": {"prompts": prompts, "tokens": args.gen_tokens,
+                                              "warmup": prompts[0][:WARMUP_TOKENS]}},
+                              engine_env(config, args.kv_gib), timeout=7200)
+                tput = out["throughput"]
+                runs.append({"mode": mode, "round": round_, "config": config["name"], "preset": config["preset"],
+                             **tput, "tokens_per_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["seconds"],
+                             "load_avg_before": list(load), "start_seconds": out["start_seconds"]})
     return {"dtype": args.throughput_dtype, "prompt_lengths": lengths, "gen_tokens": args.gen_tokens,
-            "kv_gib": args.kv_gib, "rows": rows}
+            "kv_gib": args.kv_gib, "rounds": args.throughput_rounds, "modes": args.throughput_modes, "runs": runs,
+            "rows": throughput_rows(runs)}
+
+
+def throughput_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (mode, configuration): the median tokens/s of its rounds and ``vs_stock``, the median of its rounds'
+    ratios to the same round's stock run (None without stock), with their range."""
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        of_mode = [r for r in runs if r["mode"] == mode]
+        stock = {r["round"]: r["tokens_per_s"] for r in of_mode if r["preset"] is None}
+        for config in dict.fromkeys(r["config"] for r in of_mode):
+            mine = [r for r in of_mode if r["config"] == config]
+            ratios = [r["tokens_per_s"] / stock[r["round"]] for r in mine if r["round"] in stock]
+            rows.append({"mode": mode, "config": config, "preset": mine[0]["preset"],
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+                         "tokens_per_s_range": [min(r["tokens_per_s"] for r in mine),
+                                                max(r["tokens_per_s"] for r in mine)],
+                         "vs_stock": statistics.median(ratios) if ratios else None,
+                         "vs_stock_range": [min(ratios), max(ratios)] if ratios else None})
+    return rows
 
 
 def memory_bound(args, tokenizer, texts, online: bool) -> dict[str, Any]:
@@ -288,12 +317,13 @@ TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", 
 
 
 def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str]:
-    """``(tok/s, vs stock)`` of ``config`` in the throughput part (stock: its two runs), dashes without one."""
-    runs = [r for r in result.get("throughput", {}).get("rows", []) if r["config"] == config]
-    if not runs:
+    """``(tok/s, vs stock)`` of ``config`` in the throughput part, one value per engine mode (eager / compiled:
+    the medians over rounds), dashes without one."""
+    rows = [r for r in result.get("throughput", {}).get("rows", []) if r["config"] == config]
+    if not rows:
         return "-", "-"
-    ratios = " / ".join("-" if r["vs_stock"] is None else f"{r['vs_stock']:.2f}" for r in runs)
-    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs), ratios
+    ratios = " / ".join("-" if r["vs_stock"] is None else f"{r['vs_stock']:.2f}" for r in rows)
+    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in rows), ratios
 
 
 def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
@@ -409,6 +439,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of the serving part")
     parser.add_argument("--batch", type=int, default=8, help="prompts of the throughput batch (1k to 4k tokens)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per prompt of that batch")
+    parser.add_argument("--throughput-rounds", type=int, default=2, help="rounds of the throughput part (each runs "
+                        "every configuration once, in reverse order every other round)")
+    parser.add_argument("--throughput-modes", default=",".join(THROUGHPUT_MODES),
+                        help=f"comma-separated engine modes of the throughput part, of {THROUGHPUT_MODES}")
     parser.add_argument("--throughput-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's dtype in the throughput part")
     parser.add_argument("--seq-lens", default="1088,4160", help="sequence lengths of the concurrency column")
@@ -450,7 +484,9 @@ def main(argv: list[str] | None = None) -> None:
     args.presets = args.presets.split(",")
     args.seq_lens = [int(n) for n in args.seq_lens.split(",")]
     args.only = None if args.only is None else args.only.split(",")
-    unknown = sorted(set(args.parts) - set(PARTS)) + sorted(set(args.presets) - set(VLLM_PRESETS))
+    args.throughput_modes = args.throughput_modes.split(",")
+    unknown = (sorted(set(args.parts) - set(PARTS)) + sorted(set(args.presets) - set(VLLM_PRESETS))
+               + sorted(set(args.throughput_modes) - set(THROUGHPUT_MODES)))
     if unknown:
         raise SystemExit(f"unknown parts or presets: {unknown} (parts {PARTS}, presets {VLLM_PRESETS})")
     from transformers import AutoTokenizer

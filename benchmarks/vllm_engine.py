@@ -13,10 +13,12 @@ process of its own; vLLM spawns its engine and worker processes (hence the ``__m
 - ``preempt``: ``{"prompts", "tokens"}``: each prompt alone, then all at once, and the preemptions vLLM counted;
 - ``ppl``: ``{"windows": [[ids]], "score_from": k}``: each window's prompt logprobs at positions >= k, and their
   sums;
-- ``throughput``: ``{"prompts": [[ids]], "tokens": n}``: one offline batch, its wall time and token counts;
+- ``throughput``: ``{"prompts": [[ids]], "tokens": n, "warmup": [ids]}``: one offline batch (after the untimed
+  warm-up request, when given), its wall time and token counts;
 - ``load``: ``{"prompts": [[ids]], "tokens": n}``: the same, every request's time to first token and time per
   output token (vLLM's own per-request stats), the most requests running in one step and the preemptions.
 
+``"eager": false`` starts the engine in vLLM's default mode (its torch.compile of the model; default: eager).
 The result also holds the engine's start-up time and each workload's seconds (``seconds``).
 """
 
@@ -74,9 +76,12 @@ def prompt_nll(llm: Any, windows: list[list[int]], score_from: int) -> dict:
             "logprobs": logprobs}
 
 
-def throughput(llm: Any, prompts: list[list[int]], tokens: int) -> dict:
+def throughput(llm: Any, prompts: list[list[int]], tokens: int, warmup: list[int] | None = None) -> dict:
+    """One offline batch (after an untimed ``warmup`` request, 2 tokens, when given): its wall time and tokens."""
     from vllm import SamplingParams
 
+    if warmup:
+        llm.generate([{"prompt_token_ids": warmup}], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -140,7 +145,8 @@ def main(job: dict) -> dict:
     from vllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(model=job["model"], enforce_eager=True, disable_log_stats=False, seed=0, **job.get("llm", {}))
+    llm = LLM(model=job["model"], enforce_eager=job.get("eager", True), disable_log_stats=False, seed=0,
+              **job.get("llm", {}))
     config = llm.llm_engine.vllm_config.cache_config
     out: dict[str, Any] = {"start_seconds": time.perf_counter() - start, "blocks": config.num_gpu_blocks,
                            "block_size": config.block_size, "seconds": {}}
@@ -160,7 +166,8 @@ def main(job: dict) -> dict:
     if "ppl" in job:
         timed("ppl", lambda: prompt_nll(llm, job["ppl"]["windows"], job["ppl"]["score_from"]))
     if "throughput" in job:
-        timed("throughput", lambda: throughput(llm, job["throughput"]["prompts"], job["throughput"]["tokens"]))
+        timed("throughput", lambda: throughput(llm, job["throughput"]["prompts"], job["throughput"]["tokens"],
+                                               job["throughput"].get("warmup")))
     if "load" in job:
         timed("load", lambda: load(llm, job["load"]["prompts"], job["load"]["tokens"]))
     return out

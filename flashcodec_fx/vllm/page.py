@@ -31,8 +31,9 @@ its prompt mean (the page before's is used). A *raw* format (``skip`` layers) st
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -105,6 +106,17 @@ class PageFormat:
         if self.value is not None and self.value.center:
             raise ValueError("values are not centered in a page (only keys, PageFormat.center)")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (a codec hashes its spec string; the kernels' launchers look formats up
+        on every call)."""
+        if "_hash" not in self.__dict__:
+            object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+        return self.__dict__["_hash"]
+
+    def __getstate__(self) -> dict:
+        """The fields only: the cached hash and properties are this process's (a dtype hashes by identity)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @property
     def center(self) -> bool:
         """Keys coded minus the mean of the page before's raw key rows (the first page: its own)."""
@@ -115,16 +127,16 @@ class PageFormat:
         """Every token stored raw (no codes)."""
         return self.key is None
 
-    @property
+    @functools.cached_property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @functools.cached_property
     def raw_row_bytes(self) -> int:
         """Bytes of one raw row: K then V, ``head_dim`` values each in the model's dtype."""
         return 2 * self.head_dim * self.element_size
 
-    @property
+    @functools.cached_property
     def slots(self) -> tuple[StreamSlot, StreamSlot]:
         """The K and V fields of a code slot: scales and zeros of K, then of V, then K codes, then V codes."""
         ks, kz, kb = _stream_fields(self.key, self.head_dim)
@@ -134,7 +146,7 @@ class PageFormat:
         v = StreamSlot(self.value, SCALE_BYTES * (ks + kz), SCALE_BYTES * (ks + kz + vs), head + kb, vs, vz, vb)
         return k, v
 
-    @property
+    @functools.cached_property
     def code_slot_bytes(self) -> int:
         """Bytes of one code slot (K and V of one token and head), rounded up to even (fp16 fields stay aligned)."""
         if self.raw:

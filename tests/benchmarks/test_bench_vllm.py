@@ -17,22 +17,35 @@ def serving_row(config: str, preset: str | None, kv_tokens: int) -> dict:
             "concurrent": {"4160": kv_tokens // 4224}, "greedy": greedy}
 
 
-def throughput_part(stock: list[float], preset: float) -> dict:
-    rows = [{"config": "stock vLLM", "preset": None, "tokens_per_s": t} for t in stock]
-    rows.insert(1, {"config": "3bit", "preset": "3bit", "tokens_per_s": preset})
-    for row in rows:
-        row["vs_stock"] = row["tokens_per_s"] / (sum(stock) / len(stock))
-    return {"dtype": "float32", "rows": rows}
+def throughput_part(*runs: tuple[str, str, int, float]) -> dict:
+    """The throughput part of runs ``(mode, config, round, tokens/s)`` (config "stock vLLM": stock)."""
+    rows = [{"mode": mode, "config": config, "preset": None if config == "stock vLLM" else config, "round": round_,
+             "tokens_per_s": tps} for mode, config, round_, tps in runs]
+    return {"dtype": "float32", "runs": rows, "rows": bench_vllm.throughput_rows(rows)}
 
 
-def test_the_serving_table_shows_each_throughput_run_and_dashes_without_one():
+def test_throughput_ratios_pair_each_round_with_its_own_stock_run():
+    part = throughput_part(("eager", "stock vLLM", 0, 100.0), ("eager", "3bit", 0, 120.0),
+                           ("eager", "3bit", 1, 99.0), ("eager", "stock vLLM", 1, 90.0),
+                           ("compiled", "stock vLLM", 0, 200.0), ("compiled", "3bit", 0, 180.0))
+    rows = {(r["mode"], r["config"]): r for r in part["rows"]}
+    assert rows["eager", "3bit"]["vs_stock"] == pytest.approx((1.2 + 1.1) / 2)
+    assert rows["eager", "3bit"]["vs_stock_range"] == pytest.approx([1.1, 1.2])
+    assert rows["eager", "3bit"]["tokens_per_s"] == pytest.approx(109.5)
+    assert rows["eager", "stock vLLM"]["vs_stock"] == 1.0
+    assert rows["compiled", "3bit"]["vs_stock"] == pytest.approx(0.9)
+
+
+def test_the_serving_table_shows_each_mode_and_dashes_without_a_run():
     rows = bench_vllm.compare_serving([serving_row("stock vLLM", None, 46592), serving_row("3bit", "3bit", 233856),
                                        serving_row("int8", "int8", 90368)])
-    result = {"serving": rows, "throughput": throughput_part([100.0, 110.0], 126.0)}
+    result = {"serving": rows, "throughput": throughput_part(
+        ("eager", "stock vLLM", 0, 100.0), ("eager", "3bit", 0, 126.0),
+        ("compiled", "stock vLLM", 0, 200.0), ("compiled", "3bit", 0, 180.0))}
     table = bench_vllm.serving_markdown(result).splitlines()
     stock, three, int8 = table[2], table[3], table[4]
-    assert "| 100 / 110 | 0.95 / 1.05 |" in stock
-    assert "| 126 | 1.20 |" in three
+    assert "| 100 / 200 | 1.00 / 1.00 |" in stock
+    assert "| 126 / 180 | 1.26 / 0.90 |" in three
     assert "| - | - |" in int8
     assert "| 5.02 |" in three  # capacity vs stock
 
@@ -40,7 +53,8 @@ def test_the_serving_table_shows_each_throughput_run_and_dashes_without_one():
 def test_merge_keeps_one_row_per_configuration_the_later_part_replacing_the_earlier(tmp_path):
     run = {"date": "2026-12-02", "machine": {"load_avg_1_5_15m": [1.0, 1.0, 1.0]}, "versions": {}, "config": {}}
     old = {**run, "serving": [serving_row("stock vLLM", None, 46592), serving_row("3bit", "3bit", 100)]}
-    new = {**run, "serving": [serving_row("3bit", "3bit", 233856)], "throughput": throughput_part([100.0], 90.0)}
+    tput = throughput_part(("eager", "stock vLLM", 0, 100.0), ("eager", "3bit", 0, 90.0))
+    new = {**run, "serving": [serving_row("3bit", "3bit", 233856)], "throughput": tput}
     paths = [tmp_path / "old.json", tmp_path / "new.json"]
     for path, part in zip(paths, (old, new), strict=True):
         path.write_text(json.dumps(part))
@@ -50,13 +64,13 @@ def test_merge_keeps_one_row_per_configuration_the_later_part_replacing_the_earl
     assert [r["config"] for r in merged["serving"]] == ["stock vLLM", "3bit"]
     assert merged["serving"][1]["kv_tokens"] == 233856
     assert merged["serving"][1]["capacity_vs_stock"] == 233856 / 46592
-    assert merged["throughput"]["rows"][1]["vs_stock"] == 0.9
+    assert merged["throughput"]["rows"][1]["vs_stock"] == pytest.approx(0.9)
     assert sorted(merged["runs"]) == ["new", "old"]
 
 
 def test_a_throughput_run_without_stock_shows_its_speed_and_no_ratio():
     rows = bench_vllm.compare_serving([serving_row("stock vLLM", None, 46592), serving_row("3bit", "3bit", 233856)])
-    part = {"rows": [{"config": "3bit", "preset": "3bit", "tokens_per_s": 126.0, "vs_stock": None}]}
+    part = throughput_part(("eager", "3bit", 0, 126.0))
     table = bench_vllm.serving_markdown({"serving": rows, "throughput": part}).splitlines()
     assert "| 126 | - |" in table[3]
 

@@ -87,8 +87,11 @@ inline void row_sum(int64_t size, int width, F elem, float* out) {
 }
 
 // torch_inner_sum of a row of fewer than 64 vectors (row_sum's cascade never flushes: one level of sequential sums
-// per lane) as loops that vectorize: the same additions in the same order.
+// per lane) as loops that vectorize: the same additions in the same order. W: the width when known at compile time
+// (the common ones: the loops unroll), 0: `width` at run time.
+template <int W>
 inline float short_inner_sum(const float* x, int64_t n, int width) {
+  if constexpr (W > 0) width = W;
   const int64_t vecs = n / width, rows = vecs / 4;
   float part[4 * 16];
   for (int k = 0; k < 4 * width; ++k) part[k] = 0.0f;
@@ -103,6 +106,14 @@ inline float short_inner_sum(const float* x, int64_t n, int width) {
   for (int64_t k = vecs * width; k < n; ++k) total += x[k];
   for (int k = 0; k < width; ++k) total += part[k];
   return total;
+}
+
+inline float short_inner_sum(const float* x, int64_t n, int width) {
+  switch (width) {
+    case 16: return short_inner_sum<16>(x, n, width);
+    case 8: return short_inner_sum<8>(x, n, width);
+    default: return short_inner_sum<0>(x, n, width);
+  }
 }
 
 // Sum of a contiguous row of n floats, reduced along the row (vectorized_inner_sum / scalar_inner_sum).

@@ -4,6 +4,8 @@
 // sits where is page.py's (store_plan: the store is told; history_rows: the readers compute it, PageLayout::read).
 // Concatenated after ops/cpu/common.h and ops/cpu/quantize.h (the quantizer), before the paged kernels.
 
+#include <atomic>
+
 namespace fc {
 
 // page.py PAGE_FIELDS, by name and in its order (tests/vllm/test_page.py checks these names against it).
@@ -91,6 +93,24 @@ struct SlotCodecs {
     rot_v = v.rotate ? v.rot : nullptr;
   }
 };
+
+// Items [0, n) handed out one at a time from a shared counter (list the largest first): threads that claim them finish
+// together however uneven the items are, where at::parallel_for's contiguous ranges would give one thread the long
+// requests.
+struct Claims {
+  std::atomic<int64_t> next{0};
+  int64_t n;
+  bool take(int64_t& item) { return (item = next++) < n; }
+};
+
+// fn(claims, thread) once on each of up to `threads` of at::parallel_for's threads (never more than n): each sets up
+// its scratch, then runs the items it takes. `thread` (at::get_thread_num) indexes per-thread buffers.
+template <typename F>
+inline void for_claimed(int64_t n, int64_t threads, const F& fn) {
+  Claims claims{{0}, n};
+  at::parallel_for(0, std::clamp<int64_t>(threads, 1, std::max<int64_t>(n, 1)), 1,
+                   [&](int64_t, int64_t) { fn(claims, at::get_thread_num()); });
+}
 
 // An fp16 field of a code slot (scale, zero point) as a float.
 inline float half_at(const uint8_t* p) { return static_cast<float>(*reinterpret_cast<const at::Half*>(p)); }

@@ -182,15 +182,18 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = 0; t < tiles; t += kTileGroup) items.push_back({r, h, t, std::min<int64_t>(kTileGroup, tiles - t)});
   }
+  // Largest first (keys read x tiles), claimed one at a time: a decode step's requests differ in length.
+  const auto cost = [&](const Item& item) { return static_cast<int64_t>(lens[item.req]) * item.tiles; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   uint8_t* base = cache.data_ptr<uint8_t>();
-  const int64_t bs = p.bs, half = p.row_bytes();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  const int64_t bs = p.bs, half = p.row_bytes(), n_items = static_cast<int64_t>(items.size());
+  for_claimed(n_items, at::get_num_threads(), [&](Claims& claims, int) {
     std::vector<Tile> tiles(kTileGroup, Tile(D));
     std::vector<float> kraw(bs * D), vraw(bs * D), klev(bs * D), vlev(bs * D), kscale(bs), kzero(bs), vscale(bs);
     std::vector<float> vzero(bs), scores(bs * kLanes), w(bs * kLanes), column(bs), row(D), mean(D), mrow(D);
     std::vector<float> rows_out(kDirectRows * bs), rows_w(kDirectRows * bs);
     std::vector<int32_t> codes(D);
-    for (int64_t it = i0; it < i1; ++it) {
+    for (int64_t it; claims.take(it);) {
       const Item& item = items[it];
       const int64_t qs = qsl[item.req], t_len = qsl[item.req + 1] - qs, ctx = lens[item.req] - t_len;
       bool direct = simd_codes;  // every tile small enough for the direct code loops

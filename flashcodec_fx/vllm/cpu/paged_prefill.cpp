@@ -17,8 +17,6 @@
 // sizes, the call's buffers by its tokens (never by the history). Needs head_dim % 16 == 0 (the launcher sends
 // other head dims to the per-token kernel).
 
-#include <atomic>
-
 namespace fc {
 
 namespace {
@@ -323,12 +321,9 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Ten
     c.st = {take(rows), take(rows), take(rows * D)};
   }
 
-  // Runs fn(item, thread) for items [0, n), claimed one at a time (items are listed largest first).
-  const auto run = [&](int64_t n, const auto& fn) {
-    std::atomic<int64_t> claim{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      const int thread = at::get_thread_num();
-      for (int64_t i = claim++; i < n; i = claim++) fn(i, thread);
+  const auto run = [&](int64_t n, const auto& fn) {  // fn(item, thread); items listed largest first
+    for_claimed(n, threads, [&](Claims& claims, int thread) {
+      for (int64_t i; claims.take(i);) fn(i, thread);
     });
   };
 
