@@ -13,16 +13,21 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the paged Triton kernels are tested on CPU tensors under TRITON_INTERPRET=1", allow_module_level=True)
 
-from dataclasses import fields  # noqa: E402
-
 from _paged_cases import make_batch  # noqa: E402
 
+from flashcodec_fx.ops.triton.common import pow2  # noqa: E402
 from flashcodec_fx.vllm.page import page_format, store_plan  # noqa: E402
 from flashcodec_fx.vllm.reference import attention_reference  # noqa: E402
-from flashcodec_fx.vllm.triton import check_paged_limits, page_form, triton_paged_attention, triton_paged_store  # noqa: E402
+from flashcodec_fx.vllm.triton import (  # noqa: E402
+    attention,
+    check_paged_limits,
+    page_form,
+    triton_paged_attention,
+    triton_paged_store,
+)
 
 # Attention, fp32: both accumulate in fp32 in different orders (the kernel folds the scale and log2(e) into q and
-# takes exp2, the reference softmaxes), unit-scale data: within 2e-5 (measured: <= 5e-7). fp16: both round an fp32
+# takes exp2, the reference softmaxes), unit-scale data: within 2e-5 (measured: <= 7.2e-7). fp16: both round an fp32
 # result once, so at most one fp16 ulp of the output apart (an ulp is <= 2**-10 of either value: rtol 2**-9).
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.float16: {"atol": 1e-5, "rtol": 2.0**-9}}
 
@@ -51,12 +56,20 @@ def triton_store(fmt, key, value, cache, slots, block_table, seq_lens, query_sta
     triton_paged_store(fmt, key, value, cache, slots, plan)
 
 
-def test_constants_name_the_tuples_fields():
-    """``P_<FIELD>`` / ``S_<FIELD>`` index ``PageConsts`` / ``SlotConsts`` by their fields' names and order."""
-    for prefix, consts in (("P_", page_form.PageConsts), ("S_", page_form.SlotConsts)):
-        names = {name: getattr(page_form, name).value for name in dir(page_form) if name.startswith(prefix)}
-        want = {prefix + f.name.upper(): i for i, f in enumerate(fields(consts))}
-        assert names == want
+@pytest.mark.parametrize(("module", "prefix", "tuple_type"), [(page_form, "P_", page_form.PageConsts),
+                                                                (page_form, "S_", page_form.SlotConsts),
+                                                                (attention, "T_", attention.PagedTiles)])
+def test_constants_name_the_tuples_fields(module, prefix, tuple_type):
+    """The module's ``<prefix><FIELD>`` constants are exactly the tuple's fields (declared once, ``TupleFields``),
+    each its field's place; the tuples the launchers build are filled by name."""
+    names = {name: getattr(module, name).value for name in dir(module) if name.startswith(prefix)}
+    assert names == {prefix + field.upper(): i for i, field in enumerate(tuple_type._fields)}
+    fmt = page_format("4bit", 0, 64, torch.float16)
+    assert page_form.PageConsts.of(fmt, 16)._asdict() == {
+        "d": 64, "dp": 64, "bs": 16, "a": 4, "raw_row": fmt.raw_row_bytes, "slot": fmt.code_slot_bytes, "raw": False,
+        "center": True}
+    assert attention.PagedTiles.of(fmt, 16, 3, 40, True)._asdict() == {
+        "g": 3, "gp": 4, "tq": 4, "bm": 16, "bn_raw": 16, "bn_code": 16, "bn_own": attention.OWN_KEYS, "sinks": True}
 
 
 @pytest.mark.parametrize("case", STORE_CASES.values(), ids=STORE_CASES.keys())
@@ -85,21 +98,89 @@ ATTENTION_CASES = {
 }
 
 
+def _plan(batch, s_aux, **thresholds) -> attention.AttentionPlan:
+    """The launcher's plan of ``batch``'s call (``thresholds``: attention_plan's)."""
+    n, hq, _ = batch.query.shape
+    longest = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max())
+    return attention.attention_plan(batch.fmt, batch.block_size, hq // batch.key.shape[1], longest,
+                                    batch.block_table.shape[1], n * hq, s_aux is not None, **thresholds)
+
+
+def _attend(batch, cache, scale, s_aux=None, plan=None) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    triton_paged_attention(batch.fmt, *batch.attention_args(cache), scale, s_aux, out, plan=plan)
+    return out
+
+
 @pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
 def test_attention_matches_the_reference(case):
+    """The launcher's own plan: decode batches in the single kernel, chunks longer than a query tile split."""
     batch = make_batch(case)
     cache = batch.filled_cache(case["seed"])
     scale = batch.query.shape[-1] ** -0.5
+    assert _plan(batch, None).split == (max(case["queries"]) * pow2(case["group"]) > attention.MAX_ROWS)
     ref = attention_reference(batch.fmt, *batch.attention_args(cache), scale)
-    out = torch.full_like(batch.query, float("nan"))
-    triton_paged_attention(batch.fmt, *batch.attention_args(cache), scale, None, out)
+    torch.testing.assert_close(_attend(batch, cache, scale).float(), ref.float(), **TOLERANCE[batch.query.dtype])
+
+
+# The split path (a chunk longer than a query tile, MAX_ROWS // pow2(G) tokens: own tokens and history apart, merged):
+# (case, split_keys, sinks). split_keys: history keys per split at least (None: the launcher's plan, SPLIT_KEYS: one
+# split on these histories; 16 / 32: splits of one / two 16-slot pages, several on these histories). Histories of
+# several pages read through their rings with centered keys (4bit, 3bit), int8 (no raw rows), raw pages, a chunk
+# without history, decodes beside a chunk, GQA 1 / 2 / 3, sink logits.
+SPLIT_CASES = {
+    "chunk 4bit G=1 no history": (_case("4bit", torch.float32, heads=1, contexts=(0,), queries=(40,)), None, False),
+    "chunk 4bit G=3 3 splits": (_case("4bit", torch.float32, group=3, contexts=(70,), queries=(20,)), 32, False),
+    "chunk 3bit G=1 3 splits sinks": (_case("3bit", torch.float32, heads=1, contexts=(75,), queries=(18,)), 32, True),
+    "chunk int8 G=3 anchors=0 2 splits": (_case("int8", torch.float32, group=3, anchors=0, head_dim=32, contexts=(50,),
+                                                queries=(9,)), 32, False),
+    "chunk raw G=3 3 splits sinks": (_case("raw", torch.float32, group=3, contexts=(40,), queries=(9,)), 16, True),
+    "mixed 3bit G=3 3 splits sinks": (_case("3bit", torch.float32, group=3, contexts=(37, 70, 0, 5),
+                                            queries=(1, 24, 1, 2)), 32, True),
+    "mixed 4bit fp16 G=2 bs=32": (_case("4bit", torch.float16, group=2, block_size=32, contexts=(80, 3),
+                                        queries=(12, 1)), None, False),
+}
+
+
+@pytest.mark.parametrize(("case", "split_keys", "sinks"), SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
+def test_split_attention_matches_the_reference(case, split_keys, sinks):
+    """The plan takes the split path (and, with ``split_keys``, more than one history split); the result matches the
+    reference."""
+    batch = make_batch(case)
+    cache = batch.filled_cache(case["seed"])
+    scale = batch.query.shape[-1] ** -0.5
+    s_aux = torch.linspace(-2, 3, batch.query.shape[1]) if sinks else None
+    plan = _plan(batch, s_aux) if split_keys is None else _plan(batch, s_aux, split_keys=split_keys)
+    assert plan.split
+    pages = -(-max(case["contexts"]) // case["block_size"])
+    assert (attention.history_splits(plan, pages) > 1) == (split_keys is not None)
+    ref = attention_reference(batch.fmt, *batch.attention_args(cache), scale, s_aux)
+    out = _attend(batch, cache, scale, s_aux, None if split_keys is None else plan)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[batch.query.dtype])
 
 
-def test_attention_with_sinks_and_strided_rows():
+def test_plan_paths_and_splits():
+    """One query tile's tokens or fewer: the single kernel; more: split. History splits: enough for the block table's
+    width, at most MAX_SPLITS and MAX_STATE_ROWS // rows, at least one; a short history takes fewer."""
+    fmt = page_format("4bit", 0, 64, torch.float16)
+    for group, tokens in ((1, 16), (3, 4), (8, 2), (32, 1)):
+        assert not attention.attention_plan(fmt, 16, group, tokens, 100, 64, False).split
+        assert attention.attention_plan(fmt, 16, group, tokens + 1, 100, 64, False).split
+    plan = attention.attention_plan(fmt, 16, 1, 100, 10**6, 64, False)
+    assert (plan.splits, plan.split_pages) == (attention.MAX_SPLITS, attention.SPLIT_KEYS // 16)
+    assert attention.history_splits(plan, 10**6) == attention.MAX_SPLITS
+    assert attention.history_splits(plan, 3 * plan.split_pages) == 3
+    assert attention.history_splits(plan, 0) == 0
+    assert attention.attention_plan(fmt, 16, 1, 100, 3 * plan.split_pages, 64, False).splits == 3
+    assert attention.attention_plan(fmt, 16, 1, 100, 10**6, attention.MAX_STATE_ROWS // 2, False).splits == 2
+    assert attention.attention_plan(fmt, 16, 1, 100, 10**6, 4 * attention.MAX_STATE_ROWS, False).splits == 1
+
+
+@pytest.mark.parametrize("queries", [(3, 1), (20, 1)], ids=["single", "split"])
+def test_attention_with_sinks_and_strided_rows(queries):
     """Sink logits; query / key / value as column slices of one qkv buffer (vLLM's), ``out`` a view of a larger
     buffer whose other rows stay untouched; ``max_query_len`` left for the launcher to compute."""
-    batch = make_batch(_case("4bit", torch.float32, heads=2, group=2, contexts=(30, 4), queries=(3, 1), padding=0))
+    batch = make_batch(_case("4bit", torch.float32, heads=2, group=2, contexts=(30, 4), queries=queries, padding=0))
     n, h, d = batch.key.shape
     qkv = torch.cat([batch.query.reshape(n, -1), batch.key.reshape(n, -1), batch.value.reshape(n, -1)], dim=1)
     q, k, v = qkv.split([2 * h * d, h * d, h * d], dim=1)
@@ -107,6 +188,7 @@ def test_attention_with_sinks_and_strided_rows():
     assert not k.is_contiguous()
     cache = batch.filled_cache(3)
     s_aux = torch.linspace(-2, 3, 2 * h)
+    assert _plan(batch, s_aux).split == (queries[0] == 20)
     ref = attention_reference(batch.fmt, *batch.attention_args(cache), 0.2, s_aux)
     buffer = torch.zeros(n + 2, 2 * h * d)
     out = buffer[:n].view(n, 2 * h, d)

@@ -3,37 +3,36 @@ tables (rotation, level table, search factors: ``ops.triton.common.stream_tables
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ...ops.plan import LEVEL_KINDS, stored_form_plan
-from ...ops.triton.common import StreamForm, pow2, stream_tables
+from ...ops.triton.common import StreamForm, TupleFields, pow2, stream_tables
 from ..page import PageFormat
 
 MAX_HEAD_DIM = 128  # a (D, D) rotation and a tile's whole head_dim live in registers
 MAX_BLOCK_SIZE = 128  # a page's code slots are one tile
 LLOYD_KIND: tl.constexpr = tl.constexpr(LEVEL_KINDS["lloyd"])
 
-# Indices into the page tuple (``PageConsts.constexpr()``) and a stream's slot tuple (``SlotConsts``), by field name:
-# tests/vllm/test_triton_kernels.py checks them against the dataclasses' fields; PageConsts reads the format's fields by
-# name (PageFormat.meta, page.PAGE_FIELDS).
-P_D: tl.constexpr = tl.constexpr(0)
-P_DP: tl.constexpr = tl.constexpr(1)
-P_BS: tl.constexpr = tl.constexpr(2)
-P_A: tl.constexpr = tl.constexpr(3)
-P_RAW_ROW: tl.constexpr = tl.constexpr(4)
-P_SLOT: tl.constexpr = tl.constexpr(5)
-P_RAW: tl.constexpr = tl.constexpr(6)
-P_CENTER: tl.constexpr = tl.constexpr(7)
-S_BITS: tl.constexpr = tl.constexpr(0)
-S_KIND: tl.constexpr = tl.constexpr(1)
-S_SEARCH: tl.constexpr = tl.constexpr(2)
-S_ROTATE: tl.constexpr = tl.constexpr(3)
-S_SCALE: tl.constexpr = tl.constexpr(4)
-S_CODE: tl.constexpr = tl.constexpr(5)
+# The fields of the page tuple (:class:`PageConsts`) and of a stream's slot tuple (:class:`SlotConsts`), in tuple
+# order: each declaration is the field and its index (kernels: ``D: tl.constexpr = P[P_D]``).
+_PAGE = TupleFields("PageConsts")
+P_D = _PAGE("d")  # head_dim
+P_DP = _PAGE("dp")  # its power-of-two tile
+P_BS = _PAGE("bs")  # block size (slots per page)
+P_A = _PAGE("a")  # raw rows of a page
+P_RAW_ROW = _PAGE("raw_row")  # bytes of a raw row (K then V)
+P_SLOT = _PAGE("slot")  # bytes of a code slot
+P_RAW = _PAGE("raw")  # every row raw
+P_CENTER = _PAGE("center")  # keys coded minus a page mean
+_SLOT = TupleFields("SlotConsts")
+S_BITS = _SLOT("bits")
+S_KIND = _SLOT("kind")  # ops.plan.LEVEL_KINDS
+S_SEARCH = _SLOT("search")  # the clipping search
+S_ROTATE = _SLOT("rotate")
+S_SCALE = _SLOT("scale")  # byte offset of the fp16 scale in a slot
+S_CODE = _SLOT("code")  # byte offset of the packed codes in a slot
 
 
 def check_paged_limits(fmt: PageFormat, block_size: int) -> None:
@@ -50,57 +49,44 @@ def check_paged_limits(fmt: PageFormat, block_size: int) -> None:
                              f"(levels int / midrise / lloyd), got {slot.codec.spec}")
 
 
-@dataclass(frozen=True)
-class PageConsts:
-    """A page's layout in elements and bytes: head_dim ``d``, its power-of-two tile ``dp``, block size ``bs``, raw
-    rows ``a``, bytes of a raw row and of a code slot, ``raw`` (every row raw), ``center`` (keys coded minus a page
-    mean)."""
+class PageConsts(_PAGE.namedtuple()):
+    """A page's layout in elements and bytes (its fields: the ``P_*`` declarations above, in tuple order)."""
 
-    d: int
-    dp: int
-    bs: int
-    a: int
-    raw_row: int
-    slot: int
-    raw: bool
-    center: bool
+    __slots__ = ()
 
     @classmethod
     def of(cls, fmt: PageFormat, block_size: int) -> PageConsts:
         meta = fmt.meta()
-        return cls(fmt.head_dim, pow2(fmt.head_dim, 16), block_size, fmt.raw_rows(block_size), fmt.raw_row_bytes,
-                   meta["slot"] if not fmt.raw else fmt.raw_row_bytes, bool(meta["raw"]), bool(meta["center"]))
+        return cls(d=fmt.head_dim, dp=pow2(fmt.head_dim, 16), bs=block_size, a=fmt.raw_rows(block_size),
+                   raw_row=fmt.raw_row_bytes, slot=meta["slot"] if not fmt.raw else fmt.raw_row_bytes,
+                   raw=bool(meta["raw"]), center=bool(meta["center"]))
 
     def constexpr(self) -> tuple:
-        return astuple(self)
+        return tuple(self)
 
 
-@dataclass(frozen=True)
-class SlotConsts:
-    """One stream's code-slot fields: bits, level kind, scale search, rotation, byte offsets of scale and codes."""
+class SlotConsts(_SLOT.namedtuple()):
+    """One stream's code-slot fields (the ``S_*`` declarations above, in tuple order)."""
 
-    bits: int
-    kind: int
-    search: bool
-    rotate: bool
-    scale: int
-    code: int
+    __slots__ = ()
 
     def constexpr(self) -> tuple:
-        return astuple(self)
+        return tuple(self)
 
 
 def stream_args(fmt: PageFormat, device: torch.device) -> list[tuple]:
     """Per stream (K, V): ``(form tuple, slot tuple, tables)``; placeholders for a raw format."""
     if fmt.raw:
         dummy = torch.zeros(1, dtype=torch.float32, device=device)
-        return [((0,) * 19, (1, 0, False, False, 0, 0), (dummy, dummy, dummy))] * 2
+        form = StreamForm._make((0,) * len(StreamForm._fields)).constexpr()
+        slot = SlotConsts(bits=1, kind=0, search=False, rotate=False, scale=0, code=0).constexpr()
+        return [(form, slot, (dummy, dummy, dummy))] * 2
     out = []
     for slot in fmt.slots:
         plan = stored_form_plan(slot.codec.spec, fmt.head_dim)
         tables = stream_tables(slot.codec, fmt.head_dim, device)
-        consts = SlotConsts(plan.bits[0], plan.level_kind[0], plan.search, plan.rotate, slot.scale_offset,
-                            slot.code_offset)
+        consts = SlotConsts(bits=plan.bits[0], kind=plan.level_kind[0], search=plan.search, rotate=plan.rotate,
+                            scale=slot.scale_offset, code=slot.code_offset)
         out.append((StreamForm.of(plan).constexpr(), consts.constexpr(),
                     (tables.rotation, tables.levels, tables.factors)))
     return out
