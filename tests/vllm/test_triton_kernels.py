@@ -1,6 +1,8 @@
 """The vLLM plugin's Triton kernels (``flashcodec_fx/vllm/triton``) against the reference (the spec) on random paged
-layouts, under ``TRITON_INTERPRET=1`` on CPU tensors (tiny sizes: the interpreter runs every program in numpy).
-Never run on a GPU: the compiled kernels are only compiled for sm_90 (benchmarks/triton_compile.py)."""
+layouts (tiny sizes). The kernels run on ``DEVICE``: CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter runs
+every program in numpy), else CUDA tensors where a GPU is present (benchmarks/gpu_check.sh runs this file there),
+else the module skips. The batches and the reference stay on the CPU: the kernels' inputs go to ``DEVICE`` and their
+results come back (:func:`on_device`)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the paged Triton kernels are tested on CPU tensors under TRITON_INTERPRET=1", allow_module_level=True)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("the paged Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1",
+                allow_module_level=True)
 
 from _paged_cases import make_batch  # noqa: E402
 
@@ -50,10 +55,20 @@ STORE_CASES = {
 }
 
 
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` on ``DEVICE`` (copies keep their strides: a column slice stays one)."""
+    return [x if x.device.type == DEVICE else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                                      device=DEVICE).copy_(x) for x in tensors]
+
+
 def triton_store(fmt, key, value, cache, slots, block_table, seq_lens, query_start_loc, phase):
-    """The Triton store with the reference store's arguments (``kernels.paged_store`` makes the plan the same way)."""
-    plan = store_plan(fmt, cache.shape[2], slots, block_table, seq_lens, query_start_loc, phase)
-    triton_paged_store(fmt, key, value, cache, slots, plan)
+    """The Triton store with the reference store's arguments (``kernels.paged_store`` makes the plan the same way),
+    on ``DEVICE``; ``cache`` (CPU) receives the result."""
+    key, value, dev_cache, slots, block_table, seq_lens, query_start_loc = on_device(
+        key, value, cache, slots, block_table, seq_lens, query_start_loc)
+    plan = store_plan(fmt, dev_cache.shape[2], slots, block_table, seq_lens, query_start_loc, phase)
+    triton_paged_store(fmt, key, value, dev_cache, slots, plan)
+    cache.copy_(dev_cache)
 
 
 @pytest.mark.parametrize(("module", "prefix", "tuple_type"), [(page_form, "P_", page_form.PageConsts),
@@ -107,9 +122,12 @@ def _plan(batch, s_aux, **thresholds) -> attention.AttentionPlan:
 
 
 def _attend(batch, cache, scale, s_aux=None, plan=None) -> torch.Tensor:
-    out = torch.full_like(batch.query, float("nan"))
-    triton_paged_attention(batch.fmt, *batch.attention_args(cache), scale, s_aux, out, plan=plan)
-    return out
+    """The Triton attention of ``batch``'s call on ``DEVICE``, its output on the CPU."""
+    args = on_device(*batch.attention_args(cache))
+    out = torch.full_like(args[0], float("nan"))
+    s_aux = None if s_aux is None else on_device(s_aux)[0]
+    triton_paged_attention(batch.fmt, *args, scale, s_aux, out, plan=plan)
+    return out.cpu()
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
@@ -182,20 +200,20 @@ def test_attention_with_sinks_and_strided_rows(queries):
     buffer whose other rows stay untouched; ``max_query_len`` left for the launcher to compute."""
     batch = make_batch(_case("4bit", torch.float32, heads=2, group=2, contexts=(30, 4), queries=queries, padding=0))
     n, h, d = batch.key.shape
-    qkv = torch.cat([batch.query.reshape(n, -1), batch.key.reshape(n, -1), batch.value.reshape(n, -1)], dim=1)
-    q, k, v = qkv.split([2 * h * d, h * d, h * d], dim=1)
-    q, k, v = q.view(n, 2 * h, d), k.view(n, h, d), v.view(n, h, d)
+    (qkv,) = on_device(torch.cat([batch.query.reshape(n, -1), batch.key.reshape(n, -1), batch.value.reshape(n, -1)],
+                                 dim=1))
+    q, k, v = (x.view(n, -1, d) for x in qkv.split([2 * h * d, h * d, h * d], dim=1))
     assert not k.is_contiguous()
     cache = batch.filled_cache(3)
     s_aux = torch.linspace(-2, 3, 2 * h)
     assert _plan(batch, s_aux).split == (queries[0] == 20)
     ref = attention_reference(batch.fmt, *batch.attention_args(cache), 0.2, s_aux)
-    buffer = torch.zeros(n + 2, 2 * h * d)
+    buffer = torch.zeros(n + 2, 2 * h * d, device=DEVICE)
     out = buffer[:n].view(n, 2 * h, d)
-    triton_paged_attention(batch.fmt, q, k, v, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                           0.2, s_aux, out)
-    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
-    assert torch.equal(buffer[n:], torch.zeros(2, 2 * h * d))
+    triton_paged_attention(batch.fmt, q, k, v, *on_device(cache, batch.block_table, batch.seq_lens,
+                                                          batch.query_start_loc), 0.2, *on_device(s_aux), out)
+    torch.testing.assert_close(out.cpu(), ref, **TOLERANCE[torch.float32])
+    assert torch.equal(buffer[n:].cpu(), torch.zeros(2, 2 * h * d))
 
 
 def test_limits_are_named():
