@@ -367,8 +367,9 @@ def memory_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
 
 
 def source_run(runs: dict[str, Any], part: str, config: str | None) -> str | None:
-    """The run of an earlier merge that measured ``config``'s row of ``part`` (its ``parts`` and ``only``)."""
-    for name, run in runs.items():
+    """The run of an earlier merge that measured ``config``'s row of ``part`` (its ``parts`` and ``only``): the latest
+    such run (a later run's part replaced an earlier one's when they were merged)."""
+    for name, run in sorted(runs.items(), key=lambda item: item[1].get("date", ""), reverse=True):
         c = run["config"]
         if part in c.get("parts", PARTS) and (config is None or c.get("only") is None or config in c["only"]):
             return name

@@ -178,3 +178,19 @@ def test_each_preset_row_is_held_against_its_twin():
     table = bench_vllm.quality_markdown({"quality": {"vllm": [{**r, "bits_per_value_bf16": 16.0} for r in rows],
                                                      "flashcodec": [{**t, "kl": 0.0, "ppl": 1.0} for t in twins]}})
     assert "| 3bit | 16.00 |" in table and "| yes |" in table and "| **no** |" in table
+
+
+def test_a_merge_credits_a_part_to_the_latest_run_that_measured_it():
+    """Two runs of an earlier merge both list the throughput part: its rows are the later run's (merging replaced the
+    earlier), so a further merge keeps that run, not the first in the list."""
+    def run(date: str, parts: list[str]) -> dict:
+        return {"date": date, "machine": {"load_avg_1_5_15m": [1.0] * 3}, "versions": {}, "config": {"parts": parts}}
+
+    earlier = {"runs": {"serving": run("2026-12-04T19:00", ["serving", "throughput"]),
+                        "tput": run("2026-12-04T22:00", ["throughput"])},
+               "serving": [serving_row("stock vLLM", None, 46592)],
+               "throughput": throughput_part(("eager", "stock vLLM", 0, 100.0))}
+    later = {**run("2026-12-04T23:00", ["memory_bound"]), "memory_bound": {"rows": []}}
+    merged = bench_vllm.merge([("vllm", earlier), ("memory", later)])
+    assert sorted(merged["runs"]) == ["memory", "serving", "tput"]
+    assert bench_vllm.source_run(earlier["runs"], "throughput", None) == "tput"
