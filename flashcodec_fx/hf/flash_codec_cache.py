@@ -172,7 +172,7 @@ class FlashCodecCache(Cache):
 
     def _keep_mask(self, layer: FlashCodecLayer, key_states: torch.Tensor) -> torch.Tensor | None:
         mask = self._padding_mask
-        start, t = layer.keys_stream.get_seq_length(), key_states.shape[2]
+        start, t = layer.position, key_states.shape[2]  # absolute: a ring's streams hold only its window
         if mask is None or start >= mask.shape[1]:
             return None
         if mask.shape[0] != key_states.shape[0]:

@@ -284,6 +284,12 @@ class FlashCodecLayer(CacheLayerMixin):
             return 0 if length is None else length
         return self.keys_stream.get_seq_length()
 
+    @property
+    def position(self) -> int:
+        """The absolute position of the next token (tokens seen; a host int on every layout, no sync): what the
+        prompt's padding mask is indexed by."""
+        return self.keys_stream.get_seq_length()
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: dynamic ``stored + query_length``; static the views' capacity."""
         if self.layout == "static":

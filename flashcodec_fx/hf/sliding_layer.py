@@ -67,6 +67,11 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
         """Tokens seen (transformers' positions), dropped ones included."""
         return self.dropped + self.keys_stream.get_seq_length()
 
+    @property
+    def position(self) -> int:
+        """The absolute position of the next token: dropped positions included (the streams hold the ring's)."""
+        return self.get_seq_length()
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: the positions held after this call's drop, plus the query."""
         target = self._drop_target()

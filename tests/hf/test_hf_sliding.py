@@ -54,6 +54,33 @@ def test_png_ring_generates_the_tokens_of_the_native_cache(gemma):
         assert layer.get_seq_length() == 10 + 40 - 1
 
 
+@pytest.mark.parametrize("preset", ["lossless", "int8", "4bit"])
+def test_left_padding_longer_than_the_window_keeps_the_padded_row(gemma, preset):
+    """A row left-padded by more than the window: its new tokens are stored as given once the ring has dropped
+    positions (the padding mask is indexed by absolute position, not by the ring's length). ``lossless`` gives the
+    native padded batch's tokens; a lossy preset attends on codes that match its own decoded view."""
+    pad = 3 * WINDOW
+    ids = tiny_prompt(2, 50, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    ids[1, :pad] = 0
+    kwargs = dict(attention_mask=mask, pad_token_id=0)
+    reference = _generate(gemma, ids, 30, **kwargs).sequences
+    fx.apply_flash_codec(gemma, preset=preset, strict=True)
+    try:
+        out = _generate(gemma, ids, 30, **kwargs)
+    finally:
+        fx.remove_flash_codec(gemma)
+    rings = _sliding(output_cache(out))
+    # the rings hold fewer positions than the padding: their lengths are no positions of the padding mask
+    assert rings and all(layer.dropped > 0 and layer.keys_stream.get_seq_length() < pad for layer in rings)
+    for layer in rings:  # the padded row's newest keys were stored, not zeroed
+        newest = layer.keys_stream.read()[1, :, -4:]
+        assert newest.abs().amax() > 0
+    if preset == "lossless":
+        assert torch.equal(out.sequences, reference)
+
+
 def test_lossy_ring_stored_form_equals_its_decoded_view(gemma):
     """Both routes read the same stored tokens, and the call's own tokens exactly (the view without a memo)."""
     ids = tiny_prompt(1, 9, seed=3)
