@@ -1,10 +1,9 @@
 """flashcodec_fx: compressed KV cache for PyTorch LLMs; attention runs on the stored coefficients.
 
-Importing the package loads torch and nothing else of weight: every public name is imported on first use (PEP 562),
-so ``import flashcodec_fx`` and the ``flashcodec`` command's ``--help`` / ``--version`` load neither Dynamo nor
-transformers nor Triton. The ``torch.ops.flashcodec`` custom ops are defined (and their CPU / Triton kernels
-registered) by importing :mod:`flashcodec_fx.ops`, which every module that calls them does: the caches, the
-transformers integration, the compile pass, the vLLM plugin, or ``flashcodec_fx.ops`` itself.
+Importing the package defines the ``torch.ops.flashcodec`` custom ops (:mod:`flashcodec_fx.ops`: their reference,
+fake and CPU kernels, and CUDA kernels that load Triton on their first call) and loads torch and nothing else of
+weight: every other public name is imported on first use (PEP 562), so ``import flashcodec_fx`` and the
+``flashcodec`` command's ``--help`` / ``--version`` load neither Dynamo nor Inductor nor transformers nor Triton.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ _LAZY = {  # public name -> the module that defines it (relative to this package
     **dict.fromkeys(("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
                      "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec"), ".hf"),
 }
-_SUBMODULES = ("ops",)  # public subpackages also reachable as attributes without an import statement
 
 __all__ = [
     "DEFAULT_PRESET", "PRESETS", "CacheConfig", "Codec", "CodecKVCache", "CodecOverflowError", "CodecStream",
@@ -38,12 +36,13 @@ __all__ = [
 ]
 
 
+from . import ops  # noqa: E402  (defines torch.ops.flashcodec.*: every op, on import)
+
+
 def __getattr__(name: str) -> Any:
     """Import the module behind a public name on first access and keep the name here (later lookups are plain)."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module 'flashcodec_fx' has no attribute {name!r}")
     globals()[name] = value
@@ -51,4 +50,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+    return sorted({*globals(), *_LAZY})

@@ -1,5 +1,5 @@
 """``import flashcodec_fx`` and the command's ``--help`` / ``--version`` load torch and nothing heavy (PEP 562 lazy
-names, issue 32); the public names still resolve, and the custom ops are defined whenever something uses them."""
+names, issue 32); the public names still resolve, and ``import flashcodec_fx`` defines every custom op (issue 40)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import flashcodec_fx
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch._dynamo", "torch._inductor", "transformers", "triton", "gguf", "safetensors", "accelerate", "sympy",
-         "flashcodec_fx.ops", "flashcodec_fx.hf", "flashcodec_fx.passes")
-"""Modules the import and the CLI's quick answers must not load (``flashcodec_fx.ops`` imports Triton)."""
+         "torch.utils.cpp_extension", "flashcodec_fx.ops.triton.gate", "flashcodec_fx.hf", "flashcodec_fx.passes")
+"""Modules the import and the CLI's quick answers must not load (the Triton gate imports Triton)."""
+OPS = ["read", "append", "codec_attention", "encode", "decode"]
 
 
 def loaded_after(code: str) -> dict:
@@ -24,7 +25,7 @@ def loaded_after(code: str) -> dict:
     probe = (f"import sys, io, contextlib\n{code}\n"
              "import json, torch\n"
              f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
-             "ops = [n for n in ('read', 'append', 'codec_attention') if hasattr(torch.ops.flashcodec, n)]\n"
+             f"ops = [n for n in {OPS!r} if hasattr(torch.ops.flashcodec, n)]\n"
              "print(json.dumps({'heavy': heavy, 'ops': ops}))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -47,14 +48,22 @@ def test_nothing_heavy_is_imported(code):
 
 
 @pytest.mark.parametrize("code", [
+    "import flashcodec_fx",
     "import flashcodec_fx; flashcodec_fx.CodecKVCache",
-    "import flashcodec_fx; flashcodec_fx.ops",
     "import flashcodec_fx.passes.match",
     "import flashcodec_fx.kernel_report",
-], ids=["CodecKVCache", "ops-attribute", "compile-pass-match", "kernels"])
-def test_the_ops_are_defined_by_whatever_uses_them(code):
-    """The first use of a public op path defines ``torch.ops.flashcodec`` (and, with them, registers the kernels)."""
-    assert loaded_after(code)["ops"] == ["read", "append", "codec_attention"]
+], ids=["import", "CodecKVCache", "compile-pass-match", "kernels"])
+def test_the_ops_are_defined_on_import(code):
+    """``import flashcodec_fx`` (so any path into the package) defines every ``torch.ops.flashcodec`` op."""
+    assert loaded_after(code)["ops"] == OPS
+
+
+def test_the_cuda_kernels_are_registered_without_importing_triton():
+    """Where Triton is installed, each op has a CUDA kernel right after the import, and Triton is still not loaded."""
+    pytest.importorskip("triton")
+    code = ("import flashcodec_fx, torch\n"
+            f"assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f'flashcodec::{{n}}', 'CUDA') for n in {OPS!r})")
+    assert loaded_after(code)["heavy"] == []
 
 
 def test_every_public_name_resolves_and_dir_lists_it():

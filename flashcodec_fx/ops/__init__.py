@@ -4,11 +4,13 @@
   fake kernel;
 - ``cpu/``: fused C++ kernels of ``codec_attention`` and ``append`` (built on first use; ``FLASHCODEC_KERNELS=
   reference`` keeps the reference ops, ``fast`` requires the C++ kernels);
-- ``triton/``: Triton kernels of every op, registered for CUDA behind a capability gate (when Triton imports).
+- ``triton/``: Triton kernels of every op, registered for CUDA behind a capability gate (when Triton is installed;
+  imported on the first CUDA call).
 
 Both fast backends read a codec's stored form from one plan, ``plan.stored_form_plan(spec, head_dim)``.
 
-Importing this package defines every op and registers the fast kernels on top.
+Importing this package (``import flashcodec_fx`` does) defines every op and registers the fast kernels on top,
+without importing Triton, Dynamo, Inductor or transformers.
 """
 
 from __future__ import annotations
@@ -16,17 +18,10 @@ from __future__ import annotations
 from . import cpu
 from .reference import append, codec_attention, completable_groups, decode, encode, read
 from .state import StreamState, advance, capacity, empty_state
+from .triton import register as _register_triton
 from .warm import warm
 
-try:
-    import triton as _triton_package  # noqa: F401  (not bound as ``triton``: that name is the ``triton/`` subpackage)
-except ImportError:  # without triton the reference kernels serve every device
-    pass
-else:
-    from .triton import register as _register_triton
-
-    _register_triton()
-
+_register_triton()  # without Triton installed, the reference kernels serve CUDA; Triton loads on the first CUDA call
 cpu.register()
 
 __all__ = ["StreamState", "append", "advance", "capacity", "codec_attention", "completable_groups", "decode",

@@ -141,3 +141,11 @@ def test_a_stream_creates_its_kernel_tables_when_it_allocates():
     assert _tables.cache_info().misses == 1  # no second creation
     assert tables.rows.tolist() == [[6, 3], [0, 6], [0, 1], [-1, 0], [3, 1]]  # bits, offsets, classes, zeros, kinds
     assert tables.rotation.shape == (16, 16) and tables.levels.shape == (2, 64)
+
+
+def test_the_lazily_registered_ops_are_the_gates_kernels():
+    """``ops.triton.register`` (no Triton import) installs a CUDA kernel for exactly the ops the gate has launchers
+    for."""
+    from flashcodec_fx.ops import triton as triton_ops
+
+    assert set(triton_ops.OPS) == set(triton_gate.KERNELS) == set(triton_gate.HEAD_DIM)

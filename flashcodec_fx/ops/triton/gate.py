@@ -1,5 +1,5 @@
 """The Triton launchers as the CUDA kernels of the ``torch.ops.flashcodec`` ops they implement, behind a
-capability gate, and makes their device tables when a stream allocates (``ops.warm``).
+capability gate (``ops.triton.register`` installs them; this module imports Triton).
 
 ``KERNELS`` lists the ops with a Triton kernel: every op (append, codec_attention, encode, decode, read). CPU tensors
 keep the C++ kernels or the plain-torch reference; CUDA tensors get the reference where the fast kernels do not know
@@ -22,11 +22,9 @@ import torch
 from ... import _compat
 from ...codecs import Encoded, codec_from_spec
 from ..state import StreamState, fast_kernels_serve
-from ..warm import WARMERS
 from .append import triton_append
 from .attention import triton_codec_attention
 from .blocks import triton_decode, triton_encode
-from .common import warm_tables
 from .read import triton_read
 
 MIN_CAPABILITY = (8, 0)  # sm_80: bf16 tensor-core dots and tf32x3
@@ -110,9 +108,7 @@ def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple
     return kernel
 
 
-def register() -> None:
-    """Register every launcher in ``KERNELS`` as its op's CUDA kernel (gated) and the tables' warmer."""
-    WARMERS.append(warm_tables)
-    for name, launcher in KERNELS.items():
-        torch.library.register_kernel(name, "cuda", gated(launcher, _compat.custom_op_kernels(name)[None],
-                                                          HEAD_DIM[name]))
+def gated_kernels() -> dict[str, Callable]:
+    """Every launcher in ``KERNELS`` gated (:func:`gated`): the CUDA kernels ``ops.triton.register`` installs."""
+    return {name: gated(launcher, _compat.custom_op_kernels(name)[None], HEAD_DIM[name])
+            for name, launcher in KERNELS.items()}
