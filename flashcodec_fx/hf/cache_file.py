@@ -29,6 +29,7 @@ from ..persist.stream_io import export_stream, install_state, prepare_state
 from ..provenance import version
 from .attention import NAMES
 from .flash_codec_cache import FlashCodecCache
+from .hybrid_layer import HybridCodecLayer
 from .layer import FlashCodecLayer
 from .sliding_layer import FlashCodecSlidingLayer
 
@@ -124,6 +125,8 @@ def _codec_layer(idx: int, layer: FlashCodecLayer, tensors: dict[str, torch.Tens
              "dtype": None if getattr(layer, "dtype", None) is None else str(layer.dtype).removeprefix("torch.")}
     if isinstance(layer, FlashCodecSlidingLayer):
         entry["dropped"] = layer.dropped
+    if isinstance(layer, HybridCodecLayer):
+        entry["linear"] = _pack(layer.linear_state, f"layers.{idx}.linear", tensors)
     for role, stream in (("keys", layer.keys_stream), ("values", layer.values_stream)):
         state, described = export_stream(stream)
         described["memoize"] = stream.memoize
@@ -236,5 +239,7 @@ def load(path: str | os.PathLike, model_or_config: Any, device: str | torch.devi
             layer.device, layer.dtype = device, DTYPES[entry["dtype"]]
         if isinstance(layer, FlashCodecSlidingLayer):
             layer.dropped = entry["dropped"]
+        if isinstance(layer, HybridCodecLayer):
+            layer.linear_state = _unpack(entry["linear"], tensors, device)
     cache.set_padding_mask(_unpack(header["padding_mask"], tensors, device))
     return cache

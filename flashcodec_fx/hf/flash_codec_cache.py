@@ -20,15 +20,34 @@ from .. import _compat
 from ..codecs.base import check_count
 from ..config import CacheConfig
 from .handoff import COMPILED, StepTable, dataflow
+from .hybrid_layer import FlashCodecHybridLayer, FlashCodecHybridSlidingLayer
 from .layer import FlashCodecLayer, fall_back_to_view
 from .options import check_cache_switches, crop_count, is_model_config, resolve_codecs
 from .sliding_layer import FlashCodecSlidingLayer
 
-CODEC_LAYER_TYPES = ("full_attention", "sliding_attention")  # sliding: dynamic layout (static keeps them native)
+# The layer types that carry a codec on the dynamic layout: full attention, windows (sliding, chunked) as codec rings,
+# and the attention half of hybrid (linear + attention) layers. The static layout: full attention only.
+CODEC_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+STATIC_CODEC_LAYER_TYPES = ("full_attention",)
+WINDOWED = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # codec rings: codecs without sinks
 
 
 class StaticSlidingNative(UserWarning):
-    """A static FlashCodecCache keeps a model's sliding-window layers native (uncompressed)."""
+    """A static FlashCodecCache keeps a model's sliding-window and hybrid layers native (uncompressed)."""
+
+
+class NoCodecLayers(UserWarning):
+    """flashcodec compresses nothing in this model: none of its layers carries a codec (no attention layer of a kind
+    the cache compresses, or the model builds a cache of its own). ``strict=True`` raises instead."""
+
+
+def no_codec_message(what: str, layer_types: list[str] | None = None) -> str:
+    """The message of :class:`NoCodecLayers` for ``what`` (the model or cache), with its layer kinds when known."""
+    kinds = "" if not layer_types else " (its layers: " + ", ".join(
+        f"{layer_types.count(kind)} {kind}" for kind in dict.fromkeys(layer_types)) + ")"
+    return (f"flashcodec compresses nothing in {what}{kinds}: no layer carries a codec (codec layers go on "
+            f"{CODEC_LAYER_TYPES} layers; the static layout on {STATIC_CODEC_LAYER_TYPES}), so the KV cache is held "
+            f"uncompressed")
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -55,10 +74,11 @@ class FlashCodecCache(Cache):
     ``materialization_free``, ``memoize``, ``strict``, ``crop``, ``offloading``, ``offload_only_non_sliding``.
 
     Layers: with ``config`` (or :meth:`from_config`), one per model layer: codec layers on full-attention layers and,
-    on the dynamic layout, codec rings on sliding-window layers (the static layout keeps those native, and warns);
-    every other layer type (chunked, linear attention, ...) keeps its native transformers layer. With ``num_layers``,
-    that many codec layers. With neither, codec layers are created as the model asks for them (``per_layer`` then
-    needs ``num_layers`` or ``config``).
+    on the dynamic layout, codec rings on sliding-window and chunked-attention layers and codec attention halves in
+    hybrid (linear + attention) layers (the static layout keeps those native, and warns); every other layer type
+    (linear attention, indexed, ...) keeps its native transformers layer; a cache with no codec layer at all warns
+    (:class:`NoCodecLayers`; ``strict=True`` raises). With ``num_layers``, that many codec layers. With neither,
+    codec layers are created as the model asks for them (``per_layer`` then needs ``num_layers`` or ``config``).
     """
 
     def __init__(self, codecs: CacheConfig | str | None = None, *, layout: str = "dynamic",
@@ -72,6 +92,8 @@ class FlashCodecCache(Cache):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         codec_config = resolve_codecs(codecs, options)
+        # Cache.__init__ by name below, not super(): a model's own cache class may follow in the MRO
+        # (hf/own_caches.py) with an __init__ of other arguments
         layer_kwargs = dict(layout=layout, max_cache_len=max_cache_len, memoize=memoize,
                             materialization_free=materialization_free, strict=strict, crop=crop)
         if config is not None and not is_model_config(config):
@@ -97,10 +119,15 @@ class FlashCodecCache(Cache):
         self.source_config = config  # what save() fingerprints (hf/cache_file.py)
         offload = dict(offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         if layer_types is None:
-            super().__init__(layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs), **offload)
+            Cache.__init__(self, layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs), **offload)
             return
         layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dim(config))
-        super().__init__(layers=layers, **offload)
+        if not any(isinstance(layer, FlashCodecLayer) for layer in layers):
+            message = no_codec_message(f"this {type(config).__name__} model", layer_types)
+            if strict:
+                raise ValueError(f"{message} (strict=True)")
+            warnings.warn(message, NoCodecLayers, stacklevel=3)
+        Cache.__init__(self, layers=layers, **offload)
 
     def __deepcopy__(self, memo: dict) -> FlashCodecCache:
         """A deep copy of every layer; the offloading prefetch stream (a device queue, not data) is shared."""
@@ -234,12 +261,15 @@ class FlashCodecCache(Cache):
         :meth:`flashcodec_fx.CodecStream.storage_breakdown` (``archive``, ``scales``, ``sinks``, ``tail``, ``mean``,
         ``norm``, ``memo``; not in ``total``: ``archive_held`` / ``archive_used``, allocated / filled groups with their scales,
         and ``stored``, the tokens as stored),
-        ``native``: tensors of the layers without a codec, ``total``. ``raw_equivalent``: what the codec layers'
-        stored tokens would take uncompressed (not in ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead."""
+        ``native``: tensors of the layers without a codec (and the linear-attention states of hybrid layers),
+        ``total``. ``raw_equivalent``: what the codec layers' stored tokens would take uncompressed (not in
+        ``total``). ``per_layer=True``: ``{layer_idx: dict}`` instead. ``ValueError`` when no layer carries a codec
+        (:class:`NoCodecLayers`: there is no compressed storage to report)."""
+        self._require_codec_layers("storage_breakdown")
         rows = {}
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, FlashCodecLayer):
-                row = dict(layer.storage_breakdown(), native=0, raw_equivalent=layer.raw_equivalent_bytes())
+                row = {"native": 0, **layer.storage_breakdown(), "raw_equivalent": layer.raw_equivalent_bytes()}
             else:
                 native = _tensor_bytes([v for k, v in vars(layer).items() if k != "device"])
                 row = {**dict.fromkeys(("archive", "archive_held", "archive_used", "stored", "scales", "sinks", "tail",
@@ -250,6 +280,13 @@ class FlashCodecCache(Cache):
             return rows
         parts = next(iter(rows.values())).keys() if rows else ("total",)
         return {part: sum(row.get(part, 0) for row in rows.values()) for part in parts}
+
+    def _require_codec_layers(self, method: str) -> None:
+        """Raise ``ValueError`` from ``method`` when this cache holds layers and none carries a codec (a cache that
+        grows its layers as the model asks holds codec layers only)."""
+        if self.layers and not self.codec_layers:
+            raise ValueError(f"{method}(): " + no_codec_message(
+                "this cache", [getattr(layer, "_layer_type", None) or type(layer).__name__ for layer in self.layers]))
 
     def storage_bytes(self) -> int:
         """Every byte the cache holds (codec layers and native layers; see :meth:`storage_breakdown`): the ``stored``
@@ -265,6 +302,7 @@ class FlashCodecCache(Cache):
         ``8 * storage_breakdown()["stored"]`` over the values (K and V) the stored tokens stand for. A bf16 raw cache is
         16. After a crop (speculative decoding) the raw window can hold fewer tokens than ``window`` until new ones
         refill it (the tokens a rejected draft pushed into the archive stay archived), so fewer bits at one length."""
+        self._require_codec_layers("bits_per_value")
         layers = [layer for layer in self.layers if isinstance(layer, FlashCodecLayer)]
         bits = sum(layer.stored_bits() for layer in layers)
         return bits / max(1, sum(layer.cached_values() for layer in layers))
@@ -284,29 +322,43 @@ class _LayerFactory:
         return FlashCodecLayer(key, value, **self.layer_kwargs)
 
 
+def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: dict) -> FlashCodecLayer:
+    """The codec layer of a model layer of type ``kind`` (one of :data:`CODEC_LAYER_TYPES`), built with transformers'
+    per-layer ``kwargs`` (``sliding_window``, ``number_of_states``)."""
+    states = {"number_of_states": kwargs.get("number_of_states", 1)}
+    if kind == "full_attention":
+        return FlashCodecLayer(key, value, **layer_kwargs)
+    if kind == "hybrid":
+        return FlashCodecHybridLayer(key, value, **states, **layer_kwargs)
+    window = {"sliding_window": kwargs["sliding_window"]}
+    if kind == "hybrid_sliding":
+        return FlashCodecHybridSlidingLayer(key, value, **window, **states, **layer_kwargs)
+    return FlashCodecSlidingLayer(key, value, **window, **layer_kwargs)  # sliding, chunked: a ring of the window
+
+
 def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: list[dict], layer_kwargs: dict,
             head_dim: int | None) -> list:
     """One cache layer per model layer (see :class:`FlashCodecCache`); checks the overrides and head_dim first."""
     layout, n = layer_kwargs["layout"], len(layer_types)
-    carries = [kind == "full_attention" or (kind == "sliding_attention" and layout == "dynamic") for kind in layer_types]
+    allowed = CODEC_LAYER_TYPES if layout == "dynamic" else STATIC_CODEC_LAYER_TYPES
+    carries = [kind in allowed for kind in layer_types]
     for idx in codec_config.overrides:
         if idx >= n:
             raise ValueError(f"per_layer: layer index {idx} out of range; the model has {n} layers")
         if not carries[idx]:
-            allowed = CODEC_LAYER_TYPES if layout == "dynamic" else ("full_attention",)
             raise ValueError(f"per_layer: layer {idx} is a {layer_types[idx]!r} layer; with layout={layout!r} only "
                              f"{allowed} layers carry a codec")
-    layers, native_sliding = [], []
+    layers, native_windowed = [], []
     for idx, (kind, kwargs) in enumerate(zip(layer_types, native_kwargs, strict=True)):
         layer_config = codec_config.layer(idx) if carries[idx] else None
         if layer_config is None:
-            if kind == "sliding_attention":
-                native_sliding.append(idx)
+            if kind in WINDOWED:
+                native_windowed.append(idx)
             mapping = STATIC_LAYER_TYPE_MAPPING if layout == "static" else DYNAMIC_LAYER_TYPE_MAPPING
             layers.append(mapping[kind](**({"max_cache_len": layer_kwargs["max_cache_len"]} if layout == "static"
                                            else {}), **kwargs))
             continue
-        if kind == "sliding_attention":
+        if kind in WINDOWED:
             layer_config = layer_config.without_sinks()
         key, value = layer_config.build(idx)
         if head_dim is not None:
@@ -315,13 +367,11 @@ def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: li
                     codec.check_head_dim(head_dim)
                 except ValueError as err:
                     raise ValueError(f"layer {idx} ({stream}): {err}") from None
-        if kind == "sliding_attention":
-            layers.append(FlashCodecSlidingLayer(key, value, sliding_window=kwargs["sliding_window"], **layer_kwargs))
-        else:
-            layers.append(FlashCodecLayer(key, value, **layer_kwargs))
-    if layout == "static" and native_sliding and any(carries):
-        warnings.warn(f"layout='static' keeps the {len(native_sliding)} sliding-window layer(s) {native_sliding} native "
-                      f"(uncompressed): codec rings need the dynamic layout", StaticSlidingNative, stacklevel=4)
+        layers.append(_codec_layer(kind, key, value, kwargs, layer_kwargs))
+    if layout == "static" and native_windowed and any(carries):
+        warnings.warn(f"layout='static' keeps the {len(native_windowed)} sliding-window / hybrid layer(s) "
+                      f"{native_windowed} native (uncompressed): codec rings and hybrid codec layers need the dynamic "
+                      f"layout", StaticSlidingNative, stacklevel=4)
     return layers
 
 
@@ -334,4 +384,4 @@ def _head_dim(config: Any) -> int | None:
     return head_dim if isinstance(head_dim, int) else None
 
 
-__all__ = ["CODEC_LAYER_TYPES", "FlashCodecCache", "StaticSlidingNative"]
+__all__ = ["CODEC_LAYER_TYPES", "FlashCodecCache", "NoCodecLayers", "STATIC_CODEC_LAYER_TYPES", "StaticSlidingNative"]

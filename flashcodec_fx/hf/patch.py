@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
-from .._compat import PREPARE_CACHE_METHOD, is_user_defined_cache, warn_untested_transformers
+from .._compat import GENERATE_CACHE_KWARG, PREPARE_CACHE_METHOD, is_user_defined_cache, warn_untested_transformers
 from .attention import apply_codec_attention, remove_codec_attention
 from .compile_option import check_compile, forget_compiled_call, install_compile_config
-from .flash_codec_cache import FlashCodecCache
+from .flash_codec_cache import FlashCodecCache, NoCodecLayers, no_codec_message
 from .options import CACHE_SWITCHES, resolve_codecs
+from .own_caches import builds_own_cache, own_cache_class
 
 METHOD = PREPARE_CACHE_METHOD
 REPLACED = (None, "dynamic", "static", "offloaded", "offloaded_static")  # cache_implementation values the codec serves
@@ -42,6 +44,34 @@ def _validate(options: dict[str, Any], config: Any = None) -> dict[str, Any]:
     resolve_codecs(probe.get("codecs"), {k: v for k, v in probe.items() if k not in CACHE_SWITCHES and k != "codecs"})
     FlashCodecCache(**switches)
     return dict(options)
+
+
+def _quietly(build: Callable[[], FlashCodecCache]) -> FlashCodecCache:
+    """``build()`` without its :class:`NoCodecLayers` warning (``apply_flash_codec`` gave it once already)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoCodecLayers)
+        return build()
+
+
+def _check_coverage(model: Any, options: dict[str, Any]) -> None:
+    """At apply time: a model that builds its own cache of a kind no codec cache serves compresses nothing, said now
+    (:class:`NoCodecLayers`; ``strict=True`` raises). A model config with no codec-carrying layer warned already
+    (:func:`_validate` built a cache from it)."""
+    if builds_own_cache(model) and own_cache_class(model) is None:
+        message = (no_codec_message(f"{type(model).__name__}") + ": the model builds a cache of its own "
+                   "(generate() prepares none), which flashcodec does not replace")
+        if options.get("strict"):
+            raise ValueError(f"{message} (strict=True)")
+        warnings.warn(message, NoCodecLayers, stacklevel=3)
+
+
+def _own_cache(model: Any, options: dict[str, Any], compiled: bool) -> FlashCodecCache:
+    """The codec cache that is also ``model``'s own cache class (:mod:`flashcodec_fx.hf.own_caches`)."""
+    if compiled:
+        raise ValueError(f"apply_flash_codec(compile=...): {type(model).__name__} builds a cache of its own, which "
+                         f"runs eagerly only")
+    opts = {k: v for k, v in options.items() if k not in ("layout", "max_cache_len")}
+    return own_cache_class(model).from_config(model.config, **opts)
 
 
 def _codec_cache_for(model: Any, options: dict[str, Any], native: Cache, max_cache_length: int,
@@ -81,10 +111,13 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
     native(*args, **kwargs)
     name = next((k for k in ("cache", "past_key_values") if isinstance(model_kwargs.get(k), Cache)), None)
     if name is None:  # use_cache=False, or a model that brings its own cache
-        return
+        if generation_config.use_cache is False or own_cache_class(model) is None or not builds_own_cache(model):
+            return
+        name = GENERATE_CACHE_KWARG
+        model_kwargs[name] = _quietly(lambda: _own_cache(model, options, compiled is not None))
     cache = model_kwargs[name]
-    if not is_user_defined_cache(cache):
-        cache = _codec_cache_for(model, options, cache, max_cache_length, compiled is not None)
+    if not is_user_defined_cache(cache) and not isinstance(cache, FlashCodecCache):
+        cache = _quietly(lambda: _codec_cache_for(model, options, cache, max_cache_length, compiled is not None))
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
         model_kwargs[name] = cache
@@ -116,7 +149,8 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
     warn_untested_transformers()
     _check_model(model)
     compiled = check_compile(options.pop("compile", False), options)
-    options = _validate(options, model.config)
+    options = _validate(options, model.config)  # warns NoCodecLayers where no layer of the config carries a codec
+    _check_coverage(model, options)
     state = getattr(model, "_flashcodec_patch", None)
     if state is None:
         own = vars(model).get(METHOD)
