@@ -34,6 +34,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .._compat import attn_implementation
 from .handoff import COMPILED, AttentionStep, current_table, dataflow
+from .mla_attention import absorbed_attention, missing_parts
 
 NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 IMPLEMENTATIONS = {"sdpa": NAME, "eager": f"{NAME}_eager"}  # the model's implementation -> ours over it
@@ -62,7 +63,7 @@ def take(module: torch.nn.Module, key: torch.Tensor) -> AttentionStep | None:
     if fresh == layer_idx:
         table.fresh = None
     step = table.pop(layer_idx, None)
-    if step is not None and step.key is key:
+    if step is not None and step.received(key):
         return step
     if step is not None:
         table[layer_idx] = step  # not for these keys: it stays (the layer's next update finds it untaken)
@@ -113,6 +114,8 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
     step = None if dataflow() is COMPILED else take(module, key)
     if step is None:
         return run(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if step.latent is not None:
+        return _latent_forward(run, module, query, key, value, attention_mask, dropout, scaling, step, kwargs)
     if not step.decode:  # the prompt attends on its exact states
         return run(module, query, step.key, step.value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if step.views is not None:  # the stored form is the tokens themselves: the delegate reads it, exactly
@@ -125,6 +128,31 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
                       MaterializationFreeFallback, stacklevel=4)
         return run(module, query, *step.decoded_views(), attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return stored_form_attention(query, step, attention_mask, scaling).transpose(1, 2).contiguous(), None
+
+
+def _latent_forward(run: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, step: AttentionStep,
+                    kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An MLA module's call (:mod:`flashcodec_fx.hf.mla_attention`): the prompt on the K/V the module expanded from
+    its exact latents; ``lossless`` on the stored rows expanded by the module (its own arithmetic); decode steps in
+    the absorbed form on the stored rows."""
+    if not step.decode:
+        return run(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if step.views is not None:
+        return run(module, query, *module.expand_kv(*step.views), attention_mask, dropout=dropout, scaling=scaling,
+                   **kwargs)
+    missing = missing_parts(module)
+    reason = _unsupported(query, attention_mask, dropout, step, kwargs) or (
+        f"an MLA module without {missing}" if missing else None)
+    if reason is not None:
+        if step.strict or missing:
+            raise NotImplementedError(f"attention on the stored latent does not support {reason}" +
+                                      (" (strict=True)" if step.strict else ""))
+        warnings.warn(f"attention on the stored latent does not support {reason}: this step expands the decoded "
+                      f"latents into per-head K/V", MaterializationFreeFallback, stacklevel=5)
+        return run(module, query, *module.expand_kv(*step.decoded_views()), attention_mask, dropout=dropout,
+                   scaling=scaling, **kwargs)
+    return absorbed_attention(module, query, step, attention_mask, scaling), None
 
 
 def stored_form_attention(query: torch.Tensor, step: AttentionStep, mask: torch.Tensor | None,

@@ -111,6 +111,8 @@ def _unpack(packed: dict[str, Any], tensors: dict[str, torch.Tensor], device: to
     return body
 
 
+ROLES = ("keys", "values")  # a codec layer's streams, in the order of FlashCodecLayer.streams
+
 # --- save ---------------------------------------------------------------------------------------------------------
 
 def _codec_layer(idx: int, layer: FlashCodecLayer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -127,7 +129,7 @@ def _codec_layer(idx: int, layer: FlashCodecLayer, tensors: dict[str, torch.Tens
         entry["dropped"] = layer.dropped
     if isinstance(layer, HybridCodecLayer):
         entry["linear"] = _pack(layer.linear_state, f"layers.{idx}.linear", tensors)
-    for role, stream in (("keys", layer.keys_stream), ("values", layer.values_stream)):
+    for role, stream in zip(ROLES, layer.streams, strict=False):  # an MLA layer: its one latent stream, as "keys"
         state, described = export_stream(stream)
         described["memoize"] = stream.memoize
         tensors.update({f"layers.{idx}.{role}.{field}": t for field, t in state.items()})
@@ -220,7 +222,7 @@ def load(path: str | os.PathLike, model_or_config: Any, device: str | torch.devi
             installs.append((layer, None, _unpack(entry["attributes"], tensors, device)))
             continue
         states = {}
-        for role, stream in (("keys", layer.keys_stream), ("values", layer.values_stream)):
+        for role, stream in zip(ROLES, layer.streams, strict=False):
             stream.memoize = entry[role]["memoize"]
             own = {k.rsplit(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"layers.{idx}.{role}.")}
             states[role] = prepare_state(f"layer {idx} {role}", stream, own, entry[role], device)
@@ -230,8 +232,8 @@ def load(path: str | os.PathLike, model_or_config: Any, device: str | torch.devi
             vars(layer).clear()
             vars(layer).update(entry)
             continue
-        install_state(layer.keys_stream, states["keys"])
-        install_state(layer.values_stream, states["values"])
+        for role, stream in zip(ROLES, layer.streams, strict=False):
+            install_state(stream, states[role])
         for flag in LAYER_FLAGS:
             setattr(layer, flag, entry[flag])
         layer.attention_bound = entry["attention_bound"] and kvcodec

@@ -16,4 +16,4 @@ def fork_cache(cache: FlashCodecCache) -> FlashCodecCache:
         raise ValueError(f"layers {busy} are in the middle of a step (attention has not read them yet): fork the "
                          f"cache between forward calls")
     shared = {} if cache.source_config is None else {id(cache.source_config): cache.source_config}
-    return fork(cache, [s for layer in layers for s in (layer.keys_stream, layer.values_stream)], shared)
+    return fork(cache, [s for layer in layers for s in layer.streams], shared)

@@ -22,6 +22,7 @@ from ..config import CacheConfig
 from .handoff import COMPILED, StepTable, dataflow
 from .hybrid_layer import FlashCodecHybridLayer, FlashCodecHybridSlidingLayer
 from .layer import FlashCodecLayer, fall_back_to_view
+from .mla_layer import FlashCodecMLALayer, mla_widths
 from .options import check_cache_switches, crop_count, is_model_config, resolve_codecs
 from .sliding_layer import FlashCodecSlidingLayer
 
@@ -121,7 +122,7 @@ class FlashCodecCache(Cache):
         if layer_types is None:
             Cache.__init__(self, layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs), **offload)
             return
-        layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dim(config))
+        layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dim(config), mla_widths(config))
         if not any(isinstance(layer, FlashCodecLayer) for layer in layers):
             message = no_codec_message(f"this {type(config).__name__} model", layer_types)
             if strict:
@@ -322,10 +323,14 @@ class _LayerFactory:
         return FlashCodecLayer(key, value, **self.layer_kwargs)
 
 
-def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: dict) -> FlashCodecLayer:
+def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: dict,
+                 mla: tuple[int, int] | None) -> FlashCodecLayer:
     """The codec layer of a model layer of type ``kind`` (one of :data:`CODEC_LAYER_TYPES`), built with transformers'
-    per-layer ``kwargs`` (``sliding_window``, ``number_of_states``)."""
+    per-layer ``kwargs`` (``sliding_window``, ``number_of_states``); ``mla``: an MLA model's ``(kv_lora_rank,
+    qk_rope_head_dim)``, whose full-attention layers store one latent row with the key codec."""
     states = {"number_of_states": kwargs.get("number_of_states", 1)}
+    if kind == "full_attention" and mla is not None:
+        return FlashCodecMLALayer(key, latent_width=mla[0], rope_width=mla[1], **layer_kwargs)
     if kind == "full_attention":
         return FlashCodecLayer(key, value, **layer_kwargs)
     if kind == "hybrid":
@@ -337,8 +342,11 @@ def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: di
 
 
 def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: list[dict], layer_kwargs: dict,
-            head_dim: int | None) -> list:
-    """One cache layer per model layer (see :class:`FlashCodecCache`); checks the overrides and head_dim first."""
+            head_dim: int | None, mla: tuple[int, int] | None = None) -> list:
+    """One cache layer per model layer (see :class:`FlashCodecCache`); checks the overrides and head_dim first (an
+    MLA model's: its latent row, ``kv_lora_rank + qk_rope_head_dim``)."""
+    if mla is not None:
+        head_dim = sum(mla)
     layout, n = layer_kwargs["layout"], len(layer_types)
     allowed = CODEC_LAYER_TYPES if layout == "dynamic" else STATIC_CODEC_LAYER_TYPES
     carries = [kind in allowed for kind in layer_types]
@@ -367,7 +375,7 @@ def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: li
                     codec.check_head_dim(head_dim)
                 except ValueError as err:
                     raise ValueError(f"layer {idx} ({stream}): {err}") from None
-        layers.append(_codec_layer(kind, key, value, kwargs, layer_kwargs))
+        layers.append(_codec_layer(kind, key, value, kwargs, layer_kwargs, mla))
     if layout == "static" and native_windowed and any(carries):
         warnings.warn(f"layout='static' keeps the {len(native_windowed)} sliding-window / hybrid layer(s) "
                       f"{native_windowed} native (uncompressed): codec rings and hybrid codec layers need the dynamic "

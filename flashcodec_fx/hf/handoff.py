@@ -78,7 +78,9 @@ class AttentionStep:
     ``values``: the streams' stored form after the append; ``views``: the ``(B, H, L, D)`` views to attend on when the
     stored form is the tokens themselves (lossless: zero-copy), else None; ``decode``: False for the prompt (the layer
     was empty), which attends on its exact states; ``strict``: no fallback to the decoded view; ``sliding``: a codec
-    ring (the mask transformers passes bounds its window)."""
+    ring (the mask transformers passes bounds its window); ``latent``: an MLA layer's latent width (``key`` and
+    ``value`` are then its stored rows ``[c ; k_rot]``, ``views`` the decoded ``(c, k_rot)``, ``keys is values``),
+    else None."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -88,9 +90,23 @@ class AttentionStep:
     decode: bool
     strict: bool
     sliding: bool
+    latent: int | None = None
+
+    def received(self, key: torch.Tensor) -> bool:
+        """Whether ``key`` is what attention should receive of this step: the very tensor the update returned; for an
+        MLA step, the module's per-head expansion of the same tokens (``(B, H, T, .)`` of the step's ``B`` and
+        ``T``)."""
+        if key is self.key:
+            return True
+        return self.latent is not None and key.dim() == 4 and key.shape[0] == self.key.shape[0] \
+            and key.shape[2] == self.key.shape[2]
 
     def decoded_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoded views of both streams, this call's tokens exact (one decode: the fallback path)."""
+        """The decoded views of both streams, this call's tokens exact (one decode: the fallback path); an MLA
+        step's ``(c, k_rot)`` of its one stream."""
+        if self.latent is not None:
+            row = self.keys.view(self.key)
+            return row[..., : self.latent], row[..., self.latent:]
         return self.keys.view(self.key), self.values.view(self.value)
 
 

@@ -49,6 +49,7 @@ class FlashCodecLayer(CacheLayerMixin):
 
     is_sliding = False
     supports_early_init = True
+    latent_width: int | None = None  # an MLA layer's (hf/mla_layer.py): its stored rows are [latent ; rotary key]
 
     def __init__(self, key_codec: Codec, value_codec: Codec | None = None, layout: str = "dynamic",
                  max_cache_len: int | None = None, memoize: bool | None = None, materialization_free: bool = True,
@@ -56,7 +57,7 @@ class FlashCodecLayer(CacheLayerMixin):
         check_cache_switches(layout, max_cache_len, materialization_free, strict, memoize, crop)
         super().__init__()
         memoize = (not materialization_free) if memoize is None else memoize
-        self.codec_cache = CodecKVCache(key_codec, value_codec, layout, max_cache_len, memoize, crop)
+        self.codec_cache = self._storage(key_codec, value_codec, layout, max_cache_len, memoize, crop)
         self.layout, self.max_cache_len = layout, max_cache_len
         self.is_compileable = layout == "static"
         self.materialization_free, self.strict = materialization_free, strict
@@ -65,6 +66,11 @@ class FlashCodecLayer(CacheLayerMixin):
         self._handed = False  # a step was handed out since the last reset, and not withdrawn
         self._marked_static = False
         self._offloaded: tuple[int, int] | None = None  # on the host: the archive groups (K, V) to restore on arrival
+
+    def _storage(self, key_codec: Codec, value_codec: Codec | None, layout: str, max_cache_len: int | None,
+                 memoize: bool, crop: str) -> CodecKVCache:
+        """The layer's streams: one for the keys, one for the values."""
+        return CodecKVCache(key_codec, value_codec, layout, max_cache_len, memoize, crop)
 
     def __repr__(self) -> str:
         k, v = self.keys_stream.codec, self.values_stream.codec
@@ -99,6 +105,11 @@ class FlashCodecLayer(CacheLayerMixin):
     @property
     def values_stream(self) -> CodecStream:
         return self.codec_cache.values
+
+    @property
+    def streams(self) -> tuple[CodecStream, ...]:
+        """Each stream the layer holds, once: ``(keys, values)`` (an MLA layer's one latent stream serves both)."""
+        return self.keys_stream, self.values_stream
 
     @property
     def stores_raw(self) -> bool:
@@ -176,8 +187,7 @@ class FlashCodecLayer(CacheLayerMixin):
             stored_k, stored_v = torch.where(mask, key_states, zero), torch.where(mask, value_states, zero)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys_stream.append(stored_k, checked=True)
-        self.values_stream.append(stored_v, checked=True)
+        self._store(stored_k, stored_v)
         if self.layout == "static" and not self._marked_static:
             self._mark_static()  # after a batch reorder that reallocated
         if first_fill:  # the prompt attends on its exact states (static: padded to the views' capacity)
@@ -191,6 +201,11 @@ class FlashCodecLayer(CacheLayerMixin):
             self._hand_off(*out, decode=not first_fill)
         return out
 
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the call's (checked) keys and values to the streams."""
+        self.keys_stream.append(key_states, checked=True)
+        self.values_stream.append(value_states, checked=True)
+
     def seat(self, steps: StepTable, index: int) -> None:
         """Hand steps to ``steps`` at ``index`` from now on (``FlashCodecCache.update``: the cache's table, this layer's
         index, the ``layer_idx`` of the attention module that reads it); a step pending at the old seat moves along."""
@@ -203,14 +218,18 @@ class FlashCodecLayer(CacheLayerMixin):
 
     def _hand_off(self, key: torch.Tensor, value: torch.Tensor, decode: bool) -> None:
         """Hand the attention call that follows this step: the returned ``key`` / ``value`` and the stored form."""
-        streams = (self.keys_stream, self.values_stream)
         stored = [StoredStream(*stream.op_state(), None if self.layout == "static" else stream.get_seq_length())
-                  for stream in streams]
+                  for stream in (self.keys_stream, self.values_stream)]
         views = self.read_view((key, value)) if decode and self.stores_raw else None
         self._bound = self._bound or self.attention_bound  # the step handed out before was taken
         self._handed = True
-        self._steps.hand(self._index, AttentionStep(key, value, *stored, views=views, decode=decode, strict=self.strict,
-                                                    sliding=self.is_sliding))
+        self._steps.hand(self._index, AttentionStep(*self._step_tensors(key, value), *stored, views=views,
+                                                    decode=decode, strict=self.strict, sliding=self.is_sliding,
+                                                    latent=self.latent_width))
+
+    def _step_tensors(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's keys and values as the step hands them to attention (as returned)."""
+        return key, value
 
     def _withdraw(self) -> None:
         """Forget the step handed out last (taken or not)."""
@@ -257,15 +276,15 @@ class FlashCodecLayer(CacheLayerMixin):
         """Attend on the decoded view from now on, kept as a memo (a raw stored form is its own view: no memo)."""
         self.materialization_free = False
         self._withdraw()
-        self.codec_cache.keys.start_memo()
-        self.codec_cache.values.start_memo()
+        for stream in self.streams:
+            stream.start_memo()
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         b, h, t, d = x.shape
         return torch.cat([x, x.new_zeros(b, h, self.capacity - t, d)], dim=2)
 
     def _mark_static(self) -> None:
-        for stream in (self.keys_stream, self.values_stream):
+        for stream in self.streams:
             for t in (*stream.state, stream.memo):
                 if t is not None:
                     _compat.mark_static_address(t)
@@ -358,9 +377,8 @@ class FlashCodecLayer(CacheLayerMixin):
         keeps the device tensors it was handed (``AttentionStep``): attention reads them after the move."""
         if self._offloaded is not None or not self.keys_stream.is_initialized:
             return
-        streams = (self.keys_stream, self.values_stream)
-        self._offloaded = tuple(stream.allocated_groups for stream in streams)
-        for stream in streams:
+        self._offloaded = tuple(stream.allocated_groups for stream in self.streams)
+        for stream in self.streams:
             stream.move_to(HOST)
         self._marked_static = False
 
@@ -368,7 +386,7 @@ class FlashCodecLayer(CacheLayerMixin):
         """Move an offloaded layer back to its device, with the archive's capacity it had there."""
         if self._offloaded is None:
             return
-        for stream, groups in zip((self.keys_stream, self.values_stream), self._offloaded, strict=True):
+        for stream, groups in zip(self.streams, self._offloaded, strict=True):
             stream.move_to(self.device, groups)
         self._offloaded = None
 
@@ -381,7 +399,7 @@ class FlashCodecLayer(CacheLayerMixin):
         return self.codec_cache.storage_bytes()
 
     def stored_bits(self) -> int:
-        return self.keys_stream.stored_bits() + self.values_stream.stored_bits()
+        return sum(stream.stored_bits() for stream in self.streams)
 
     def cached_values(self) -> int:
         """Values the stored tokens stand for (K and V): ``2 * B * H * L * D``."""
