@@ -14,6 +14,7 @@ from codec_tiers import kv_like, tier_table
 
 from flashcodec_fx.codecs import JPEGCodec, PNGCodec
 from flashcodec_fx.ops.reference.attention import codec_attention_reference
+from flashcodec_fx.presets import PRESETS, preset_codecs
 
 ops = torch.ops.flashcodec
 R = 8
@@ -297,3 +298,275 @@ def test_rejects_k_and_v_states_of_different_shapes():
 def test_accepts_the_valid_baseline_and_broadcast_masks():
     for mask in (None, torch.ones(2, 4, 1, 40, dtype=torch.bool), torch.zeros(1, 1, 1, 40), torch.zeros(1, 1, 1, 21)):
         assert ops.codec_attention(**attention_args(mask=mask)).shape == (2, 4, 1, 8)
+
+
+# --- variants: softcap, sinks, ALiBi -----------------------------------------------------------------------------
+
+V_LENGTH, V_NEW = 72, 3  # long enough for every preset to archive past its sinks and window
+
+
+def variant_codecs(name: str):
+    """(key, value) codecs: a preset's, else a tier on both sides (``tier/tier``)."""
+    if name in PRESETS:
+        return preset_codecs(name)
+    k_tier, v_tier = name.split("/")
+    return TIERS[k_tier], TIERS[v_tier]
+
+
+# every lossy preset family and lossless, the jpeg block codecs (raw, int8, bit tables, truncated), png exact / pruned
+VARIANT_CODECS = ["int8", "4bit", "3bit", "lossless", "jpeg-int8/jpeg", "jpeg-table/jpeg-midrise4", "png/png-half",
+                  "png-window/jpeg-k3"]
+VARIANTS = ["softcap", "sinks", "alibi", "all"]
+
+
+@functools.cache
+def variant_streams(name: str, dtype: torch.dtype = torch.float32):
+    """K and V (B, H_KV, V_LENGTH, D) and their states: a prompt, random chunks, then the call's V_NEW tokens."""
+    ck, cv = variant_codecs(name)
+    k = kv_like((B, H_KV, V_LENGTH, D), dtype, seed=21)
+    v = kv_like((B, H_KV, V_LENGTH, D), dtype, seed=22)
+    sizes = chunks(V_LENGTH - V_NEW, seed=23, largest=9, first=20) + [V_NEW]
+    ks, _ = fill(ck, k, sizes, positions=V_LENGTH + 5)
+    vs, _ = fill(cv, v, sizes, positions=V_LENGTH + 9)
+    return k, v, ks, vs
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's geometric slopes ``2 ** (-8 i / heads)``, i = 1..heads (BLOOM's and MPT's for a power of two)."""
+    return 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
+
+
+def variant_kwargs(kind: str, hq: int, seed: int, sink_dtype: torch.dtype = torch.float32) -> dict:
+    """The op's keyword arguments of one variant kind (``all``: the three together). Sink logits near the rows'
+    log-sum-exp (about 3 here), so the sink takes a real share of the mass."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    if kind in ("softcap", "all"):
+        out["softcap"] = 2.0  # logits of a few units: tanh far from linear
+    if kind in ("sinks", "all"):
+        out["sinks"] = (3 + torch.randn(hq, generator=gen)).to(sink_dtype)
+    if kind in ("alibi", "all"):
+        out["alibi"] = alibi_slopes(hq)
+    return out
+
+
+def dense_variants(q, k_state, v_state, spec_k, spec_v, length, new=None, mask=None, scale=None, softcap=None,
+                   sinks=None, alibi=None, positions=None):
+    """The variants computed densely in fp32 over every stored position, decoded (``flashcodec.read``) and trimmed to
+    the length, step by step as transformers' eager attention functions do: the logits scaled; soft-capped (gemma2:
+    divided by the cap, tanh, times the cap); the ALiBi bias ``slope * position`` added (``positions``: the positions
+    it counts, default ``0..length-1``; BLOOM and MPT count from elsewhere, which softmax does not see); the mask
+    added; with sinks the sink column concatenated, the row max subtracted, softmax, the column dropped (gpt_oss),
+    else softmax; times the values."""
+    k_new, v_new = (None, None) if new is None else new
+    k = ops.read(k_state, spec_k, k_new)[:, :, :length].float()
+    v = ops.read(v_state, spec_v, v_new)[:, :, :length].float()
+    b, hq, t, d = q.shape
+    g = hq // k.shape[1]
+    logits = q.float() @ expand_kv(k, g).transpose(-1, -2) * (1 / math.sqrt(d) if scale is None else scale)
+    if softcap is not None:
+        logits = logits / softcap
+        logits = torch.tanh(logits)
+        logits = logits * softcap
+    if alibi is not None:
+        pos = torch.arange(length) if positions is None else positions
+        logits = logits + alibi.view(1, hq, 1, 1) * pos.float()
+    if mask is not None:
+        mask = mask[..., :length]
+        bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask
+        logits = logits + bias.float()
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        column = sinks.float().reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+        combined = torch.cat([logits, column], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1]
+    return probs @ expand_kv(v, g)
+
+
+def variant_case(name, kind, groups, mask_kind, new, dtype=torch.float32, seed=0):
+    """One call's arguments: (q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask) and the variant keywords."""
+    ck, cv = variant_codecs(name)
+    k, v, ks, vs = variant_streams(name, dtype)
+    t = V_NEW if new else 1
+    hq = H_KV * groups
+    q = torch.randn(B, hq, t, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = causal(t, V_LENGTH, V_LENGTH + 2).expand(B, 1, t, -1).clone()
+        mask[1, 0, :, 4] = False  # batch-specific holes
+    elif mask_kind == "additive":
+        mask = (torch.rand(1, hq, t, V_LENGTH + 2, generator=torch.Generator().manual_seed(seed + 1)) - 0.5).masked_fill(
+            ~causal(t, V_LENGTH, V_LENGTH + 2), float("-inf"))
+    call = (k[:, :, -t:], v[:, :, -t:]) if new else (None, None)
+    sink_dtype = torch.float32 if dtype == torch.float32 else dtype  # GPT-OSS keeps its sinks in the model dtype
+    return (q, ks, vs, ck.spec, cv.spec, *call, mask), variant_kwargs(kind, hq, seed, sink_dtype)
+
+
+GQA_CYCLE = [(1, "none"), (2, "bool"), (3, "additive")]
+HALF_RTOL = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # one ulp
+VARIANT_CASES = [(name, kind, *GQA_CYCLE[(i + j) % 3], new) for i, name in enumerate(VARIANT_CODECS)
+                 for j, kind in enumerate(VARIANTS) for new in (False, True)]
+
+
+@pytest.mark.parametrize(("name", "kind", "groups", "mask_kind", "new"), VARIANT_CASES)
+def test_variants_match_a_dense_computation_fp32(name, kind, groups, mask_kind, new):
+    """Softcap, sinks, ALiBi and all three: the op equals the dense fp32 computation over the decoded view, for
+    presets and block codecs, GQA groups 1 / 2 / 3, no / bool / additive masks, a decode step (T=1, stored tokens
+    only) and a chunk of T=3 read exactly from k_new / v_new; and the variant changes the result."""
+    args, kw = variant_case(name, kind, groups, mask_kind, new, seed=groups)
+    new_tokens = args[5:7] if new else None
+    want = dense_variants(args[0], args[1], args[2], args[3], args[4], V_LENGTH, new_tokens, args[7], **kw)
+    for attention in (codec_attention_reference, ops.codec_attention):  # the spec; the op (its CPU kernel)
+        out = attention(*args, **kw)
+        assert out.shape == args[0].shape and out.dtype == torch.float32
+        torch.testing.assert_close(out, want, atol=ATOL[torch.float32], rtol=0)
+        assert (out - attention(*args)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", VARIANT_CODECS)
+def test_variants_match_a_dense_computation_half_precision(name, dtype):
+    """All three variants on fp16 / bf16 streams (the sinks in the stream dtype, as GPT-OSS keeps them), GQA 2, a
+    causal mask, T=3 with the call's tokens. As the plain op against SDPA (ATOL: the view, rounded to the stream dtype,
+    against the op's fp32 reads of the stored form), plus one ulp of the output (|out| passes 8 here)."""
+    args, kw = variant_case(name, "all", 2, "bool", True, dtype, seed=5)
+    assert kw["sinks"].dtype == dtype
+    want = dense_variants(args[0], *args[1:5], V_LENGTH, args[5:7], args[7], **kw)
+    for attention in (codec_attention_reference, ops.codec_attention):
+        out = attention(*args, **kw)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), want, atol=ATOL[dtype], rtol=HALF_RTOL[dtype])
+
+
+def test_sinks_match_gpt_oss_eager_attention():
+    """transformers' own gpt_oss ``eager_attention_forward`` over the decoded view (fp32) is the sinks' spec."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    args, kw = variant_case("4bit", "sinks", 3, "additive", True, seed=11)
+    q, ks, vs, spec_k, spec_v, k_new, v_new, mask = args
+    k = ops.read(ks, spec_k, k_new)[:, :, :V_LENGTH]
+    v = ops.read(vs, spec_v, v_new)[:, :, :V_LENGTH]
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = kw["sinks"], 3, False
+    want, _ = gpt_oss.eager_attention_forward(module, q, k, v, mask[..., :V_LENGTH], scaling=0.125)
+    out = ops.codec_attention(*args, scale=0.125, **kw)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=0)
+
+
+def test_softcap_matches_gemma2_eager_attention():
+    """transformers' gemma2 ``eager_attention_forward`` (softcap 50, as Gemma 2's attention logits; q scaled up so
+    that the cap bends them) over the decoded view."""
+    gemma2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    args, _ = variant_case("jpeg-table/jpeg-midrise4", "softcap", 2, "bool", True, seed=12)
+    q, ks, vs, spec_k, spec_v, k_new, v_new, mask = args
+    q = q * 60
+    k = ops.read(ks, spec_k, k_new)[:, :, :V_LENGTH]
+    v = ops.read(vs, spec_v, v_new)[:, :, :V_LENGTH]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training, module.head_dim = 2, False, D
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))[..., :V_LENGTH]
+    want, _ = gemma2.eager_attention_forward(module, q, k, v, additive, softcap=50.0)
+    out = ops.codec_attention(q, *args[1:], softcap=50.0)
+    assert (out - ops.codec_attention(q, *args[1:])).abs().max() > 1e-2  # the cap bends logits of this size
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=0)
+
+
+def test_alibi_matches_bloom_and_mpt_biases():
+    """``alibi[h] * pos`` (the op's positions) equals BLOOM's bias ``slope * (pos - first non-pad position)`` under
+    left padding (transformers' ``build_alibi_tensor``) and MPT's ``slope * (pos - (S - 1))``
+    (``build_mpt_alibi_tensor``), the row shifts softmax does not see."""
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
+    hq = 2 * H_KV
+    args, _ = variant_case("int8", "alibi", 2, "none", True, seed=13)
+    q, ks, vs, spec_k, spec_v, k_new, v_new, _ = args
+    pad = torch.tensor([0, 7])  # row 1 left-padded by 7 tokens
+    keep = torch.arange(V_LENGTH)[None] >= pad[:, None]  # (B, S): the attention mask BLOOM builds its bias from
+    mask = keep[:, None, None, :] & causal(V_NEW, V_LENGTH, V_LENGTH)
+    k = ops.read(ks, spec_k, k_new)[:, :, :V_LENGTH].float()
+    v = ops.read(vs, spec_v, v_new)[:, :, :V_LENGTH].float()
+    logits = q @ expand_kv(k, 2).transpose(-1, -2) / math.sqrt(D)
+    masked = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    bloom_bias = bloom.build_alibi_tensor(keep.long(), hq, torch.float32).view(B, hq, 1, V_LENGTH)
+    slopes = bloom_bias[0, :, 0, 1].contiguous()  # row 0 is unpadded: the bias at position 1 is the slope
+    want = torch.softmax(logits + bloom_bias + masked, -1) @ expand_kv(v, 2)
+    out = ops.codec_attention(q, ks, vs, spec_k, spec_v, k_new, v_new, mask, alibi=slopes)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    mpt_bias = mpt.build_mpt_alibi_tensor(hq, V_LENGTH)  # (Hq, 1, S)
+    mpt_slopes = (mpt_bias[:, 0, -1] - mpt_bias[:, 0, -2]).contiguous()
+    want = torch.softmax(logits + mpt_bias[None] + masked, -1) @ expand_kv(v, 2)
+    out = ops.codec_attention(q, ks, vs, spec_k, spec_v, k_new, v_new, mask, alibi=mpt_slopes)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+def test_sinks_take_the_mass_of_a_row_that_sees_nothing():
+    """With sinks, a row whose keys are all masked puts its whole mass on the sink: zeros, not NaN; the other rows
+    match the dense computation."""
+    args, kw = variant_case("jpeg-table/jpeg-midrise4", "sinks", 2, "bool", False, seed=14)
+    mask = args[7].expand(B, 2 * H_KV, 1, -1).clone()
+    mask[0, 3] = False
+    args = (*args[:7], mask)
+    out = ops.codec_attention(*args, **kw)
+    assert bool(torch.isfinite(out).all()) and not out[0, 3].any()
+    want = dense_variants(args[0], *args[1:5], V_LENGTH, None, mask, **kw)
+    keep = torch.ones(B, 2 * H_KV, dtype=torch.bool)
+    keep[0, 3] = False
+    torch.testing.assert_close(out[keep], want[keep], atol=1e-5, rtol=0)
+
+
+def test_neutral_variants_change_nothing():
+    """A sink of -inf (no mass) and slopes of 0 (no bias) give the plain op's result bitwise; a cap far above the
+    logits almost nothing."""
+    args, _ = variant_case("3bit", "all", 2, "additive", True, seed=15)
+    plain = ops.codec_attention(*args)
+    assert torch.equal(ops.codec_attention(*args, sinks=torch.full((4,), float("-inf"))), plain)
+    assert torch.equal(ops.codec_attention(*args, alibi=torch.zeros(4)), plain)
+    torch.testing.assert_close(ops.codec_attention(*args, softcap=1e4), plain, atol=1e-5, rtol=0)
+
+
+BAD_VARIANTS = {
+    "softcap zero": ({"softcap": 0.0}, ValueError, "softcap must be a positive finite float"),
+    "softcap negative": ({"softcap": -30.0}, ValueError, "softcap must be a positive finite float"),
+    "softcap inf": ({"softcap": float("inf")}, ValueError, "softcap must be a positive finite float"),
+    "softcap nan": ({"softcap": float("nan")}, ValueError, "softcap must be a positive finite float"),
+    "sinks per kv head": ({"sinks": torch.zeros(2)}, ValueError, r"sinks must have shape \(Hq,\) = \(4,\)"),
+    "sinks 2-d": ({"sinks": torch.zeros(1, 4)}, ValueError, r"sinks must have shape \(Hq,\)"),
+    "sinks int": ({"sinks": torch.zeros(4, dtype=torch.int64)}, TypeError, "sinks must be a float tensor"),
+    "sinks device": ({"sinks": torch.zeros(4, device="meta")}, ValueError, "sinks must be on q's device"),
+    "alibi shape": ({"alibi": torch.zeros(8)}, ValueError, r"alibi must have shape \(Hq,\) = \(4,\)"),
+    "alibi fp16": ({"alibi": torch.zeros(4, dtype=torch.float16)}, TypeError, "alibi must be a float32 tensor"),
+    "alibi bf16": ({"alibi": torch.zeros(4, dtype=torch.bfloat16)}, TypeError, "alibi must be a float32 tensor"),
+    "alibi device": ({"alibi": torch.zeros(4, device="meta")}, ValueError, "alibi must be on q's device"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VARIANTS))
+def test_rejects_bad_variants_naming_the_parameter(case):
+    """Through the op (its CPU kernel checks as the reference does) and through the reference itself."""
+    changes, error, match = BAD_VARIANTS[case]
+    with pytest.raises(error, match=match):
+        ops.codec_attention(**attention_args(**changes))
+    with pytest.raises(error, match=match):
+        codec_attention_reference(**attention_args(**changes))
+
+
+@pytest.mark.parametrize(("changes", "match"), [({"softcap": "30"}, "softcap must be a float or None, got str"),
+                                                ({"softcap": True}, "softcap must be a float or None, got bool"),
+                                                ({"sinks": [0.0] * 4}, "sinks must be a tensor"),
+                                                ({"alibi": 0.5}, "alibi must be a tensor")])
+def test_rejects_variants_of_the_wrong_type(changes, match):
+    """Types the op's schema turns away before any kernel (a str softcap, a list) raise TypeError in the reference."""
+    with pytest.raises(TypeError, match=match):
+        codec_attention_reference(**attention_args(**changes))
+
+
+def test_positional_calls_keep_their_meaning():
+    """The schema grew at its end only: the nine positional arguments mean what they meant, and the variants follow
+    ``scale`` in the order softcap, sinks, alibi."""
+    names = [a.name for a in ops.codec_attention.default._schema.arguments]
+    assert names == ["q", "k_state", "v_state", "spec_k", "spec_v", "k_new", "v_new", "mask", "scale", "softcap",
+                     "sinks", "alibi"]
+    args, kw = variant_case("int8", "all", 2, "bool", True, seed=16)
+    assert torch.equal(ops.codec_attention(*args, 0.3, kw["softcap"], kw["sinks"], kw["alibi"]),
+                       ops.codec_attention(*args, scale=0.3, **kw))

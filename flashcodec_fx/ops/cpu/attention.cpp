@@ -13,6 +13,10 @@
 // synthesis matrix (`coef @ A^T`), probabilities back (`p @ A`). The query is rotated once per call and the archive's
 // value accumulator rotated back once at the end; the centers enter as q.mean and mass * mean. The splits' partial
 // results are combined at the end (log-sum-exp). Everything is fp32.
+//
+// Variants (common.h's Variants, each off unless asked for): the softcap and the ALiBi bias change a chunk's scores
+// once they are all written, before the mask (logit_variants); the sink logits join each row's max and denominator
+// in the combine. A call without them runs none of that code.
 
 namespace fc {
 
@@ -74,6 +78,7 @@ struct Attention {
   bool has_mask;
   MaskView mask;
   float scale;
+  Variants var;
   int tiles, splits, chunk, lds;
   int64_t n_chunks;
   float* part;     // items x Partial::floats
@@ -266,7 +271,25 @@ void key_archive(const Attention& A, const Stream& s, int64_t b, int64_t h, cons
   });
 }
 
-// Key scores of positions [p0, p1) into w.scores (tile `tile` of kv head (b, h)), mask bias added.
+// The softcap, then the ALiBi bias of positions [p0, p1) on their scores [position][lane] (tile `tile` of kv head h).
+void logit_variants(const Attention& A, int64_t h, int64_t tile, int64_t p0, int64_t p1, float* scores) {
+  const int n = static_cast<int>(p1 - p0);
+  if (A.var.softcap > 0.0f) softcap_row(scores, n * kLanes, A.var.softcap);
+  if (A.var.alibi != nullptr) {
+    float slope[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t row = tile * kLanes + l;
+      slope[l] = row < A.GT ? A.var.alibi[h * (A.Hq / A.Hkv) + row / A.Tq] : 0.0f;
+    }
+    for (int i = 0; i < n; ++i) {
+      const float pos = static_cast<float>(p0 + i);
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) scores[i * kLanes + l] += slope[l] * pos;
+    }
+  }
+}
+
+// Key scores of positions [p0, p1) into w.scores (tile `tile` of kv head (b, h)): the variants, then the mask bias.
 void key_chunk(const Attention& A, int64_t b, int64_t h, int64_t tile, const TileQueries& tq, int mt, int64_t p0,
                int64_t p1, Scratch& w) {
   const Stream& s = *A.ks;
@@ -287,6 +310,7 @@ void key_chunk(const Attention& A, int64_t b, int64_t h, int64_t tile, const Til
   if (n0 < n1)
     raw_scores(tq.qp, D, A.knew.at(b, h, n0 - se), A.knew.sn, A.knew.dtype, n1 - n0,
                w.scores + (n0 - p0) * kLanes, w.raw);
+  if (A.var.logits()) logit_variants(A, h, tile, p0, p1, w.scores);
   if (A.has_mask) {
     for (int m = 0; m < mt; ++m) {
       const int64_t row = tile * kLanes + m, head = h * (A.Hq / A.Hkv) + row / A.Tq, t = row % A.Tq;
@@ -532,9 +556,12 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
       const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
       const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
       for (int m = 0; m < mt; ++m) {
+        const int64_t row = tile * kLanes + m;
         float top = kNegInf;
         for (int s = 0; s < A.splits; ++s)
           top = std::max(top, Partial(A.part + (it * A.splits + s) * Partial::floats(D), D, rot).mx[m]);
+        const float sink = A.var.sinks == nullptr ? kNegInf : A.var.sinks[h * gq + row / A.Tq];
+        const float peak = std::max(top, sink);  // the sink logit joins the row's max and its denominator
         std::fill(acc.begin(), acc.end(), 0.0f);
         std::fill(accr.begin(), accr.end(), 0.0f);
         float l = 0.0f, mass = 0.0f;
@@ -542,14 +569,14 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
           for (int s = 0; s < A.splits; ++s) {
             Partial p(A.part + (it * A.splits + s) * Partial::floats(D), D, rot);
             if (p.mx[m] == kNegInf) continue;
-            const float wgt = exp_one(p.mx[m] - top);
+            const float wgt = exp_one(p.mx[m] - peak);
             l += wgt * p.l[m];
             mass += wgt * p.mass[m];
             axpy(acc.data(), wgt, p.acc + m * D, D);
             if (rot) axpy(accr.data(), wgt, p.accr + m * D, D);
           }
         }
-        const int64_t row = tile * kLanes + m;
+        if (sink != kNegInf) l += exp_one(sink - peak);
         if (!(l > 0.0f)) {
           std::fill(o.begin(), o.end(), 0.0f);
         } else {
@@ -586,20 +613,44 @@ Layout attention_layout(const Codec& kc, int64_t B, int64_t Hkv, int64_t GT, int
   return lay;
 }
 
+// The call's variants; `sink_logits` / `slopes` hold the fp32 (Hq,) copies the pointers read.
+Variants variants(int64_t Hq, double softcap, const c10::optional<at::Tensor>& sinks,
+                  const c10::optional<at::Tensor>& alibi, at::Tensor& sink_logits, at::Tensor& slopes) {
+  Variants var;
+  TORCH_CHECK(softcap >= 0.0, "codec_attention: softcap must be > 0 (0: none)");
+  var.softcap = static_cast<float>(softcap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == Hq && sinks->is_floating_point(),
+                "codec_attention: sinks must be a float (Hq,) tensor");
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    var.sinks = sink_logits.data_ptr<float>();
+  }
+  if (alibi.has_value()) {
+    TORCH_CHECK(alibi->dim() == 1 && alibi->size(0) == Hq && alibi->scalar_type() == at::kFloat,
+                "codec_attention: alibi must be a float32 (Hq,) tensor");
+    slopes = alibi->contiguous();
+    var.alibi = slopes.data_ptr<float>();
+  }
+  return var;
+}
+
 at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k_in,
                            const std::vector<at::Tensor>& v_in, const std::vector<at::Tensor>& k_plan,
                            const std::vector<at::Tensor>& v_plan, const c10::optional<at::Tensor>& k_new,
                            const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& mask,
-                           double scale, bool simd) {
+                           double scale, bool simd, double softcap, const c10::optional<at::Tensor>& sinks,
+                           const c10::optional<at::Tensor>& alibi) {
   const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
   const std::vector<at::Tensor> k_state = readable_state(k_in), v_state = readable_state(v_in);
   const at::Tensor q = readable_rows(q_in);
   at::Tensor kn, vn;
   if (k_new.has_value()) { kn = readable_rows(*k_new); vn = readable_rows(*v_new); }
   const Stream ks(kc, k_state), vs(vc, v_state);
+  at::Tensor sink_logits, slopes;  // held for the call
+  const Variants var = variants(q.size(1), softcap, sinks, alibi, sink_logits, slopes);
   if (per_token(kc) && per_token(vc))
     return token_codec_attention(q, k_state[kStateTail].size(1), ks, vs, k_new.has_value() ? &kn : nullptr,
-                                 k_new.has_value() ? &vn : nullptr, mask, scale, simd);
+                                 k_new.has_value() ? &vn : nullptr, mask, scale, simd, var);
   Attention A;
   A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
   A.Hkv = k_state[kStateTail].size(1); A.GT = (A.Hq / A.Hkv) * A.Tq;
@@ -610,6 +661,7 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
   A.has_mask = mask.has_value();
   if (A.has_mask) A.mask = MaskView(*mask);
   A.scale = static_cast<float>(scale);
+  A.var = var;
   A.out_dtype = q.scalar_type();
   const int64_t threads = at::get_num_threads();
   const Layout lay = attention_layout(kc, A.B, A.Hkv, A.GT, A.D, threads);

@@ -2,7 +2,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("codec_attention", &fc::codec_attention, "flashcodec::codec_attention on the stored form",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q"), py::arg("k_state"), py::arg("v_state"), py::arg("k_plan"), py::arg("v_plan"), py::arg("k_new"),
+        py::arg("v_new"), py::arg("mask"), py::arg("scale"), py::arg("simd"), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("alibi") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("attention_workspace", &fc::attention_workspace, "floats of codec_attention's workspace");
   m.def("attention_path", &fc::attention_path, "which kernel serves a (key, value) codec pair");
   m.def("simd_isa", &fc::simd_isa, "the SIMD code compiled in: avx2 or portable");

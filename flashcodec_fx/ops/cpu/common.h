@@ -483,37 +483,74 @@ inline void lane_matmul(const float* a, int64_t lda, int64_t step, const float* 
   for (; i < ni; ++i) lane_matmul_tile<1>(a + i * lda, lda, step, x, nj, base, out + i * kLanes);
 }
 
-// exp(x) for a row, x <= 0 expected (scores minus their running max): Cephes expf (about 1 ulp); 0 below -87.3
-// (and for -inf). Branch-free (selects, a round-to-nearest by the 1.5 * 2**23 trick) so that it vectorizes.
+// exp(x), x <= 0 expected (scores minus their running max): Cephes expf (about 1 ulp); 0 below -87.3 (and for -inf).
+// Branch-free (selects, a round-to-nearest by the 1.5 * 2**23 trick) so that loops calling it vectorize.
+inline float exp_lane(float v0) {
+  float v = v0 < -87.33654f ? -87.33654f : v0;
+  v = v > 88.3762626647949f ? 88.3762626647949f : v;
+  const float t = v * 1.44269504088896341f;
+  const float fx = (t + 12582912.0f) - 12582912.0f;
+  float r = std::fma(fx, -0.693359375f, v);
+  r = std::fma(fx, 2.12194440e-4f, r);
+  const float z = r * r;
+  float p = 1.9875691500E-4f;
+  p = std::fma(p, r, 1.3981999507E-3f);
+  p = std::fma(p, r, 8.3334519073E-3f);
+  p = std::fma(p, r, 4.1665795894E-2f);
+  p = std::fma(p, r, 1.6666665459E-1f);
+  p = std::fma(p, r, 5.0000001201E-1f);
+  p = std::fma(p, z, r + 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
+  float pow2;
+  std::memcpy(&pow2, &bits, sizeof(float));
+  return v0 < -87.33654f ? 0.0f : p * pow2;
+}
+
+// exp(x) for a row (exp_lane).
 inline void exp_row(const float* x, float* y, int n) {
 #pragma omp simd
-  for (int i = 0; i < n; ++i) {
-    const float v0 = x[i];
-    float v = v0 < -87.33654f ? -87.33654f : v0;
-    v = v > 88.3762626647949f ? 88.3762626647949f : v;
-    const float t = v * 1.44269504088896341f;
-    const float fx = (t + 12582912.0f) - 12582912.0f;
-    float r = std::fma(fx, -0.693359375f, v);
-    r = std::fma(fx, 2.12194440e-4f, r);
-    const float z = r * r;
-    float p = 1.9875691500E-4f;
-    p = std::fma(p, r, 1.3981999507E-3f);
-    p = std::fma(p, r, 8.3334519073E-3f);
-    p = std::fma(p, r, 4.1665795894E-2f);
-    p = std::fma(p, r, 1.6666665459E-1f);
-    p = std::fma(p, r, 5.0000001201E-1f);
-    p = std::fma(p, z, r + 1.0f);
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
-    float pow2;
-    std::memcpy(&pow2, &bits, sizeof(float));
-    y[i] = v0 < -87.33654f ? 0.0f : p * pow2;
-  }
+  for (int i = 0; i < n; ++i) y[i] = exp_lane(x[i]);
 }
 
 inline float exp_one(float x) {
   float y;
   exp_row(&x, &y, 1);
   return y;
+}
+
+// --- variants of codec_attention's logits and softmax (ops/reference/attention.py) ------------------------------
+
+// What a call asks for on top of plain attention, each off by default; the kernels test these outside their inner
+// loops, so a call without them runs the code it ran before they existed.
+struct Variants {
+  float softcap = 0.0f;          // > 0: s = softcap * tanh(s / softcap), after the scale
+  const float* alibi = nullptr;  // (Hq,) fp32 slopes: s += alibi[head] * position, after the softcap, before the mask
+  const float* sinks = nullptr;  // (Hq,) fp32 logits: exp(sinks[head] - max) joins each row's denominator (and max)
+  bool logits() const { return softcap > 0.0f || alibi != nullptr; }
+};
+
+// y = cap * tanh(y / cap) for n logits; -inf stays -inf (positions no slot holds). tanh(a) for a = |x|: (1 - e) /
+// (1 + e) with e = exp(-2a) (exp_lane) from a = 0.25 on, below it the Taylor polynomial to a^9 (the quotient loses
+// relative precision near 0; the next term is under 1e-8 relative there): within a few ulp of torch.tanh.
+// Branch-free, so that it vectorizes.
+inline void softcap_row(float* y, int n, float cap) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    const float v = y[i];
+    const float x = v / cap;
+    const float a = std::fabs(x);
+    const float e = exp_lane(-2.0f * a);
+    const float quotient = (1.0f - e) / (1.0f + e);
+    const float z = a * a;
+    float p = 62.0f / 2835.0f;
+    p = std::fma(p, z, -17.0f / 315.0f);
+    p = std::fma(p, z, 2.0f / 15.0f);
+    p = std::fma(p, z, -1.0f / 3.0f);
+    const float series = std::fma(a * z, p, a);
+    const float t = a < 0.25f ? series : quotient;
+    const float capped = cap * (x < 0.0f ? -t : t);
+    y[i] = v == kNegInf ? kNegInf : capped;
+  }
 }
 
 }  // namespace fc

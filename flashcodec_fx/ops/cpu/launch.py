@@ -68,31 +68,40 @@ def _layout(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.dtype)
 
 
+def _device(t: torch.Tensor | None):
+    return None if t is None else t.device
+
+
 def _state_layout(state) -> tuple:
     return tuple((t.shape, t.dtype) for t in state)
 
 
-def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=None, mask=None, scale=None):
-    """CPU kernel of ``flashcodec::codec_attention`` (same contract as ``codec_attention_reference``).
+def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=None, mask=None, scale=None,
+                        softcap=None, sinks=None, alibi=None):
+    """CPU kernel of ``flashcodec::codec_attention`` (same contract as ``codec_attention_reference``, its variants
+    included: the softcap, the per-query-head sink logits (as fp32) and ALiBi slopes go to the C++ as they are).
 
     Tolerance against the reference (tests/ops/test_cpu_attention.py): fp32 outputs within 1e-5 absolute for
-    inputs of unit scale (fp32 accumulation in another order, a polynomial exp within 2 ulp); fp16 / bf16 outputs are
-    one rounding of that fp32 result, so within one ulp of the output (2**-8 / 2**-5 at magnitudes 4..8).
+    inputs of unit scale (fp32 accumulation in another order, a polynomial exp within 2 ulp, the softcap's tanh
+    within a few ulp); fp16 / bf16 outputs are one rounding of that fp32 result, so within one ulp of the output
+    (2**-8 / 2**-5 at magnitudes 4..8).
     """
     module = EXTENSION.module()
     if (module is None or q.dtype not in KERNEL_DTYPES or q.dim() != 4
             or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3])):  # the reference validates the rest
-        return codec_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale)
+        return codec_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap,
+                                         sinks, alibi)
     key = ("attention", spec_k, spec_v, _layout(q), _state_layout(k_state), _state_layout(v_state), _layout(k_new),
-           _layout(v_new), _layout(mask))
-    VALIDATED.check(key, lambda: check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask))
+           _layout(v_new), _layout(mask), softcap, _layout(sinks), _layout(alibi), _device(sinks), _device(alibi))
+    VALIDATED.check(key, lambda: check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask,
+                                                      softcap, sinks, alibi))
     d = q.shape[3]
     softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, k_new, v_new, out_factors = attention_inputs(spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v),
                                                     StreamState(*k_state), StreamState(*v_state), q, k_new, v_new,
                                                     host=True)
     out = module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
-                                 mask, softmax_scale, True)
+                                 mask, softmax_scale, True, 0.0 if softcap is None else float(softcap), sinks, alibi)
     return attention_output(out, out_factors)
 
 

@@ -15,6 +15,9 @@
 // not started), and only when the call's work (stored positions x tiles) gives every thread at least
 // kMinTokenWorkPerThread of it. Without AVX2 + FMA (or with simd=false) the archive's rows go through
 // the portable path: codes unpacked and levels looked up into a row of D floats, then plain dot products.
+//
+// Variants (common.h's Variants) as in attention.cpp: the softcap and the ALiBi bias on a chunk's scores before the
+// mask, the sink logits in the combine; a call without them runs none of that code.
 
 namespace fc {
 
@@ -86,6 +89,7 @@ struct TokenAttention {
   bool has_mask;
   MaskView mask;
   float scale;
+  Variants var;
   Tiles tiles{1, 1};
   int splits;
   int64_t n_chunks;
@@ -182,7 +186,24 @@ void token_key_archive(const TokenAttention& A, int64_t b, int64_t h, int M, int
   }
 }
 
-// Key scores of positions [p0, p1) into w.scores[m][p - p0], mask bias added; -inf where no slot holds a position.
+// The softcap, then the ALiBi bias of positions [p0, p1) on the scores [row][position] of the M rows from row0.
+void token_logit_variants(const TokenAttention& A, int64_t h, int64_t row0, int M, int64_t p0, int64_t p1,
+                          float* scores) {
+  const int n = static_cast<int>(p1 - p0);
+  const int64_t gq = A.Hq / A.Hkv;
+  for (int m = 0; m < M; ++m) {
+    float* s = scores + m * kTokenChunk;
+    if (A.var.softcap > 0.0f) softcap_row(s, n, A.var.softcap);
+    if (A.var.alibi != nullptr) {
+      const float slope = A.var.alibi[h * gq + (row0 + m) / A.Tq];
+#pragma omp simd
+      for (int i = 0; i < n; ++i) s[i] += slope * static_cast<float>(p0 + i);
+    }
+  }
+}
+
+// Key scores of positions [p0, p1) into w.scores[m][p - p0]: the variants, then the mask bias; -inf where no slot
+// holds a position.
 void token_keys(const TokenAttention& A, int64_t b, int64_t h, int64_t row0, int M, int64_t p0, int64_t p1,
                 TokenScratch& w) {
   const Stream& s = *A.ks;
@@ -202,6 +223,7 @@ void token_keys(const TokenAttention& A, int64_t b, int64_t h, int64_t row0, int
   if (n0 < n1)
     raw_dots(w.qp, M, D, A.knew.at(b, h, n0 - se), A.knew.sn, A.knew.dtype, n1 - n0, w.scores + (n0 - p0),
              kTokenChunk, w.row);
+  if (A.var.logits()) token_logit_variants(A, h, row0, M, p0, p1, w.scores);
   if (A.has_mask) {
     const int64_t gq = A.Hq / A.Hkv;
     for (int m = 0; m < M; ++m) {
@@ -362,9 +384,12 @@ void token_combine(const TokenAttention& A, at::Tensor& out) {
   for (int64_t it = 0; it < A.B * A.Hkv * A.tiles.count; ++it) {
     const int64_t bh = it / A.tiles.count, tile = it % A.tiles.count, b = bh / A.Hkv, h = bh % A.Hkv;
     for (int m = 0; m < A.tiles.rows(tile); ++m) {
+      const int64_t row = A.tiles.first(tile) + m;
       float top = kNegInf;
       for (int s = 0; s < A.splits; ++s)
         top = std::max(top, TokenPartial(A.part + (it * A.splits + s) * TokenPartial::floats(D), D).mx[m]);
+      const float sink = A.var.sinks == nullptr ? kNegInf : A.var.sinks[h * gq + row / A.Tq];
+      const float peak = std::max(top, sink);  // the sink logit joins the row's max and its denominator
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(accr.begin(), accr.end(), 0.0f);
       float l = 0.0f, mass = 0.0f, zmass = 0.0f;
@@ -372,13 +397,14 @@ void token_combine(const TokenAttention& A, at::Tensor& out) {
         for (int s = 0; s < A.splits; ++s) {
           TokenPartial p(A.part + (it * A.splits + s) * TokenPartial::floats(D), D);
           if (p.mx[m] == kNegInf) continue;
-          const float wgt = exp_one(p.mx[m] - top);
+          const float wgt = exp_one(p.mx[m] - peak);
           l += wgt * p.l[m];
           mass += wgt * p.mass[m];
           zmass += wgt * p.zmass[m];
           axpy(acc.data(), wgt, p.acc + m * D, D);
           axpy(accr.data(), wgt, p.accr + m * D, D);
         }
+      if (sink != kNegInf) l += exp_one(sink - peak);
       if (!(l > 0.0f)) {
         std::fill(o.begin(), o.end(), 0.0f);
       } else {
@@ -392,7 +418,6 @@ void token_combine(const TokenAttention& A, at::Tensor& out) {
         if (c.center) axpy(o.data(), mass, A.vs->mean.at(b, h), D);
         scale_row(o.data(), 1.0f / l, D);
       }
-      const int64_t row = A.tiles.first(tile) + m;
       from_float(o.data(), out.scalar_type(), optr + b * osb + (h * gq + row / A.Tq) * osh + (row % A.Tq) * ost, D);
     }
   }
@@ -418,7 +443,7 @@ TokenLayout token_layout(int64_t B, int64_t Hkv, int64_t GT, int D, int64_t thre
 // q (B, Hq, T, D) over streams of Hkv heads; kn / vn: the call's new tokens (or null).
 at::Tensor token_codec_attention(const at::Tensor& q, int64_t Hkv, const Stream& ks, const Stream& vs,
                                  const at::Tensor* kn, const at::Tensor* vn, const c10::optional<at::Tensor>& mask,
-                                 double scale, bool simd) {
+                                 double scale, bool simd, const Variants& var) {
   TokenAttention A;
   A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
   A.Hkv = Hkv;
@@ -432,6 +457,7 @@ at::Tensor token_codec_attention(const at::Tensor& q, int64_t Hkv, const Stream&
   A.has_mask = mask.has_value();
   if (A.has_mask) A.mask = MaskView(*mask);
   A.scale = static_cast<float>(scale);
+  A.var = var;
   const int64_t threads = at::get_num_threads();
   const TokenLayout lay = token_layout(A.B, A.Hkv, A.GT, A.D, threads);
   A.tiles = Tiles(A.GT, lay.tiles);
