@@ -92,3 +92,16 @@ def allocations(fn) -> list[int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+
+
+def variant_kwargs(softcap: float | None, sinks: bool, alibi: bool, hq: int, seed: int,
+                   sink_dtype: torch.dtype = torch.float32) -> dict:
+    """codec_attention's variant keywords: the softcap as given, sink logits near the rows' log-sum-exp (unit-scale
+    logits: about 1 + log(length)), ALiBi's geometric slopes ``2 ** (-8 i / Hq)``."""
+    out: dict = {} if softcap is None else {"softcap": softcap}
+    gen = torch.Generator().manual_seed(seed + 99)
+    if sinks:
+        out["sinks"] = (2 + 1.5 * torch.randn(hq, generator=gen)).to(sink_dtype)
+    if alibi:
+        out["alibi"] = 2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)
+    return out

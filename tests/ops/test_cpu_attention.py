@@ -6,7 +6,18 @@ import math
 
 import pytest
 import torch
-from _cpu_cases import CODECS, DTYPES, HEAD_DIMS, allocations, assert_matches, chunks, codec, filled, make_mask
+from _cpu_cases import (
+    CODECS,
+    DTYPES,
+    HEAD_DIMS,
+    allocations,
+    assert_matches,
+    chunks,
+    codec,
+    filled,
+    make_mask,
+    variant_kwargs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +41,7 @@ def attention_cases(draw):
 
 def run_case(case: dict, appender=append_reference):
     """Kernel and reference outputs of one case: states filled with random chunks (by ``appender``), then one
-    attention call."""
+    attention call (with ``case["variants"]``: the keywords of ``variant_kwargs``, if any)."""
     ck, cv = codec(case["k"]), codec(case["v"])
     b, hkv, d, dtype, length, t = case["b"], case["hkv"], case["d"], case["dtype"], case["length"], case["t"]
     new = case["new"] and length >= t
@@ -44,6 +55,9 @@ def run_case(case: dict, appender=append_reference):
     args = {"k_new": keys[:, :, length - t:], "v_new": values[:, :, length - t:]} if new else {}
     args["mask"] = make_mask(case["mask"], b, hkv * case["groups"], t, length + 3, case["seed"])
     args["scale"] = case["scale"]
+    if case.get("variants"):
+        args.update(variant_kwargs(**case["variants"], hq=hkv * case["groups"], seed=case["seed"],
+                                   sink_dtype=dtype))
     ref = codec_attention_reference(q, ks, vs, ck.spec, cv.spec, **args)
     return cpu_codec_attention(q, ks, vs, ck.spec, cv.spec, **args), ref
 
@@ -72,6 +86,65 @@ def test_long_streams_every_split_and_chunk(cpu_kernels, k, v):
         finally:
             torch.set_num_threads(with_threads)
         assert_matches(out, ref)
+
+
+@st.composite
+def variant_cases(draw):
+    """attention_cases with at least one variant: a softcap that bends unit-scale logits (1.5) or hardly (30), sink
+    logits, ALiBi slopes."""
+    case = draw(attention_cases())
+    variants = {"softcap": draw(st.sampled_from([None, 1.5, 30.0])), "sinks": draw(st.booleans()),
+                "alibi": draw(st.booleans())}
+    if variants == {"softcap": None, "sinks": False, "alibi": False}:
+        variants["sinks"] = True
+    return {**case, "variants": variants}
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=variant_cases())
+def test_variants_match_reference(cpu_kernels, case):
+    """Softcap, sinks (in the stream dtype) and ALiBi, alone and together, over the cases of test_matches_reference:
+    within the plain kernel's tolerance."""
+    out, ref = run_case(case)
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize(("k", "v"), [("channel-key", "token-lloyd-value"), ("png", "jpeg-int8")])
+def test_variants_on_long_streams_every_split(cpu_kernels, k, v):
+    """The three variants on streams long enough for several chunks per split and two threads' splits: the sink
+    logits join the log-sum-exp combine of the splits, the ALiBi bias counts positions across chunks."""
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        case = {"k": k, "v": v, "dtype": torch.float32, "b": 1, "hkv": 3, "groups": 3, "t": 1, "d": 64,
+                "length": 3100, "seed": 5, "mask": "bool", "new": True, "slack": 1, "scale": None,
+                "variants": {"softcap": 1.5, "sinks": True, "alibi": True}}
+        out, ref = run_case(case, appender=cpu_append)
+        case["variants"]["alibi"] = False  # slopes of ~0.02 over 3100 positions leave the last few keys alone
+        out_no_alibi, ref_no_alibi = run_case(case, appender=cpu_append)
+    finally:
+        torch.set_num_threads(with_threads)
+    assert_matches(out, ref)
+    assert_matches(out_no_alibi, ref_no_alibi)
+
+
+@pytest.mark.parametrize("name", ["jpeg-int8", "token-uniform-4bit"])  # block kernel; token kernel
+def test_sinks_zero_rows_that_see_nothing_and_neutral_variants_change_nothing(cpu_kernels, name):
+    """With sinks a row that sees no key gives zeros; a sink of -inf and slopes of 0 give the plain result bitwise."""
+    c = codec(name)
+    x = torch.randn(1, 1, 20, 16)
+    state = filled(c, x, [20])
+    q = torch.randn(1, 2, 2, 16)
+    mask = torch.ones(1, 2, 2, 20, dtype=torch.bool)
+    mask[0, 1, 0] = False
+    sinks = torch.tensor([0.5, -1.0])
+    out = cpu_codec_attention(q, state, state, c.spec, c.spec, mask=mask, sinks=sinks)
+    assert torch.equal(out[0, 1, 0], torch.zeros(16)) and bool(torch.isfinite(out).all())
+    assert_matches(out, codec_attention_reference(q, state, state, c.spec, c.spec, mask=mask, sinks=sinks))
+    plain = cpu_codec_attention(q, state, state, c.spec, c.spec, mask=mask)
+    assert torch.equal(cpu_codec_attention(q, state, state, c.spec, c.spec, mask=mask,
+                                           sinks=torch.full((2,), float("-inf"))), plain)
+    assert torch.equal(cpu_codec_attention(q, state, state, c.spec, c.spec, mask=mask, alibi=torch.zeros(2)), plain)
 
 
 def test_rows_that_see_nothing_are_zero(cpu_kernels):
@@ -134,6 +207,16 @@ def test_rejects_what_the_reference_rejects(cpu_kernels):
     with pytest.raises(ValueError, match="mask"):
         cpu_codec_attention(torch.randn(1, 4, 1, 16), state, state, c.spec, c.spec,
                             mask=torch.ones(1, 1, 1, 20, dtype=torch.int64))
+    q = torch.randn(1, 4, 1, 16)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\)"):
+        cpu_codec_attention(q, state, state, c.spec, c.spec, sinks=torch.zeros(2))
+    with pytest.raises(TypeError, match="alibi must be a float32 tensor"):
+        cpu_codec_attention(q, state, state, c.spec, c.spec, alibi=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        cpu_codec_attention(q, state, state, c.spec, c.spec, softcap=-1.0)
+    cpu_codec_attention(q, state, state, c.spec, c.spec, softcap=1.0)  # a valid layout remembered first ...
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        cpu_codec_attention(q, state, state, c.spec, c.spec, softcap=0.0)  # ... never lets another value pass
 
 
 @pytest.mark.parametrize("names", [("jpeg-int8", "jpeg-int8"), ("channel-key", "token-lloyd-value"),
@@ -163,3 +246,6 @@ def test_opcheck(cpu_kernels, k, v, dtype, mask):
     m = make_mask(mask, 2, 4, 2, 23, seed=7) if mask else None
     torch.library.opcheck(torch.ops.flashcodec.codec_attention.default,
                           (q, ks, vs, ck.spec, cv.spec, x[:, :, -2:], x[:, :, -2:], m, 1 / math.sqrt(16)))
+    torch.library.opcheck(torch.ops.flashcodec.codec_attention.default,
+                          (q, ks, vs, ck.spec, cv.spec, x[:, :, -2:], x[:, :, -2:], m, 1 / math.sqrt(16), 2.0),
+                          {"sinks": torch.randn(4).to(dtype), "alibi": torch.rand(4)})

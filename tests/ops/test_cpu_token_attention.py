@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from _cpu_cases import DTYPES, assert_matches, chunks, filled, make_mask
+from _cpu_cases import DTYPES, assert_matches, chunks, filled, make_mask, variant_kwargs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,8 +44,9 @@ def token_codecs(draw):
     return make_codec("jpeg", **options)
 
 
-def run(ck, cv, *, dtype, b, hkv, groups, t, d, length, seed, mask, new, slack, scale, simd):
-    """Kernel (simd or portable path) and reference outputs of one call on states filled in random chunks."""
+def run(ck, cv, *, dtype, b, hkv, groups, t, d, length, seed, mask, new, slack, scale, simd, variants=None):
+    """Kernel (simd or portable path) and reference outputs of one call on states filled in random chunks
+    (``variants``: the keywords of ``variant_kwargs``, if any)."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(b, hkv, length, d, generator=gen).to(dtype)
     values = torch.randn(b, hkv, length, d, generator=gen).to(dtype)
@@ -56,11 +57,13 @@ def run(ck, cv, *, dtype, b, hkv, groups, t, d, length, seed, mask, new, slack, 
     use_new = new and length >= t
     k_new, v_new = (keys[:, :, length - t:], values[:, :, length - t:]) if use_new else (None, None)
     m = make_mask(mask, b, hkv * groups, t, length + 3, seed)
-    ref = codec_attention_reference(q, ks, vs, ck.spec, cv.spec, k_new, v_new, m, scale)
+    kw = {} if variants is None else variant_kwargs(**variants, hq=hkv * groups, seed=seed, sink_dtype=dtype)
+    ref = codec_attention_reference(q, ks, vs, ck.spec, cv.spec, k_new, v_new, m, scale, **kw)
     from flashcodec_fx.ops.cpu.build import EXTENSION
 
     out = EXTENSION.module().codec_attention(q, ks, vs, codec_plan(ck.spec, d), codec_plan(cv.spec, d), k_new, v_new, m,
-                                             1 / math.sqrt(d) if scale is None else scale, simd)
+                                             1 / math.sqrt(d) if scale is None else scale, simd,
+                                             kw.get("softcap", 0.0), kw.get("sinks"), kw.get("alibi"))
     return out, ref
 
 
@@ -80,6 +83,50 @@ def test_matches_reference(cpu_kernels, ck, cv, dtype, b, hkv, groups, t, d, len
     out, ref = run(ck, cv, dtype=dtype, b=b, hkv=hkv, groups=groups, t=t, d=d, length=length, seed=seed, mask=mask,
                    new=new, slack=slack, scale=scale, simd=simd)
     assert_matches(out, ref)
+
+
+@st.composite
+def variants(draw):
+    """At least one of: a softcap bending unit-scale logits (1.5) or hardly (30), sink logits, ALiBi slopes."""
+    out = {"softcap": draw(st.sampled_from([None, 1.5, 30.0])), "sinks": draw(st.booleans()),
+           "alibi": draw(st.booleans())}
+    if out == {"softcap": None, "sinks": False, "alibi": False}:
+        out["alibi"] = True
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(ck=token_codecs(), cv=token_codecs(), dtype=st.sampled_from(DTYPES), b=st.integers(1, 2),
+       hkv=st.integers(1, 3), groups=st.integers(1, 8), t=st.integers(1, 3), d=st.sampled_from(HEAD_DIMS),
+       length=st.one_of(st.integers(0, 40), st.integers(CHUNK - 9, 2 * CHUNK + 9)), seed=st.integers(0, 10**6),
+       mask=st.sampled_from(["none", "bool", "additive"]), new=st.booleans(), slack=st.integers(0, 2),
+       simd=st.booleans(), variants=variants())
+def test_variants_match_reference(cpu_kernels, ck, cv, dtype, b, hkv, groups, t, d, length, seed, mask, new, slack,
+                                  simd, variants):
+    """Softcap, sinks (in the stream dtype) and ALiBi, alone and together, on both code paths (the SIMD loops with
+    tiles of 1..4 query rows, the portable rows), across softmax chunks: within the plain kernel's tolerance."""
+    out, ref = run(ck, cv, dtype=dtype, b=b, hkv=hkv, groups=groups, t=t, d=d, length=length, seed=seed, mask=mask,
+                   new=new, slack=slack, scale=None, simd=simd, variants=variants)
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("name", ["int8", "4bit", "2bit"])
+def test_presets_long_streams_with_variants(cpu_kernels, name):
+    """The three variants on a preset's long stream split over two threads (the sinks in the splits' combine)."""
+    ck, cv = presets.preset_codecs(name)
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, ref = run(ck, cv, dtype=torch.float32, b=1, hkv=3, groups=3, t=1, d=64, length=6001, seed=3,
+                       mask="none", new=True, slack=1, scale=None, simd=True,
+                       variants={"softcap": 1.5, "sinks": True, "alibi": False})
+        alibi, alibi_ref = run(ck, cv, dtype=torch.float32, b=1, hkv=3, groups=3, t=1, d=64, length=6001, seed=3,
+                               mask="none", new=True, slack=1, scale=None, simd=True,
+                               variants={"softcap": None, "sinks": True, "alibi": True})
+    finally:
+        torch.set_num_threads(with_threads)
+    assert_matches(out, ref)
+    assert_matches(alibi, alibi_ref)
 
 
 @pytest.mark.parametrize("name", ["int8", "4bit", "3bit", "2.5bit", "2bit"])
