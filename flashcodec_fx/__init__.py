@@ -25,7 +25,8 @@ _LAZY = {  # public name -> the module that defines it (relative to this package
     # the compile pass (imports Dynamo)
     **dict.fromkeys(("CompiledGenerateWarning", "backend", "compile_model"), ".passes"),
     # the transformers integration (optional dependency)
-    **dict.fromkeys(("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "apply_codec_attention",
+    **dict.fromkeys(("FlashCodecCache", "FlashCodecLayer", "MaterializationFreeFallback", "NoCodecLayers",
+                     "apply_codec_attention",
                      "apply_flash_codec", "compress_kv", "remove_codec_attention", "remove_flash_codec"), ".hf"),
 }
 

@@ -10,12 +10,17 @@ keys than its own, so a decode step raises). Then it attends:
 
 - prefill (the layer was empty): on the exact prompt states, through the delegate;
 - later calls: ``torch.ops.flashcodec.codec_attention`` on the step's stored form, the call's own tokens read exactly,
-  with the mask transformers passes (bool, additive or None), ``scaling`` and GQA; no ``(S, D)`` view.
+  with the mask transformers passes (bool, additive or None), ``scaling``, GQA, logit soft-capping (``softcap``:
+  Gemma 2) and attention-sink logits (``s_aux``: GPT-OSS); no ``(S, D)`` view;
+- an MLA module's calls: in the absorbed form on its stored latent rows (:mod:`flashcodec_fx.hf.mla_attention`).
+
+ALiBi models, whose attention modules do not call an attention function (BLOOM, MPT), are served by module adapters
+(:mod:`flashcodec_fx.hf.alibi`) that use :func:`model_reads` and :func:`stored_form_attention` the same way.
 
 Every other call (layers without a codec, linear layers, models not using a FlashCodecCache, compiled steps) runs the
 delegate unchanged; a codec sliding-window layer is served like a full one (the mask bounds its window). Calls the
-stored-form path cannot serve (``output_attentions``, dropout, a sliding window on a layer that is not a codec ring,
-logit soft-capping, attention sinks, position bias, a multi-token call without a mask) attend on one decode of the
+stored-form path cannot serve (``output_attentions``, dropout, a position bias, a multi-token call without a mask)
+attend on one decode of the
 stored view, with a ``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built
 with ``strict=True``.
 """
@@ -34,7 +39,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .._compat import attn_implementation
 from .handoff import COMPILED, AttentionStep, current_table, dataflow
-from .mla_attention import absorbed_attention, missing_parts
+from .mla_attention import MODULE_PARTS, absorbed_attention, missing_parts
 
 NAME = "kvcodec"  # not "flashcodec": transformers treats every implementation name containing "flash" as flash attention
 IMPLEMENTATIONS = {"sdpa": NAME, "eager": f"{NAME}_eager"}  # the model's implementation -> ours over it
@@ -96,10 +101,10 @@ def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
         return "output_attentions=True"
     if dropout:
         return "attention dropout"
-    for name, what in (("sliding_window", "a sliding window"), ("softcap", "logit soft-capping"),
-                       ("s_aux", "attention sinks"), ("position_bias", "a position bias")):
-        if kwargs.get(name) is not None and not (name == "sliding_window" and step.sliding):
-            return what  # a codec sliding layer holds its window as a ring; the mask transformers builds bounds it
+    if kwargs.get("position_bias") is not None:
+        return "a position bias"
+    # a sliding_window keyword needs nothing: the delegates (sdpa, eager) read the window from the mask transformers
+    # builds for the layer, and so does the stored form
     if query.shape[2] > 1 and mask is None:
         return "a multi-token step without an explicit mask"
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
@@ -107,27 +112,42 @@ def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
     return None
 
 
+def model_reads(step: AttentionStep | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None, dropout: float, kwargs: dict,
+                stacklevel: int = 5) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What the model's own attention reads for this call, or None: attend on the step's stored form. The call's
+    own ``key`` / ``value`` (no step: another cache or a layer without a codec), the prompt's exact states, the
+    stored tokens themselves (a raw stored form: lossless), or, for a call the stored form cannot serve, the decoded
+    views (warned ``MaterializationFreeFallback``; ``strict=True`` raises ``NotImplementedError`` instead)."""
+    if step is None:
+        return key, value
+    if not step.decode:  # the prompt attends on its exact states
+        return step.key, step.value
+    if step.views is not None:  # the stored form is the tokens themselves: the model reads it, exactly
+        return step.views
+    reason = _unsupported(query, mask, dropout, step, kwargs)
+    if reason is None:
+        return None
+    if step.strict:
+        raise NotImplementedError(f"attention on the stored form does not support {reason} (strict=True)")
+    warnings.warn(f"attention on the stored form does not support {reason}: this step attends on the decoded view",
+                  MaterializationFreeFallback, stacklevel=stacklevel)
+    return step.decoded_views()
+
+
 def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
              kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     run = _delegate(module, delegate)
     step = None if dataflow() is COMPILED else take(module, key)
-    if step is None:
-        return run(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if step.latent is not None:
+    if step is not None and step.latent is not None:
         return _latent_forward(run, module, query, key, value, attention_mask, dropout, scaling, step, kwargs)
-    if not step.decode:  # the prompt attends on its exact states
-        return run(module, query, step.key, step.value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if step.views is not None:  # the stored form is the tokens themselves: the delegate reads it, exactly
-        return run(module, query, *step.views, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    reason = _unsupported(query, attention_mask, dropout, step, kwargs)
-    if reason is not None:
-        if step.strict:
-            raise NotImplementedError(f"attention on the stored form does not support {reason} (strict=True)")
-        warnings.warn(f"attention on the stored form does not support {reason}: this step attends on the decoded view",
-                      MaterializationFreeFallback, stacklevel=4)
-        return run(module, query, *step.decoded_views(), attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return stored_form_attention(query, step, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    reads = model_reads(step, query, key, value, attention_mask, dropout, kwargs)
+    if reads is not None:
+        return run(module, query, *reads, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = stored_form_attention(query, step, attention_mask, scaling, softcap=kwargs.get("softcap"),
+                                sinks=kwargs.get("s_aux"))
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _latent_forward(run: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -138,29 +158,26 @@ def _latent_forward(run: Callable, module: torch.nn.Module, query: torch.Tensor,
     the absorbed form on the stored rows."""
     if not step.decode:
         return run(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if step.views is not None:
-        return run(module, query, *module.expand_kv(*step.views), attention_mask, dropout=dropout, scaling=scaling,
-                   **kwargs)
     missing = missing_parts(module)
-    reason = _unsupported(query, attention_mask, dropout, step, kwargs) or (
-        f"an MLA module without {missing}" if missing else None)
-    if reason is not None:
-        if step.strict or missing:
-            raise NotImplementedError(f"attention on the stored latent does not support {reason}" +
-                                      (" (strict=True)" if step.strict else ""))
-        warnings.warn(f"attention on the stored latent does not support {reason}: this step expands the decoded "
-                      f"latents into per-head K/V", MaterializationFreeFallback, stacklevel=5)
-        return run(module, query, *module.expand_kv(*step.decoded_views()), attention_mask, dropout=dropout,
-                   scaling=scaling, **kwargs)
+    if missing:
+        raise NotImplementedError(f"attention on the stored latent needs an MLA module with {list(MODULE_PARTS)}; "
+                                  f"{type(module).__name__} lacks {missing}")
+    reads = model_reads(step, query, key, value, attention_mask, dropout, kwargs, stacklevel=6)
+    if reads is not None:  # lossless or a fallback: the module expands the stored rows, as it does natively
+        return run(module, query, *module.expand_kv(*reads), attention_mask, dropout=dropout, scaling=scaling,
+                   **kwargs)
     return absorbed_attention(module, query, step, attention_mask, scaling), None
 
 
-def stored_form_attention(query: torch.Tensor, step: AttentionStep, mask: torch.Tensor | None,
-                          scaling: float | None) -> torch.Tensor:
-    """``query (B, Hq, T, D)`` over the step's stored form, its own keys and values read exactly: ``(B, Hq, T, D)``."""
+def stored_form_attention(query: torch.Tensor, step: AttentionStep, mask: torch.Tensor | None, scaling: float | None,
+                          softcap: float | None = None, sinks: torch.Tensor | None = None,
+                          alibi: torch.Tensor | None = None) -> torch.Tensor:
+    """``query (B, Hq, T, D)`` over the step's stored form, its own keys and values read exactly: ``(B, Hq, T, D)``.
+    ``softcap`` (logit soft-capping), ``sinks`` (per query head sink logits), ``alibi`` (per query head slopes): as
+    ``flashcodec::codec_attention`` takes them."""
     keys, values = step.keys, step.values
     return torch.ops.flashcodec.codec_attention(query, keys.state, values.state, keys.spec, values.spec, step.key,
-                                                step.value, mask, scaling)
+                                                step.value, mask, scaling, softcap=softcap, sinks=sinks, alibi=alibi)
 
 
 def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -202,23 +219,33 @@ def _configs(model: torch.nn.Module) -> list[Any]:
 def apply_codec_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the ``"kvcodec"`` attention implementation over the one it uses (see the module docstring):
     ``"kvcodec"`` over ``"sdpa"``, ``"kvcodec_eager"`` over ``"eager"``, per config (a sub-config on the other one keeps
-    it as its delegate).
+    it as its delegate); attention modules that call no attention function and have an adapter (BLOOM, MPT:
+    :mod:`flashcodec_fx.hf.alibi`) are served by it, whether or not the model can switch implementations.
 
     The model must currently use ``"sdpa"`` or ``"eager"`` (ValueError otherwise); calling it again is a no-op.
     Layers whose cache is not a FlashCodecLayer keep computing exactly as before.
     """
+    from . import alibi
+
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     current_name = attn_implementation(model.config)
-    if current_name in NAMES:
+    if current_name in NAMES or hasattr(model, "_flashcodec_previous_attn"):
         return
     if current_name not in DELEGATES:
         raise ValueError(f"apply_codec_attention needs a model using attn_implementation in {DELEGATES}, got "
                          f"{current_name!r}")
     own = [(config, attn_implementation(config)) for config in _configs(model)]
-    model.set_attn_implementation(IMPLEMENTATIONS[current_name])
+    adapted = alibi.install(model)
+    try:
+        model.set_attn_implementation(IMPLEMENTATIONS[current_name])
+    except ValueError:  # a model without the attention interface: its adapters serve it
+        if not adapted:
+            raise
     model._flashcodec_previous_attn = current_name
     if attn_implementation(model.config) != IMPLEMENTATIONS[current_name]:
+        if adapted:
+            return  # the modules that attend are served by their adapters; the implementation name stays
         remove_codec_attention(model)
         raise ValueError(f"{type(model).__name__} does not support switching its attention implementation")
     for config, was in own:
@@ -229,12 +256,16 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
 def remove_codec_attention(model: torch.nn.Module) -> None:
     """Undo :func:`apply_codec_attention`: the model's previous implementation is set back, and each sub-config's
     (no-op if not applied)."""
+    from . import alibi
+
     previous = getattr(model, "_flashcodec_previous_attn", None)
     if previous is None:
         return
+    alibi.uninstall(model)
     delegates = {name: delegate for delegate, name in IMPLEMENTATIONS.items()}
     own = [(config, delegates.get(attn_implementation(config))) for config in _configs(model)]
-    model.set_attn_implementation(previous)
+    if attn_implementation(model.config) != previous:
+        model.set_attn_implementation(previous)
     for config, was in own:
         if was is not None and was != previous:
             config._attn_implementation = was

@@ -55,8 +55,13 @@ def _quietly(build: Callable[[], FlashCodecCache]) -> FlashCodecCache:
 
 def _check_coverage(model: Any, options: dict[str, Any]) -> None:
     """At apply time: a model that builds its own cache of a kind no codec cache serves compresses nothing, said now
-    (:class:`NoCodecLayers`; ``strict=True`` raises). A model config with no codec-carrying layer warned already
-    (:func:`_validate` built a cache from it)."""
+    (:class:`NoCodecLayers`; ``strict=True`` raises), and so does one whose generation config keeps no cache
+    (``use_cache=False``: warned, as a call may pass ``use_cache=True``). A model config with no codec-carrying layer
+    warned already (:func:`_validate` built a cache from it)."""
+    if getattr(getattr(model, "generation_config", None), "use_cache", True) is False:
+        warnings.warn(no_codec_message(f"{type(model).__name__}") + ": its generation config says use_cache=False, "
+                      "so generate() keeps no KV cache unless a call passes use_cache=True (or set "
+                      "model.generation_config.use_cache = True)", NoCodecLayers, stacklevel=3)  # a call may override
     if builds_own_cache(model) and own_cache_class(model) is None:
         message = (no_codec_message(f"{type(model).__name__}") + ": the model builds a cache of its own "
                    "(generate() prepares none), which flashcodec does not replace")
