@@ -89,6 +89,45 @@ def test_opcheck_codec_attention(k_tier, v_tier, dtype, groups, mask, new, scale
     torch.library.opcheck(ops.codec_attention.default, (q, ks, vs, ck.spec, cv.spec, k_new, v_new, m, scale))
 
 
+@pytest.mark.parametrize(("k_tier", "v_tier", "dtype", "groups", "mask", "variants"), [
+    ("jpeg-int8", "png", torch.float32, 1, None, ("softcap",)),
+    ("jpeg-table", "token-lloyd2", torch.bfloat16, 2, "bool", ("sinks",)),
+    ("channel-uniform4", "jpeg-midrise4", torch.float16, 4, "additive", ("alibi",)),
+    ("token-lloyd2", "jpeg-table", torch.float32, 2, "bool", ("softcap", "sinks", "alibi")),
+])
+def test_opcheck_codec_attention_variants(k_tier, v_tier, dtype, groups, mask, variants):
+    """Each variant (sinks in the stream dtype, slopes fp32) and all three together, with the call's tokens."""
+    ck, cv = TIERS[k_tier], TIERS[v_tier]
+    ks, k = stream_state(ck, dtype, seed=1)
+    vs, v = stream_state(cv, dtype, seed=2)
+    t, width, hq = 3, 24, 2 * groups
+    q = torch.randn(2, hq, t, D).to(dtype)
+    m = None if mask is None else torch.rand(2, 1, t, width) > 0.3 if mask == "bool" else torch.rand(1, hq, t, width)
+    kwargs = {"softcap": 1.5 if "softcap" in variants else None,
+              "sinks": torch.randn(hq).to(dtype) if "sinks" in variants else None,
+              "alibi": torch.rand(hq) if "alibi" in variants else None}
+    torch.library.opcheck(ops.codec_attention.default, (q, ks, vs, ck.spec, cv.spec, k[:, :, -3:], v[:, :, -3:], m),
+                          kwargs)
+
+
+def test_fake_kernel_of_the_variants():
+    """The fake kernel gives the real output's layout with every variant, and checks them as the real kernels do."""
+    codec = TIERS["jpeg-table"]
+    state, tokens = stream_state(codec, torch.bfloat16)
+    q = torch.randn(2, 4, 3, D).to(torch.bfloat16)
+    kwargs = {"softcap": 30.0, "sinks": torch.randn(4).to(torch.bfloat16), "alibi": torch.rand(4)}
+    real = ops.codec_attention(q, state, state, codec.spec, codec.spec, tokens[:, :, -3:], tokens[:, :, -3:], **kwargs)
+    mode = FakeTensorMode()
+    with mode:
+        fake_in = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, (q, state, tokens, kwargs))
+        fq, fstate, ftokens, fkw = fake_in
+        fake = ops.codec_attention(fq, fstate, fstate, codec.spec, codec.spec, ftokens[:, :, -3:], ftokens[:, :, -3:],
+                                   **fkw)
+        with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\)"):
+            ops.codec_attention(fq, fstate, fstate, codec.spec, codec.spec, sinks=fkw["sinks"][:2])
+    assert_like(fake, real)
+
+
 def assert_like(fake, real):
     assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride(), (fake, real)
 

@@ -70,11 +70,12 @@ def _inputs(ck, cv, dtype, group, length, t, new, d, mask_kind, spare, seed=0):
 def _run(device, args, **kw):
     moved = [a.to(device) if isinstance(a, torch.Tensor) else [x.to(device) for x in a] if isinstance(a, list) else a
              for a in args]
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     return triton_codec_attention(*moved, **kw).cpu()
 
 
 def _check(device, args, **kw):
-    want = codec_attention_reference(*args, **{k: v for k, v in kw.items() if k == "scale"})
+    want = codec_attention_reference(*args, **{k: v for k, v in kw.items() if k != "num_splits"})
     got = _run(device, args, **kw)
     q = args[0]
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -104,6 +105,69 @@ def test_presets_match_reference(device, preset):
     causal = torch.arange(width)[None] <= (length - t + torch.arange(t))[:, None]
     args[-1] = causal[None, None]
     _check(device, tuple(args), num_splits=3)
+
+
+def _variants(kind: str, hq: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """The variant keywords of ``kind`` (``all``: the three): a softcap bending unit-scale logits, sink logits in the
+    stream dtype near the rows' log-sum-exp, ALiBi's geometric slopes."""
+    gen = torch.Generator().manual_seed(seed + 50)
+    out = {}
+    if kind in ("softcap", "all"):
+        out["softcap"] = 1.5
+    if kind in ("sinks", "all"):
+        out["sinks"] = (2 + 1.5 * torch.randn(hq, generator=gen)).to(dtype)
+    if kind in ("alibi", "all"):
+        out["alibi"] = 2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)
+    return out
+
+
+# archived forms of every kind (codes per token / block / channel fold / in registers, float rows, png), GQA 1..8,
+# masks, new tokens, sinks and offsets, two row chunks
+VARIANT_CASES = [CASES[i] for i in (0, 2, 4, 5, 7, 10, 12)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["softcap", "sinks", "alibi", "all"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=_ids(VARIANT_CASES))
+def test_variants_match_reference(device, case, kind):
+    """Softcap, sinks and ALiBi (alone, together) within the plain kernel's tolerance; rows a bool mask leaves
+    empty are zeros with sinks too."""
+    k_form, v_form, dtype, group, *rest = case
+    args = _inputs(form(k_form), form(v_form), dtype, group, *rest)
+    kw = _variants(kind, args[0].shape[1], dtype)
+    got, _ = _check(device, args, num_splits=2, **kw)
+    if case[8] == "bool":
+        assert got[0, :, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_with_variants(device, preset):
+    """Every preset as test_presets_match_reference reads it (a chunked prefill, causal), the three variants on."""
+    ck, cv = preset_codecs(preset)
+    length, t = 4 + 128 + 21, 4
+    args = list(_inputs(ck, cv, F16, 3, length, t, t, 16, None, 1, seed=7))
+    width = max(ck.sinks + args[1][0].shape[2] * ck.group, cv.sinks + args[2][0].shape[2] * cv.group)
+    args[-1] = (torch.arange(width)[None] <= (length - t + torch.arange(t))[:, None])[None, None]
+    _check(device, tuple(args), num_splits=3, **_variants("all", args[0].shape[1], F16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_variants_validate_and_keep_positional_calls(device):
+    """Bad variants raise as the reference does, naming the parameter; the launcher takes the schema's order
+    (``scale, softcap, sinks, alibi``) positionally, ``num_splits`` after them."""
+    q, ks, vs, sk, sv, kn, vn, _ = _inputs(form("int8"), form("lloyd_rot"), F32, 2, 27, 2, 2, 16, None, 1)
+    base = (q, ks, vs, sk, sv, kn, vn, None)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\)"):
+        _run(device, base, sinks=torch.zeros(2))
+    with pytest.raises(TypeError, match="alibi must be a float32 tensor"):
+        _run(device, base, alibi=torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        _run(device, base, softcap=0.0)
+    kw = _variants("all", 4, F32)
+    named = _run(device, base, scale=0.3, num_splits=2, **kw)
+    positional = _run(device, (*base, 0.3, kw["softcap"], kw["sinks"], kw["alibi"]), num_splits=2)
+    assert torch.equal(named, positional)
 
 
 @pytest.mark.parametrize("device", DEVICES)

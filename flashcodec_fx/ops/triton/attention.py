@@ -8,7 +8,7 @@ streams' block sizes, so the value stream's blocks sit at a constant offset insi
   ``C``, channel axis folded into ``q_k`` once per tile, which lies inside one scale group), expanded to positions
   through the block-diagonal synthesis matrix, plus ``q . mean_k``; raw keys (sinks, tail, the call's new tokens)
   as ``q @ k^T``;
-- scale, mask, online softmax (base 2);
+- scale, the variants' softcap and ALiBi bias (``SOFTCAP`` / ``ALIBI``), mask, online softmax (base 2);
 - values: archived ones as ``(P @ blockdiag(A_v)) * scales @ S_v`` (token-axis scales folded into the
   probabilities, channel-axis scales applied to the output columns: codes enter the dot exactly), accumulated in
   the values' rotated space together with raw values rotated into it and ``mass * mean_v``; the combine kernel
@@ -19,7 +19,9 @@ processed together (GQA), so each stored row is read once per kv head. Splits ``
 *main region* (positions archived in both streams) in equal runs of tiles, from the device lengths; the extra split
 ``NUM_SPLITS`` attends the *edge* (sinks, the region where one stream is archived and the other raw, the tails and
 the new tokens: bounded by sinks + window + group + T). Each split writes its normalized partial output and
-log-sum-exp; the combine kernel merges them. The launch depends on shapes only (CUDA-graph safe).
+log-sum-exp; the combine kernel merges them, with the per-head sink logits in each row's max and denominator
+(``SINKS``). The launch depends on shapes only (CUDA-graph safe). Each variant is a constexpr flag, and its
+arguments are None without it, so a call without variants compiles to the kernels it compiled to before they existed.
 """
 
 from __future__ import annotations
@@ -302,6 +304,18 @@ def _mask_bias(mk, b, head, t, pos, ok, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh: ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` from ``|x| = 0.25`` on, the Taylor polynomial to ``x^9``
+    below (the quotient loses relative precision near 0), the sign put back (as the CPU kernels' ``softcap_row``)."""
+    a = tl.abs(x)
+    e = tl.exp2(a * (-2.0 * _LOG2E))
+    z = a * a
+    series = a + a * z * (-1.0 / 3.0 + z * (2.0 / 15.0 + z * (-17.0 / 315.0 + z * (62.0 / 2835.0))))
+    t = tl.where(a < 0.25, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _softmax_step(s, st):
     """One online-softmax step on log2-domain scores ``s (M, P)``; returns the probabilities and the rescaled state
     ``(max, sum, archive-space accumulator, archive mass, raw accumulator)``."""
@@ -316,10 +330,15 @@ def _softmax_step(s, st):
 # --- one tile of positions --------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile(p0, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
+def _tile(p0, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale, cap_log2, slopes,
           KF: tl.constexpr, VF: tl.constexpr, TL: tl.constexpr, MASK_KIND: tl.constexpr, EDGE: tl.constexpr,
-          IO_T: tl.constexpr, KA_T: tl.constexpr, VA_T: tl.constexpr, PREC: tl.constexpr):
+          IO_T: tl.constexpr, KA_T: tl.constexpr, VA_T: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+          ALIBI: tl.constexpr):
     """Attend positions ``[p0, p0 + BP) & [lo, hi)``; returns the updated online-softmax state ``st``.
+
+    Logits in base 2: ``s * qk_scale`` (``scale * log2(e)``), or with ``SOFTCAP`` ``tanh(s * qk_scale) *
+    cap_log2`` (``qk_scale = scale / softcap``, ``cap_log2 = softcap * log2(e)``); with ``ALIBI`` plus ``slopes *
+    position`` (``slopes``: the rows' ALiBi slopes times ``log2(e)``); then the mask.
 
     ``EDGE`` (the extra split): positions may also be raw in either stream; else every position is archived in
     both (or past a stream's capacity: not stored). Raw values of a rotated value stream accumulate apart (they are
@@ -353,6 +372,10 @@ def _tile(p0, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
         s = tl.where(k_raw[None, :], mdot(q_io, kt, IO_T, PREC), s)
         valid = valid | k_raw
     s = s * qk_scale
+    if SOFTCAP:
+        s = _tanh(s) * cap_log2
+    if ALIBI:
+        s += slopes[:, None] * p.to(tl.float32)[None, :]
     if MASK_KIND != _NO_MASK:
         s += _mask_bias(mk, b, head, t, p, row_ok[:, None] & valid[None, :], MASK_KIND) * _LOG2E
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -421,9 +444,10 @@ def _split_kernel(
     K, klen, kstart, KN, NB_K,
     V, vlen, vstart, VN, NB_V,
     mask_ptr, smb, smh, smt, sml, mask_len,
-    o_part, lse_part, qk_scale, HKV, T, G, N_MCHUNK, NUM_SPLITS, T_NEW,
+    o_part, lse_part, qk_scale, HKV, T, G, N_MCHUNK, NUM_SPLITS, T_NEW, cap_log2, alibi_ptr,
     KF: tl.constexpr, VF: tl.constexpr, TL: tl.constexpr, MASK_KIND: tl.constexpr, EDGE: tl.constexpr,
-    IO_T: tl.constexpr, KA_T: tl.constexpr, VA_T: tl.constexpr, PREC: tl.constexpr,
+    IO_T: tl.constexpr, KA_T: tl.constexpr, VA_T: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     """Program ``(bh * N_MCHUNK + row chunk, split)`` of the main region (``EDGE`` False: splits ``0 .. NUM_SPLITS -
     1``) or of the edge (``EDGE``: one split, written as part ``NUM_SPLITS``; a launch of its own, so that each
@@ -432,7 +456,8 @@ def _split_kernel(
     the tile helpers read), the state's length and start, the new tokens' strides (a tuple) and the archive's
     capacity in blocks. Constexprs: ``KF``/``VF`` the streams' :class:`StreamForm` tuples, ``TL`` the
     :class:`AttentionTiles` tuple, the mask kind and the dot types (``IO_T`` raw operands, ``KA_T``/``VA_T`` archive
-    operands, ``PREC`` fp32 dots)."""
+    operands, ``PREC`` fp32 dots). Variants (:func:`_tile`): ``SOFTCAP`` with ``cap_log2``, ``ALIBI`` with the
+    ``(Hq,)`` fp32 slopes at ``alibi_ptr``; both None when off."""
     D: tl.constexpr = TL[T_D]
     DP: tl.constexpr = TL[T_DP]
     BP: tl.constexpr = TL[T_BP]
@@ -493,6 +518,9 @@ def _split_kernel(
     rc = (b, kvh, bh, head, t, row_ok)
     mk = (mask_ptr, smb, smh, smt, sml, mask_len)
     mats = (_synthesis_blocks(k_syn, KF, TL, False), _synthesis_blocks(v_syn, VF, TL, True), mean_v)  # (r > 1)
+    slopes = tl.zeros((BLOCK_M,), tl.float32)
+    if ALIBI:
+        slopes = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * _LOG2E
     raw_width: tl.constexpr = DP if EDGE and VF[F_ROTATE] else 1
     st = (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
           tl.zeros((BLOCK_M, DP), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
@@ -514,8 +542,8 @@ def _split_kernel(
             tt = tl.where(in0, f0 + i, tl.where(in1, f1 + i - n0, f2 + i - n0 - n1))
             lo = tl.where(in0, lo0, tl.where(in1, lo1, lo2))
             hi = tl.where(in0, hi0, tl.where(in1, hi1, hi2))
-            st = _tile(K_SINKS + tt * BP, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
-                       KF, VF, TL, MASK_KIND, True, IO_T, KA_T, VA_T, PREC)
+            st = _tile(K_SINKS + tt * BP, lo, hi, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale, cap_log2,
+                       slopes, KF, VF, TL, MASK_KIND, True, IO_T, KA_T, VA_T, PREC, SOFTCAP, ALIBI)
     else:
         t_lo = (A0 - K_SINKS) // BP
         t_hi = (a1 - K_SINKS + BP - 1) // BP
@@ -523,8 +551,8 @@ def _split_kernel(
         lo = t_lo + split * per
         hi = tl.minimum(lo + per, t_hi)
         for tt in range(lo, hi):
-            st = _tile(K_SINKS + tt * BP, A0, a1, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale,
-                       KF, VF, TL, MASK_KIND, False, IO_T, KA_T, VA_T, PREC)
+            st = _tile(K_SINKS + tt * BP, A0, a1, st, qc, rc, mk, mats, K, KN, KL, V, VN, VL, qk_scale, cap_log2,
+                       slopes, KF, VF, TL, MASK_KIND, False, IO_T, KA_T, VA_T, PREC, SOFTCAP, ALIBI)
     m_i, l_i, acc, mass, acc_raw = st
     if VF[F_CENTER]:
         acc += mass[:, None] * mean_v[None, :]
@@ -548,11 +576,13 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, out_ptr, so0, so1, so2, so3, v_rot, HKV, T, G, N_MCHUNK, PARTS,
+def _combine_kernel(o_part, lse_part, out_ptr, so0, so1, so2, so3, v_rot, HKV, T, G, N_MCHUNK, PARTS, sinks_ptr,
                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, RC: tl.constexpr,
-                    ROTATE: tl.constexpr, PREC: tl.constexpr):
-    """Merge the ``PARTS`` partial (output, log2-sum-exp) pairs of one program's rows; with ``ROTATE`` the merged
-    output (in the values' rotated space) is rotated back once, ``out @ R_v``, one column chunk at a time."""
+                    ROTATE: tl.constexpr, PREC: tl.constexpr, SINKS: tl.constexpr):
+    """Merge the ``PARTS`` partial (output, log2-sum-exp) pairs of one program's rows; with ``SINKS`` the rows'
+    sink logits (``(Hq,)`` fp32 at ``sinks_ptr``, None without) join each row's max and denominator; with ``ROTATE``
+    the merged output (in the values' rotated space) is rotated back once, ``out @ R_v``, one column chunk at a
+    time."""
     pid = tl.program_id(0)
     bh = (pid // N_MCHUNK).to(tl.int64)
     b = bh // HKV
@@ -574,9 +604,16 @@ def _combine_kernel(o_part, lse_part, out_ptr, so0, so1, so2, so3, v_rot, HKV, T
         acc = acc * alpha[:, None] + w[:, None] * o
         l_run = l_run * alpha + w
         m_run = m_new
-    acc = tl.where((l_run > 0)[:, None], acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
     g = m // T
     t = (m % T).to(tl.int64)
+    if SINKS:
+        sink = tl.load(sinks_ptr + kvh * G + g, mask=m < G * T, other=float("-inf")) * _LOG2E
+        m_new = tl.maximum(m_run, sink)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        acc = acc * alpha[:, None]
+        l_run = l_run * alpha + tl.exp2(sink - m_use)
+    acc = tl.where((l_run > 0)[:, None], acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
     row_ptr = out_ptr + b * so0 + (kvh * G + g)[:, None] * so1 + t[:, None] * so2
     row_ok = (m < G * T)[:, None]
     if ROTATE:
@@ -718,11 +755,14 @@ def _stream_args(codec, st, new: torch.Tensor | None, placeholder: torch.Tensor,
 
 def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, k_new: torch.Tensor | None = None,
                    v_new: torch.Tensor | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
-                   num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                   num_splits: int | None = None, *, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                   alibi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Validate, plan and launch the split kernel. Returns the partial outputs ``(programs, splits + 1, BLOCK_M,
     DP)`` fp32 (in the values' rotated space), their log2-sum-exp ``(programs, splits + 1, BLOCK_M)`` (``-inf``: the
-    split saw nothing) and the plan; part ``splits`` is the edge's."""
-    ck, cv, ks, vs = check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask)
+    split saw nothing) and the plan; part ``splits`` is the edge's. ``softcap`` and ``alibi`` enter the logits here;
+    ``sinks`` is only validated (the combine adds it)."""
+    ck, cv, ks, vs = check_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, softcap, sinks,
+                                          alibi)
     io_t = io_dtype(q.dtype)
     b, hq, t, d = q.shape
     check_triton_limits(ck, d, "spec_k")
@@ -744,11 +784,16 @@ def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, 
     wide = q.dtype == torch.float32
     ka_t = io_t if not wide and _exact16(kf, ks.data) and not kf.rotate and kf.form != CHANNEL_CODES else tl.float32
     va_t = io_t if not wide and _exact16(vf, vs.data) else tl.float32
+    # base-2 logits: scale * log2(e), or with a softcap tanh(s * scale / softcap) * softcap * log2(e) (see _tile)
+    qk_scale = sm_scale * LOG2E if softcap is None else sm_scale / softcap
+    cap_log2 = None if softcap is None else float(softcap) * LOG2E
     args = (q, *q.stride(), *_stream_args(ck, ks, k_new, q, tk), *_stream_args(cv, vs, v_new, q, tv),
-            mask_t, smb, smh, smt, sml, mask_len, o_part, lse_part, sm_scale * LOG2E, hkv, t, g, plan["n_mchunk"],
-            plan["num_splits"], 0 if k_new is None else k_new.shape[2])
+            mask_t, smb, smh, smt, sml, mask_len, o_part, lse_part, qk_scale, hkv, t, g, plan["n_mchunk"],
+            plan["num_splits"], 0 if k_new is None else k_new.shape[2], cap_log2,
+            None if alibi is None else alibi.contiguous())
     constexprs = dict(KF=kf.constexpr(), VF=vf.constexpr(), MASK_KIND=mask_kind, IO_T=io_t, KA_T=ka_t, VA_T=va_t,
-                      PREC="ieee" if wide else "tf32x3", num_stages=plan["num_stages"])
+                      PREC="ieee" if wide else "tf32x3", SOFTCAP=softcap is not None, ALIBI=alibi is not None,
+                      num_stages=plan["num_stages"])
     _split_kernel[(programs, plan["num_splits"])](*args, TL=plan["tiles"].constexpr(), EDGE=False,
                                                   num_warps=plan["num_warps"], **constexprs)
     _split_kernel[(programs, 1)](*args, TL=plan["edge_tiles"].constexpr(), EDGE=True, num_warps=EDGE_WARPS,
@@ -758,25 +803,30 @@ def split_partials(q: torch.Tensor, k_state, v_state, spec_k: str, spec_v: str, 
 
 def triton_codec_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_state: list[torch.Tensor], spec_k: str,
                            spec_v: str, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                           mask: torch.Tensor | None = None, scale: float | None = None,
+                           mask: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
     """Triton ``flashcodec::codec_attention``: ``q (B, Hq, T, D)`` over the stored states; ``(B, Hq, T, D)`` in q's
     dtype. Same contract and validation as :func:`~flashcodec_fx.ops.reference.attention.codec_attention_reference`; every
     stored form within the Triton limits (``common``). fp16/bf16/fp32 I/O, fp32 accumulation (docs/triton.md:
     which operands enter 16-bit dots). Tiles and split count: :func:`attention_plan` (``num_splits`` overrides the
-    heuristic). Two launches (splits, combine) whose grid depends on shapes only: capturable in a CUDA graph."""
+    heuristic). The variants ``softcap``, ``sinks``, ``alibi`` as the reference's (constexpr flags: a call without
+    them runs the kernels compiled without them). Two launches (splits, combine) whose grid depends on shapes only:
+    capturable in a CUDA graph."""
     ck, cv = spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v)
     vs = StreamState(*v_state)
     q_in, k_new, v_new, out_factors = attention_inputs(ck, cv, StreamState(*k_state), vs, q, k_new, v_new)
     o_part, lse_part, plan = split_partials(q_in, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale,
-                                            num_splits)
+                                            num_splits, softcap=softcap, sinks=sinks, alibi=alibi)
     b, hq, t, d = q.shape
     hkv = vs.tail.shape[1]
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
     rot = stream_tables(cv, d, q.device).rotation
     tiles = plan["tiles"]
+    sink_logits = None if sinks is None else sinks.float().contiguous()
     _combine_kernel[(o_part.shape[0],)](o_part, lse_part, out, *out.stride(), rot, hkv, t, hq // hkv,
-                                        plan["n_mchunk"], o_part.shape[1], D=d, DP=tiles.dp,
+                                        plan["n_mchunk"], o_part.shape[1], sink_logits, D=d, DP=tiles.dp,
                                         BLOCK_M=plan["BLOCK_M"], RC=tiles.rc, ROTATE=cv.rotate is not None,
-                                        PREC="ieee" if q.dtype == torch.float32 else "tf32x3")
+                                        PREC="ieee" if q.dtype == torch.float32 else "tf32x3",
+                                        SINKS=sinks is not None)
     return attention_output(out, out_factors)
