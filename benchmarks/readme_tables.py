@@ -1,4 +1,4 @@
-"""The measured tables of README.md and docs/results.md, regenerated from the committed results
+"""The measured tables of README.md, docs/results.md and docs/architectures.md, regenerated from the committed results
 (benchmarks/results/*.json).
 
     python benchmarks/readme_tables.py            # rewrite every table of both documents from the JSON
@@ -27,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
-DOCUMENTS = (README, HERE.parent / "docs" / "results.md")
+DOCUMENTS = (README, HERE.parent / "docs" / "results.md", HERE.parent / "docs" / "architectures.md")
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 MIB = 1 << 20
 
@@ -411,6 +411,14 @@ def vllm_memory_table() -> str:
     return bench_vllm.memory_markdown(result, markdown) + "\n\n" + provenance("vllm")
 
 
+def architectures_table() -> str:
+    """bench_architectures.py: every CausalLM architecture x conformance check (pass / FAIL: reason / skip: reason),
+    the failures grouped by cause, the architectures not run and why."""
+    import bench_architectures
+
+    return bench_architectures.markdown(load("architectures")) + "\n\n" + provenance("architectures")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
     "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
@@ -418,6 +426,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "attention": attention_table,
     "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
     "vllm": vllm_table, "vllm-quality": vllm_quality_table, "vllm-memory": vllm_memory_table,
+    "architectures": architectures_table,
 }
 
 
@@ -445,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 when a document is out of date")
     parser.add_argument("--document", type=Path, action="append",
-                        help="a document to update or check (repeatable; default: README.md and docs/results.md, "
-                             "which must hold every table between them)")
+                        help="a document to update or check (repeatable; default: README.md, docs/results.md and "
+                             "docs/architectures.md, which must hold every table between them)")
     args = parser.parse_args(argv)
     documents = args.document or list(DOCUMENTS)
     texts = {path: path.read_text() for path in documents}

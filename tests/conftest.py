@@ -31,6 +31,9 @@ SLOW = (
     "tests/hf/test_cache_contract_fuzz.py", "tests/hf/test_hf_lossless_real.py", "tests/hf/test_hf_assisted.py",
     "tests/hf/test_hf_long_run.py", "tests/demo/test_app.py::test_out_of_memory_is_a_message_in_the_page",
     "tests/test_lazy_imports.py",
+    # every transformers CausalLM architecture (test_core_conformance's few stay)
+    "tests/conformance/test_architectures.py::test_conformance",
+    "tests/conformance/test_architectures.py::test_enough_architectures_run_and_every_skip_says_why",
 )
 """Tests marked ``slow`` (node-id prefixes: a module, a test, or one case): about 80% of the full suite's CPU time, left
 out of the quick subset ``-m "not slow"`` (docs/testing.md, with the timings that chose them). Every test folder keeps

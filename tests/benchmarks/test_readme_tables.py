@@ -75,7 +75,7 @@ def test_table_blocks_must_all_be_there_once_and_known():
 
 
 def test_links_are_relative_to_the_document():
-    readme, results = readme_tables.DOCUMENTS
+    readme, results = readme_tables.DOCUMENTS[:2]
     assert "](../benchmarks/results/" in results.read_text() and "](../benchmarks/results/" not in readme.read_text()
     block = "<!-- table: presets -->\n<!-- /table -->\n"
     assert "](benchmarks/results/ppl.json)" in readme_tables.regenerate(block, readme)
