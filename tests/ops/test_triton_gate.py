@@ -149,3 +149,4 @@ def test_the_lazily_registered_ops_are_the_gates_kernels():
     from flashcodec_fx.ops import triton as triton_ops
 
     assert set(triton_ops.OPS) == set(triton_gate.KERNELS) == set(triton_gate.HEAD_DIM)
+    assert triton_ops.LAUNCHERS == {op: f"{fn.__module__}.{fn.__qualname__}" for op, fn in triton_gate.KERNELS.items()}

@@ -19,8 +19,14 @@ import torch
 
 from ..warm import WARMERS
 
-OPS = ("flashcodec::append", "flashcodec::codec_attention", "flashcodec::encode", "flashcodec::decode",
-       "flashcodec::read")  # the ops with a Triton kernel (gate.KERNELS)
+LAUNCHERS = {  # the ops with a Triton kernel (gate.KERNELS) -> their launcher, "module.function", named not imported
+    "flashcodec::append": "flashcodec_fx.ops.triton.append.triton_append",
+    "flashcodec::codec_attention": "flashcodec_fx.ops.triton.attention.triton_codec_attention",
+    "flashcodec::encode": "flashcodec_fx.ops.triton.blocks.triton_encode",
+    "flashcodec::decode": "flashcodec_fx.ops.triton.blocks.triton_decode",
+    "flashcodec::read": "flashcodec_fx.ops.triton.read.triton_read",
+}
+OPS = tuple(LAUNCHERS)
 
 
 def available() -> bool:
@@ -36,12 +42,14 @@ def _gated_kernels() -> dict[str, Callable]:
 
 
 def _cuda_kernel(name: str) -> Callable:
-    """The CUDA kernel of op ``name``: the gated Triton launcher, loaded on the first call."""
+    """The CUDA kernel of op ``name``: the gated Triton launcher, loaded on the first call (named as the launcher, so
+    the kernel report says which kernel serves the op)."""
 
     def kernel(*args, **kwargs):
         return _gated_kernels()[name](*args, **kwargs)
 
-    kernel.__name__ = f"triton_{name.split('::')[1]}"
+    kernel.__module__, kernel.__qualname__ = LAUNCHERS[name].rsplit(".", 1)
+    kernel.__name__ = kernel.__qualname__
     return kernel
 
 
