@@ -115,11 +115,17 @@ def test_logit_stats_and_bounds():
     same = arch.logit_stats(native, native.clone())
     assert same["kl"] == 0 and same["max_abs"] == 0
     off = arch.logit_stats(native, native + torch.randn_like(native))
-    assert off["kl"] > arch.LOGIT_BOUNDS["int8"]["kl"] and off["max_abs_rel"] > arch.LOGIT_BOUNDS["int8"]["max_abs_rel"]
+    bound = arch.LOGIT_BOUNDS["int8"]
+    assert off["kl_rel"] > bound["kl_rel"] and off["max_abs_rel"] > bound["max_abs_rel"]
+    error = 0.01 * torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    flat = arch.logit_stats(0.1 * native, 0.1 * (native + error))  # a random-init model's spread
+    wider = arch.logit_stats(native, native + error)  # 10x wider logits, the same error relative to them
+    assert wider["kl"] > 50 * flat["kl"] and 0.5 < wider["kl_rel"] / flat["kl_rel"] < 2  # scale-free; plain KL is not
     for bounds in arch.LOGIT_BOUNDS.values():
-        assert set(bounds) == {"kl", "max_abs_rel"}
-    assert [arch.LOGIT_BOUNDS[p]["kl"] for p in arch.LOSSY_PRESETS] == sorted(
-        arch.LOGIT_BOUNDS[p]["kl"] for p in arch.LOSSY_PRESETS)
+        assert set(bounds) == {"kl_rel", "max_abs_rel"}
+    for key in ("kl_rel", "max_abs_rel"):
+        values = [arch.LOGIT_BOUNDS[p][key] for p in arch.LOSSY_PRESETS]
+        assert values == sorted(values)
 
 
 def test_a_check_that_raises_is_a_failure_with_the_exception_not_an_escape(monkeypatch):
