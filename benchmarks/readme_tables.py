@@ -322,6 +322,15 @@ def e2e_busy_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*BUSY_RESULTS)
 
 
+def llamacpp_table() -> str:
+    """llama.cpp next to the project on SmolLM2-135M (bench_llamacpp.py): per KV configuration its bits as stored, its
+    KL against its engine's reference, and ms per decode step (vs the project's raw cache in the same rounds) per
+    thread count and context."""
+    import bench_llamacpp
+
+    return bench_llamacpp.markdown(load("llamacpp")) + "\n\n" + provenance("llamacpp")
+
+
 LOSSLESS_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -424,7 +433,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
     "budget": budget_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
-    "e2e": e2e_table, "e2e_busy": e2e_busy_table, "lossless": lossless_table, "disk": disk_table,
+    "e2e": e2e_table, "e2e_busy": e2e_busy_table, "llamacpp": llamacpp_table, "lossless": lossless_table,
+    "disk": disk_table,
     "vllm": vllm_table, "vllm-quality": vllm_quality_table, "vllm-memory": vllm_memory_table,
     "architectures": architectures_table,
 }
