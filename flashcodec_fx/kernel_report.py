@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 
-from . import _compat, ops  # noqa: F401  (ops: registers every kernel)
+from . import ops  # noqa: F401  (ops: registers every kernel)
+from .ops.reference import op_kernels
 
-OPS = tuple(f"flashcodec::{name}" for name in ("encode", "decode", "append", "read", "codec_attention"))
+OPS = tuple(f"flashcodec::{name}" for name in ("encode", "decode", "append", "read", "codec_attention",
+                                               "append_attention"))
 DEVICES = ("cpu", "cuda")
 
 
@@ -37,7 +39,7 @@ def kernel_registry() -> dict[str, dict[str, str]]:
     dispatches a tensor of that device to (a device-specific registration, else the op's default kernel)."""
     registry = {}
     for op in OPS:
-        kernels = _compat.custom_op_kernels(op)
+        kernels = op_kernels(op)
         registry[op] = {device: _qualified(kernels.get(device, kernels[None])) for device in DEVICES}
     return registry
 

@@ -22,6 +22,7 @@ SLOW = (
     "tests/ops/test_triton_raw_rows.py", "tests/ops/test_triton_append.py", "tests/ops/test_triton_read.py",
     "tests/ops/test_triton_long.py", "tests/ops/test_triton_attention.py", "tests/ops/test_triton_blocks.py",
     "tests/ops/test_normalize.py::test_triton_kernels_follow_the_reference", "tests/vllm/test_triton_kernels.py",
+    "tests/ops/test_triton_append_attention.py",
     # torch.compile (tests/passes/test_match_variants.py and test_new_codec_compiled.py stay)
     "tests/passes/test_compile_presets.py", "tests/passes/test_hf_compile.py", "tests/passes/test_compiled_toy.py",
     "tests/passes/test_wrapper_warning.py", "tests/passes/test_backend_registry.py::test_entry_point_loads_without_import",

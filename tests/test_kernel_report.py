@@ -11,15 +11,18 @@ from flashcodec_fx.ops import cpu
 
 
 def test_cpu_tensors_run_the_cpu_kernels_where_they_exist():
-    """codec_attention and append run the C++ kernels of ``ops/cpu`` on CPU (unless ``FLASHCODEC_KERNELS=reference``),
-    every other op the reference."""
+    """codec_attention, append and append_attention run the C++ kernels of ``ops/cpu`` on CPU (unless
+    ``FLASHCODEC_KERNELS=reference``), every other op the reference."""
     registry = kernel_report.kernel_registry()
     assert sorted(registry) == sorted(kernel_report.OPS)
     fast = cpu.kernel_mode() != "reference"
     want = {"flashcodec::codec_attention": ("flashcodec_fx.ops.cpu.launch.cpu_codec_attention" if fast
                                             else "flashcodec_fx.ops.reference.attention.codec_attention"),
             "flashcodec::append": ("flashcodec_fx.ops.cpu.launch.cpu_append" if fast
-                                   else "flashcodec_fx.ops.reference.append.append")}
+                                   else "flashcodec_fx.ops.reference.append.append"),
+            "flashcodec::append_attention": (
+                "flashcodec_fx.ops.cpu.launch.cpu_append_attention" if fast
+                else "flashcodec_fx.ops.reference.append_attention.append_attention_reference")}
     for op, by_device in registry.items():
         if op in want:
             assert by_device["cpu"] == want[op]

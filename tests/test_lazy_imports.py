@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch._dynamo", "torch._inductor", "transformers", "triton", "gguf", "safetensors", "accelerate", "sympy",
          "torch.utils.cpp_extension", "flashcodec_fx.ops.triton.gate", "flashcodec_fx.hf", "flashcodec_fx.passes")
 """Modules the import and the CLI's quick answers must not load (the Triton gate imports Triton)."""
-OPS = ["read", "append", "codec_attention", "encode", "decode"]
+OPS = ["read", "append", "codec_attention", "encode", "decode", "append_attention"]
 
 
 def loaded_after(code: str) -> dict:

@@ -221,7 +221,9 @@ def test_rejects_what_the_reference_rejects(cpu_kernels):
 
 @pytest.mark.parametrize("names", [("jpeg-int8", "jpeg-int8"), ("channel-key", "token-lloyd-value"),
                                    ("token-lloyd-value", "token-uniform-4bit")])  # block kernel; token kernel
-def test_allocates_only_its_output_and_a_workspace_independent_of_the_length(cpu_kernels, names):
+def test_allocates_only_its_output(cpu_kernels, names):
+    """The workspace (its size a function of the shapes and the thread count, never of the length) is the calling
+    thread's, kept between calls: a decode step allocates its output and nothing else."""
     ck, cv = codec(names[0]), codec(names[1])
     q = torch.randn(1, 6, 1, 64)
     seen = []
@@ -230,8 +232,8 @@ def test_allocates_only_its_output_and_a_workspace_independent_of_the_length(cpu
         ks, vs = filled(ck, x, [length], appender=cpu_append), filled(cv, x, [length], appender=cpu_append)
         cpu_codec_attention(q, ks, vs, ck.spec, cv.spec)  # validation and plans cached, as in a decode loop
         seen.append(allocations(lambda ks=ks, vs=vs: cpu_codec_attention(q, ks, vs, ck.spec, cv.spec)))
-    workspace = 4 * cpu_kernels.attention_workspace(codec_plan(ck.spec, 64), codec_plan(cv.spec, 64), 1, 2, 3, 64)
-    assert seen[0] == seen[1] == sorted([q.numel() * 4, workspace])
+    assert seen[0] == seen[1] == [q.numel() * 4]
+    assert cpu_kernels.attention_workspace(codec_plan(ck.spec, 64), codec_plan(cv.spec, 64), 1, 2, 3, 64) > 0
 
 
 @pytest.mark.parametrize(("k", "v", "dtype", "mask"), [

@@ -30,9 +30,9 @@ def _cuda(args):
             for a in args]
 
 
-@pytest.mark.parametrize("op", ["encode", "decode", "read", "append", "codec_attention"])
+@pytest.mark.parametrize("op", ["encode", "decode", "read", "append", "codec_attention", "append_attention"])
 def test_cuda_kernels_are_registered(op):
-    """Triton serves every op on CUDA (encode, decode, read, append, codec_attention)."""
+    """Triton serves every op on CUDA (encode, decode, read, append, codec_attention, append_attention)."""
     name = f"flashcodec::{op}"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") == (name in KERNELS)
 

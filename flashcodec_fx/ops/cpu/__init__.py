@@ -1,4 +1,5 @@
-"""Fused C++ (OpenMP) CPU kernels of ``flashcodec::codec_attention`` and ``flashcodec::append``.
+"""Fused C++ (OpenMP) CPU kernels of ``flashcodec::codec_attention``, ``flashcodec::append`` and
+``flashcodec::append_attention``.
 
 ``register()`` (called by ``flashcodec_fx.ops``) makes them the ops' CPU kernels; the C++ is built on first use
 (``build.py``). ``FLASHCODEC_KERNELS`` selects what the CPU runs:
@@ -14,8 +15,9 @@ import os
 
 import torch
 
+from ..reference.append_attention import register_kernel as register_fused_kernel
 from .build import EXTENSION
-from .launch import cpu_append, cpu_codec_attention
+from .launch import cpu_append, cpu_append_attention, cpu_codec_attention
 
 MODES = ("auto", "reference", "fast")
 ENV = "FLASHCODEC_KERNELS"
@@ -37,6 +39,8 @@ def register() -> None:
         raise RuntimeError(f"{ENV}=fast but the CPU kernels could not be built: {EXTENSION.error}")
     torch.library.register_kernel("flashcodec::codec_attention", "cpu", cpu_codec_attention)
     torch.library.register_kernel("flashcodec::append", "cpu", cpu_append)
+    register_fused_kernel("cpu", cpu_append_attention)
 
 
-__all__ = ["ENV", "EXTENSION", "MODES", "cpu_append", "cpu_codec_attention", "kernel_mode", "register"]
+__all__ = ["ENV", "EXTENSION", "MODES", "cpu_append", "cpu_append_attention", "cpu_codec_attention", "kernel_mode",
+           "register"]

@@ -25,6 +25,104 @@ struct Matrices {
       : synth(plan[kPlanSynth]), analysis(plan[kPlanAnalysis]), rot(plan[kPlanRot]) {}
 };
 
+// The encoder's rotation `x @ R.T` of M rows as a loop: each output channel one chain of FMAs over the input channels
+// in order (from +0, variant 0, or from the first product, variant 1), 64 channels in registers at a time. Used only
+// for the row counts where rotation_loop() found it bitwise the BLAS product the reference computes.
+inline void rotate_rows(const float* x, int64_t M, const float* rot_t, int D, int variant, float* y) {
+  for (int64_t i = 0; i < M; ++i) {
+    const float* xi = x + i * D;
+    float* yi = y + i * D;
+    int d0 = 0;
+    const auto block = [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      float t[W];
+      int k = 0;
+      if (variant == 1) {
+        const float s = xi[0];
+        for (int l = 0; l < W; ++l) t[l] = s * rot_t[d0 + l];
+        k = 1;
+      } else {
+        for (int l = 0; l < W; ++l) t[l] = 0.0f;
+      }
+      for (; k < D; ++k) {
+        const float s = xi[k];
+        const float* r = rot_t + static_cast<int64_t>(k) * D + d0;
+#pragma omp simd
+        for (int l = 0; l < W; ++l) t[l] = std::fma(s, r[l], t[l]);
+      }
+      for (int l = 0; l < W; ++l) yi[d0 + l] = t[l];
+    };
+    for (; d0 + 64 <= D; d0 += 64) block(std::integral_constant<int, 64>());
+    for (; d0 + 16 <= D; d0 += 16) block(std::integral_constant<int, 16>());
+    for (; d0 < D; ++d0) block(std::integral_constant<int, 1>());
+  }
+}
+
+// Which rotate_rows variant reproduces, bit for bit, the BLAS product `x @ R.T` of M rows the reference computes (on
+// one BLAS thread), or -1 when neither does: probed once per plan and row count on rows of every kind (values of
+// mixed signs and magnitudes, exact zeros of both signs), remembered in the plan's entry.
+inline int rotation_loop(PlanEntry& entry, const at::Tensor& rot, int64_t M) {
+  {
+    std::lock_guard<std::mutex> lock(entry.mu);
+    for (const auto& [rows, variant] : entry.loop_variant)
+      if (rows == M) return variant;
+  }
+  const int D = entry.codec.head_dim;
+  at::Tensor x = at::empty({M, D}, at::TensorOptions().dtype(at::kFloat));
+  float* px = x.data_ptr<float>();
+  uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(M);
+  for (int64_t i = 0; i < M * D; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const double u = static_cast<double>(state >> 11) / 9007199254740992.0;  // [0, 1)
+    px[i] = static_cast<float>((u - 0.5) * std::ldexp(1.0, static_cast<int>(state >> 60) - 6));
+  }
+  int found = -1;
+  std::vector<float> y(static_cast<size_t>(M) * D);
+  for (int variant = 0; variant < 2 && found < 0; ++variant) {
+    bool same = true;
+    for (int probe = 0; probe < 3 && same; ++probe) {
+      if (probe == 1) std::fill(px, px + D, 0.0f);                   // a row of +0
+      if (probe == 2) std::fill(px + (M - 1) * D, px + M * D, -0.0f);  // a row of -0
+      at::Tensor want;
+      {
+        const SerialBlas serial;
+        want = at::matmul(x, rot.t()).contiguous();
+      }
+      rotate_rows(px, M, entry.rot_t.data(), D, variant, y.data());
+      same = std::memcmp(want.data_ptr<float>(), y.data(), sizeof(float) * M * D) == 0;
+    }
+    if (same) found = variant;
+  }
+  std::lock_guard<std::mutex> lock(entry.mu);
+  entry.loop_variant.emplace_back(M, found);
+  return found;
+}
+
+// The new tokens of an append as the kernel reads them: (B, H, T, D) rows of one dtype, any strides along B, H, T
+// (bytes), rows contiguous; `tensor` the same tokens as a tensor when the caller has one (else made on demand).
+struct NewTokens {
+  const char* ptr;
+  at::ScalarType dtype;
+  int64_t B, H, T, D, sb, sh, st;
+  at::Tensor tensor;
+
+  explicit NewTokens(const at::Tensor& t)
+      : ptr(static_cast<const char*>(t.data_ptr())), dtype(t.scalar_type()), B(t.size(0)), H(t.size(1)),
+        T(t.size(2)), D(t.size(3)), sb(t.stride(0) * t.element_size()), sh(t.stride(1) * t.element_size()),
+        st(t.stride(2) * t.element_size()), tensor(t) {}
+  NewTokens(const void* p, at::ScalarType t, int64_t b, int64_t h, int64_t n, int64_t d)
+      : ptr(static_cast<const char*>(p)), dtype(t), B(b), H(h), T(n), D(d) {
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(t));
+    st = d * elem; sh = n * st; sb = h * sh;
+  }
+  at::Tensor as_tensor() const {
+    if (tensor.defined()) return tensor;
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+    return at::from_blob(const_cast<char*>(ptr), {B, H, T, D}, {sb / elem, sh / elem, st / elem, 1},
+                         at::TensorOptions().dtype(dtype));
+  }
+};
+
 constexpr int64_t kMinAppendWorkPerThread = 1 << 16;  // values x passes per extra thread (~0.1 ms)
 
 // fn(bh, slot) for every (b, h) of B * H heads, on more than one thread only when `work_per_head` (values x passes)
@@ -67,6 +165,36 @@ at::Tensor transform_groups(const Codec& c, const Matrices& mx, const Stream& s,
   // jpeg's analysis of one-token blocks is [[1.0]]: its product is the blocks themselves (a value times 1.0, exactly)
   const bool identity = !c.jpeg || (c.r == 1 && c.rows == 1);
   return (identity ? blocks : at::matmul(mx.analysis, blocks)).contiguous();
+}
+
+// transform_groups without ATen where the result is the same bits: blocks the analysis leaves as they are (png,
+// one-token jpeg blocks) and, with a rotation, the row counts where rotation_loop() matched BLAS. The written groups'
+// rows into a reused buffer laid out as transform_groups' result ((B * H, n * G, D) fp32; the rows of unwritten
+// groups unspecified); null where the ATen products are needed.
+template <typename Work>
+const float* transform_groups_fast(const Codec& c, PlanEntry* entry, const Matrices& mx, const Stream& s, int64_t B,
+                                   int64_t H, int64_t n, int64_t written, Work&& work) {
+  const bool identity = !c.jpeg || (c.r == 1 && c.rows == 1);
+  if (entry == nullptr || !identity) return nullptr;
+  const int64_t D = c.head_dim, G = c.group, M = B * H * n * G;
+  int variant = -1;
+  if (c.rotate && (variant = rotation_loop(*entry, mx.rot, M)) < 0) return nullptr;
+  float* out = workspace(kWorkTransform, (c.rotate ? 2 : 1) * M * D);
+  float* centered = c.rotate ? out + M * D : out;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* mean = c.center ? s.mean.at(b, h) : nullptr;
+    for (int64_t p = 0; p < written * G; ++p) {
+      float* row = centered + (bh * n * G + p) * D;
+      to_float(work(b, h, p), s.dtype, row, static_cast<int>(D));
+      if (mean != nullptr)
+        for (int64_t d = 0; d < D; ++d) row[d] = row[d] - mean[d];
+    }
+    if (c.rotate)
+      rotate_rows(centered + bh * n * G * D, written * G, entry->rot_t.data(), static_cast<int>(D), variant,
+                  out + bh * n * G * D);
+  }
+  return out;
 }
 
 // One written group from its transform (`rows`: the group's g x K x D coefficients, or png's r x D block).
@@ -159,18 +287,17 @@ at::Tensor decode_groups(const Codec& c, const Matrices& mx, at::ScalarType data
 
 // --- driver ----------------------------------------------------------------------------------------------------------
 
-void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
-                       const c10::optional<at::Tensor>& memo) {
-  const Codec c = Codec::parse(plan);
-  const Matrices mx(plan);
-  const SerialBlas serial;  // the products (rotation, DCT, memo decode) on this thread: no BLAS team to stall
+// `entry`: the registered plan (its rotation loop), or null (the ATen products).
+void append_contiguous(const std::vector<at::Tensor>& state, const NewTokens& x_new, const Codec& c,
+                       const Matrices& mx, PlanEntry* entry, const c10::optional<at::Tensor>& memo) {
   Stream s(c, state);
-  const int64_t B = x_new.size(0), H = x_new.size(1), T = x_new.size(2), D = x_new.size(3);
+  const int64_t B = x_new.B, H = x_new.H, T = x_new.T, D = x_new.D;
   const int64_t L = s.length, end = L + T;
   if (c.center && L <= c.sinks && end > c.sinks) {  // the reference's ops, so the mean is bitwise its own
     const at::Tensor& length = state[kStateLength];
     at::Tensor counted = ((at::arange(T, length.options()) + length) >= c.sinks).to(at::kFloat);
-    at::Tensor mean = (x_new.to(at::kFloat) * counted.view({1, 1, -1, 1})).sum(2) / counted.sum().clamp_min(1);
+    at::Tensor mean = (x_new.as_tensor().to(at::kFloat) * counted.view({1, 1, -1, 1})).sum(2) /
+                      counted.sum().clamp_min(1);
     state[kStateMean].copy_(mean);
   }
   const int64_t start = s.start, new_start = c.advance(start, end);
@@ -178,9 +305,8 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
   // groups the reference encodes (ceil(T / G)); of those, the ones that complete and fit in the capacity are written
   const int64_t n_enc = (T + c.group - 1) / c.group;
   const int64_t written = std::max<int64_t>(0, std::min((new_start - start) / c.group, s.groups - first_slot));
-  const int64_t elem = s.elem;
-  const char* nptr = static_cast<const char*>(x_new.data_ptr());
-  const int64_t nsb = x_new.stride(0) * elem, nsh = x_new.stride(1) * elem, nst = x_new.stride(2) * elem;
+  const char* nptr = x_new.ptr;
+  const int64_t nsb = x_new.sb, nsh = x_new.sh, nst = x_new.st, elem = s.elem;
   const int64_t row_bytes = D * elem;
   // work row i = position start + i: the new token start + i - L when it exists, else tail row i
   auto work = [&](int64_t b, int64_t h, int64_t i) -> const char* {
@@ -192,8 +318,15 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
     return Slot{s.data.at(b, h, g), s.scale.at(b, h, g), s.zero.at(b, h, g), s.index.at(b, h, g)};
   };
   at::Tensor transformed;
-  if (written > 0) transformed = transform_groups(c, mx, s, B, H, T, n_enc, written, work);
-  const float* pt = written > 0 ? transformed.data_ptr<float>() : nullptr;
+  const float* pt = nullptr;
+  if (written > 0) {
+    pt = transform_groups_fast(c, entry, mx, s, B, H, n_enc, written, work);
+    if (pt == nullptr) {
+      const SerialBlas serial;  // the products (rotation, DCT) on this thread: no BLAS team to stall
+      transformed = transform_groups(c, mx, s, B, H, T, n_enc, written, work);
+      pt = transformed.data_ptr<float>();
+    }
+  }
   const int64_t group_floats = static_cast<int64_t>(c.group / c.r) * (c.jpeg ? c.rows : c.r) * D;
   char* mptr = memo.has_value() ? static_cast<char*>(memo->data_ptr()) : nullptr;
   int64_t msb = 0, msh = 0, mst = 0, memo_len = 0;
@@ -204,7 +337,10 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
   const int64_t new_rows = std::min<int64_t>(end - new_start, c.tail_cap);
   const int64_t shift = new_start - start;
   const int64_t head_work = written * group_floats * quant_passes(c) + T * D;
-  std::vector<Buffers> bufs(threads_for(B * H * head_work, kMinAppendWorkPerThread));  // one per slot
+  thread_local std::vector<Buffers> slot_buffers;  // one per slot, kept between calls (their vectors keep capacity)
+  std::vector<Buffers>& bufs = slot_buffers;
+  const size_t slots = static_cast<size_t>(threads_for(B * H * head_work, kMinAppendWorkPerThread));
+  if (bufs.size() < slots) bufs.resize(slots);
   for_heads(B * H, head_work, [&](int64_t bh, int slot) {
     Buffers& buf = bufs[slot];
     const int64_t b = bh / H, h = bh % H;
@@ -225,6 +361,7 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
     for (int64_t i = std::max<int64_t>(new_rows, 0); i < c.tail_cap; ++i) std::memset(tail + i * s.tail.sn, 0, row_bytes);
   });
   if (mptr != nullptr && written > 0) {
+    const SerialBlas serial;  // the memo's decode products on this thread
     const at::Tensor decoded = decode_groups(c, mx, s.data_dtype, B, H, n_enc, written, slot_at).contiguous();
     const float* pd = decoded.data_ptr<float>();
     for_heads(B * H, written * c.group * D, [&](int64_t bh, int) {
@@ -244,16 +381,31 @@ void append_contiguous(const std::vector<at::Tensor>& state, const at::Tensor& x
 }
 
 // State tensors the kernel cannot address in place (inner dims not contiguous) are computed on contiguous copies
-// that are written back.
-void append(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
-            const c10::optional<at::Tensor>& memo) {
+// that are written back. `entry`: as in append_contiguous.
+void append_tokens(const std::vector<at::Tensor>& state, const NewTokens& x_new, const Codec& c, const Matrices& mx,
+                   PlanEntry* entry, const c10::optional<at::Tensor>& memo) {
   const std::vector<at::Tensor> work = readable_state(state);
   c10::optional<at::Tensor> mem = memo;
   if (memo.has_value() && !inner_contiguous(*memo, -1)) mem = memo->contiguous();
-  append_contiguous(work, readable_rows(x_new), plan, mem);
+  append_contiguous(work, x_new, c, mx, entry, mem);
   for (size_t i = 0; i < state.size(); ++i)
     if (!work[i].is_same(state[i])) state[i].copy_(work[i]);
   if (memo.has_value() && !mem->is_same(*memo)) memo->copy_(*mem);
+}
+
+// flashcodec::append with a plan given as its tensors.
+void append(const std::vector<at::Tensor>& state, const at::Tensor& x_new, const std::vector<at::Tensor>& plan,
+            const c10::optional<at::Tensor>& memo) {
+  const Codec c = Codec::parse(plan);
+  append_tokens(state, NewTokens(readable_rows(x_new)), c, Matrices(plan), nullptr, memo);
+}
+
+// flashcodec::append with a registered plan (register_plan): no parsing, the encoder's rotation loop where it is
+// BLAS's bits.
+void append_plan(const std::vector<at::Tensor>& state, const at::Tensor& x_new, int64_t plan_id,
+                 const c10::optional<at::Tensor>& memo) {
+  PlanEntry& entry = PlanRegistry::get().at(plan_id);
+  append_tokens(state, NewTokens(readable_rows(x_new)), entry.codec, Matrices(entry.tensors), &entry, memo);
 }
 
 }  // namespace fc

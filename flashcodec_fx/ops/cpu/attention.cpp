@@ -83,6 +83,7 @@ struct Attention {
   int64_t n_chunks;
   float* part;     // items x Partial::floats
   at::ScalarType out_dtype;
+  const float* out_factors;  // (B, Hkv, D) or null (AttentionInput)
 
   int64_t chunk_begin(int64_t c) const { return c == 0 ? 0 : ks->c->sinks + c * chunk; }
   int64_t chunk_end(int64_t c) const { return std::min<int64_t>(ks->length, ks->c->sinks + (c + 1) * chunk); }
@@ -551,7 +552,8 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
                 ost = out.stride(2) * out.element_size();
   const int64_t gq = A.Hq / A.Hkv;
   {  // serial: a few vectors per query row, not worth a second parallel region (a barrier) per call
-    std::vector<float> acc(D), accr(D), o(D);
+    float* rows = workspace(kWorkRows, 3LL * D);
+    float *acc = rows, *accr = rows + D, *o = rows + 2 * D;
     for (int64_t it = 0; it < A.B * A.Hkv * A.tiles; ++it) {
       const int64_t bh = it / A.tiles, tile = it % A.tiles, b = bh / A.Hkv, h = bh % A.Hkv;
       const int mt = static_cast<int>(std::min<int64_t>(kLanes, A.GT - tile * kLanes));
@@ -562,8 +564,8 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
           top = std::max(top, Partial(A.part + (it * A.splits + s) * Partial::floats(D), D, rot).mx[m]);
         const float sink = A.var.sinks == nullptr ? kNegInf : A.var.sinks[h * gq + row / A.Tq];
         const float peak = std::max(top, sink);  // the sink logit joins the row's max and its denominator
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        std::fill(accr.begin(), accr.end(), 0.0f);
+        std::fill(acc, acc + D, 0.0f);
+        std::fill(accr, accr + D, 0.0f);
         float l = 0.0f, mass = 0.0f;
         if (top != kNegInf) {
           for (int s = 0; s < A.splits; ++s) {
@@ -572,21 +574,21 @@ void combine(const Attention& A, const Stream& vs, at::Tensor& out) {
             const float wgt = exp_one(p.mx[m] - peak);
             l += wgt * p.l[m];
             mass += wgt * p.mass[m];
-            axpy(acc.data(), wgt, p.acc + m * D, D);
-            if (rot) axpy(accr.data(), wgt, p.accr + m * D, D);
+            axpy(acc, wgt, p.acc + m * D, D);
+            if (rot) axpy(accr, wgt, p.accr + m * D, D);
           }
         }
         if (sink != kNegInf) l += exp_one(sink - peak);
         if (!(l > 0.0f)) {
-          std::fill(o.begin(), o.end(), 0.0f);
+          std::fill(o, o + D, 0.0f);
         } else {
           for (int d = 0; d < D; ++d) o[d] = acc[d];
-          if (rot)  // out += acc_rot @ R (back from the rotated space)
-            for (int e = 0; e < D; ++e) axpy(o.data(), accr[e], c.rot + e * D, D);
-          if (c.center) axpy(o.data(), mass, vs.mean.at(b, h), D);
-          scale_row(o.data(), 1.0f / l, D);
+          if (rot) rotate_back(o, accr, c.rot, D);  // out += acc_rot @ R (back from the rotated space)
+          if (c.center) axpy(o, mass, vs.mean.at(b, h), D);
+          scale_row(o, 1.0f / l, D);
         }
-        from_float(o.data(), A.out_dtype, optr + b * osb + (h * gq + row / A.Tq) * osh + (row % A.Tq) * ost, D);
+        store_output(o, A.out_dtype, optr + b * osb + (h * gq + row / A.Tq) * osh + (row % A.Tq) * ost, D,
+                     A.out_factors == nullptr ? nullptr : A.out_factors + (b * A.Hkv + h) * D);
       }
     }
   }
@@ -634,49 +636,41 @@ Variants variants(int64_t Hq, double softcap, const c10::optional<at::Tensor>& s
   return var;
 }
 
-at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k_in,
-                           const std::vector<at::Tensor>& v_in, const std::vector<at::Tensor>& k_plan,
-                           const std::vector<at::Tensor>& v_plan, const c10::optional<at::Tensor>& k_new,
-                           const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& mask,
-                           double scale, bool simd, double softcap, const c10::optional<at::Tensor>& sinks,
-                           const c10::optional<at::Tensor>& alibi) {
-  const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
-  const std::vector<at::Tensor> k_state = readable_state(k_in), v_state = readable_state(v_in);
-  const at::Tensor q = readable_rows(q_in);
-  at::Tensor kn, vn;
-  if (k_new.has_value()) { kn = readable_rows(*k_new); vn = readable_rows(*v_new); }
-  const Stream ks(kc, k_state), vs(vc, v_state);
-  at::Tensor sink_logits, slopes;  // held for the call
-  const Variants var = variants(q.size(1), softcap, sinks, alibi, sink_logits, slopes);
-  if (per_token(kc) && per_token(vc))
-    return token_codec_attention(q, k_state[kStateTail].size(1), ks, vs, k_new.has_value() ? &kn : nullptr,
-                                 k_new.has_value() ? &vn : nullptr, mask, scale, simd, var);
+// Attention of the call's queries over two streams into out (B, Hq, T, D): the per-token kernel
+// (token_attention.cpp) when both streams store one row per token, else the block kernel below.
+void run_codec_attention(const AttentionInput& in, const Stream& ks, const Stream& vs, const Variants& var,
+                         at::Tensor& out) {
+  const Codec& kc = *ks.c;
+  const Codec& vc = *vs.c;
+  if (per_token(kc) && per_token(vc)) {
+    token_codec_attention(in, ks, vs, var, out);
+    return;
+  }
   Attention A;
-  A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
-  A.Hkv = k_state[kStateTail].size(1); A.GT = (A.Hq / A.Hkv) * A.Tq;
-  A.tn = k_new.has_value() ? kn.size(2) : 0;
+  A.B = in.B; A.Hq = in.Hq; A.Tq = in.Tq; A.D = in.D;
+  A.Hkv = in.Hkv; A.GT = (A.Hq / A.Hkv) * A.Tq;
+  A.tn = in.tn;
   A.ks = &ks; A.vs = &vs;
-  A.q = Rows(q);
-  if (k_new.has_value()) { A.knew = Rows(kn); A.vnew = Rows(vn); }
-  A.has_mask = mask.has_value();
-  if (A.has_mask) A.mask = MaskView(*mask);
-  A.scale = static_cast<float>(scale);
+  A.q = in.q;
+  A.knew = in.knew; A.vnew = in.vnew;
+  A.has_mask = in.mask != nullptr && in.mask->has_value();
+  if (A.has_mask) A.mask = MaskView(**in.mask);
+  A.scale = static_cast<float>(in.scale);
   A.var = var;
-  A.out_dtype = q.scalar_type();
+  A.out_dtype = out.scalar_type();
+  A.out_factors = in.out_factors;
   const int64_t threads = at::get_num_threads();
   const Layout lay = attention_layout(kc, A.B, A.Hkv, A.GT, A.D, threads);
-  at::Tensor ws = at::empty({lay.total()}, q.options().dtype(at::kFloat));
-  float* base = ws.data_ptr<float>();
+  float* base = workspace(kWorkAttention, lay.total());
   A.part = base;
   float* scratch = base + lay.part_floats;
   const int64_t L = ks.length;
   const int64_t use = threads_for(A.B * A.Hkv * lay.tiles * L, kMinWorkPerThread);
   A.tiles = lay.tiles; A.splits = use == 1 ? 1 : lay.splits; A.chunk = lay.chunk; A.lds = lay.lds;
   A.n_chunks = L <= kc.sinks ? 1 : (L - kc.sinks + A.chunk - 1) / A.chunk;
-  at::Tensor out = at::empty(q.sizes(), q.options());
   const bool rot = vc.rotate;
   const int D = A.D;
-  std::vector<int64_t> prepared(use, -1);  // per slot: the tile whose queries its scratch holds
+  std::vector<int64_t>& prepared = prepared_tiles(use);  // per slot: the tile whose queries its scratch holds
   Pool::get().run(A.B * A.Hkv * A.tiles * A.splits, static_cast<int>(use - 1), [&](int64_t item, int slot) {
     float* mine = scratch + slot * lay.scratch_floats;
     Scratch w(mine, A.lds, D);
@@ -702,8 +696,45 @@ at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>
     }
   });
   combine(A, vs, out);
+}
+
+// flashcodec::codec_attention over streams of the codecs kc, vc (the launcher's inputs already in the stored domain).
+at::Tensor codec_attention_codecs(const at::Tensor& q_in, const std::vector<at::Tensor>& k_in,
+                                  const std::vector<at::Tensor>& v_in, const Codec& kc, const Codec& vc,
+                                  const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                                  const c10::optional<at::Tensor>& mask, double scale, bool simd, double softcap,
+                                  const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi) {
+  const std::vector<at::Tensor> k_state = readable_state(k_in), v_state = readable_state(v_in);
+  const at::Tensor q = readable_rows(q_in);
+  at::Tensor kn, vn;
+  if (k_new.has_value()) { kn = readable_rows(*k_new); vn = readable_rows(*v_new); }
+  const Stream ks(kc, k_state), vs(vc, v_state);
+  at::Tensor sink_logits, slopes;  // held for the call
+  const Variants var = variants(q.size(1), softcap, sinks, alibi, sink_logits, slopes);
+  AttentionInput in;
+  in.q = Rows(q);
+  in.B = q.size(0); in.Hq = q.size(1); in.Tq = q.size(2); in.D = static_cast<int>(q.size(3));
+  in.Hkv = k_state[kStateTail].size(1);
+  if (k_new.has_value()) { in.knew = Rows(kn); in.vnew = Rows(vn); in.tn = kn.size(2); }
+  in.mask = &mask;
+  in.scale = scale;
+  in.simd = simd;
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  run_codec_attention(in, ks, vs, var, out);
   return out;
 }
+
+at::Tensor codec_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k_in,
+                           const std::vector<at::Tensor>& v_in, const std::vector<at::Tensor>& k_plan,
+                           const std::vector<at::Tensor>& v_plan, const c10::optional<at::Tensor>& k_new,
+                           const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& mask,
+                           double scale, bool simd, double softcap, const c10::optional<at::Tensor>& sinks,
+                           const c10::optional<at::Tensor>& alibi) {
+  const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
+  return codec_attention_codecs(q_in, k_in, v_in, kc, vc, k_new, v_new, mask, scale, simd, softcap, sinks, alibi);
+}
+
+
 
 // Floats of the workspace one call allocates besides its output: a function of the shapes and the thread count,
 // never of the stored length.

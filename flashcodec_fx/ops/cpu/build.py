@@ -48,7 +48,7 @@ except ImportError:  # not POSIX: builds are still published atomically, two pro
     fcntl = None
 
 SOURCES = ("common.h", "pool.h", "token_simd.h", "token_attention.cpp", "attention.cpp", "quantize.h", "append.cpp",
-           "bindings.cpp")
+           "fused.cpp", "bindings.cpp")
 # -ffp-contract=off: every a * b + c rounds as written (the encoder is bitwise the reference); the attention kernels
 # ask for their FMAs explicitly (std::fma, FMA intrinsics).
 # -fvisibility=hidden: the helpers bind locally (no PLT calls between them); the module's entry point stays exported.
@@ -224,6 +224,11 @@ class Extension:
         self._module: ModuleType | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> ModuleType | None:
+        """The module once built and loaded (None before the first use or after a failed build); never builds."""
+        return self._module
 
     @property
     def error(self) -> str | None:

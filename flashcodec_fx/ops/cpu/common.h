@@ -13,8 +13,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -35,6 +38,7 @@ struct Codec : CodecMeta {
   const float* synth;     // (r, dense)
   const float* levels;    // (rows, kLevelWidth)
   const float* rot;       // (D, D) or nullptr
+  const float* rot_t = nullptr;  // rot transposed ((D, D): rot_t[k * D + d] = rot[d][k]), where registered (PlanEntry)
   const float* factors;   // shrink factors, then lloyd factors
 
   static Codec parse(const std::vector<at::Tensor>& plan) {
@@ -68,6 +72,61 @@ struct Codec : CodecMeta {
     return start + behind / group * group;
   }
 };
+
+// A plan registered once (plan_id(): the launchers pass its number, not its tensors, on every call): the tensors, the
+// codec parsed from them, the rotation transposed (for the encoder's rotation loop) and, per number of rows, whether
+// that loop rounds as the BLAS product of the reference does (append.cpp: rotation_loop).
+struct PlanEntry {
+  std::vector<at::Tensor> tensors;
+  Codec codec;
+  std::vector<float> rot_t;  // (D, D): rot_t[k * D + d] = rot[d][k]; empty without a rotation
+  std::mutex mu;             // guards loop_variant
+  std::vector<std::pair<int64_t, int>> loop_variant;  // (rows, variant): -1 BLAS only, else the loop's variant
+
+  explicit PlanEntry(const std::vector<at::Tensor>& plan) {
+    for (const at::Tensor& t : plan) tensors.push_back(t.contiguous().clone());  // owned: the caller's may go
+    codec = Codec::parse(tensors);
+    if (codec.rot != nullptr) {
+      const int D = codec.head_dim;
+      rot_t.resize(static_cast<size_t>(D) * D);
+      for (int d = 0; d < D; ++d)
+        for (int k = 0; k < D; ++k) rot_t[static_cast<size_t>(k) * D + d] = codec.rot[d * D + k];
+      codec.rot_t = rot_t.data();
+    }
+  }
+};
+
+// Every plan registered in this process, by number (never removed: a process registers one per (spec, head_dim)).
+class PlanRegistry {
+ public:
+  static constexpr int kMaxPlans = 1 << 16;
+  static PlanRegistry& get() {
+    static PlanRegistry* registry = new PlanRegistry();  // never destroyed (kernels may run at exit)
+    return *registry;
+  }
+  int64_t add(const std::vector<at::Tensor>& plan) {
+    TORCH_CHECK(plan.size() == kPlanFields, "codec plan: expected the tensors of plan.Plan");
+    auto entry = std::make_unique<PlanEntry>(plan);
+    std::lock_guard<std::mutex> lock(mu_);
+    const int n = count_.load(std::memory_order_relaxed);
+    TORCH_CHECK(n < kMaxPlans, "flashcodec: more than ", kMaxPlans, " codec plans registered");
+    entries_[n] = entry.release();
+    count_.store(n + 1, std::memory_order_release);
+    return n;
+  }
+  PlanEntry& at(int64_t id) const {
+    TORCH_CHECK(id >= 0 && id < count_.load(std::memory_order_acquire), "flashcodec: unknown codec plan ", id);
+    return *entries_[id];
+  }
+
+ private:
+  PlanRegistry() : entries_(new PlanEntry*[kMaxPlans]) {}
+  std::unique_ptr<PlanEntry*[]> entries_;
+  std::atomic<int> count_{0};
+  std::mutex mu_;
+};
+
+inline int64_t register_plan(const std::vector<at::Tensor>& plan) { return PlanRegistry::get().add(plan); }
 
 // A (B, H, N, ...) tensor whose dims past the third are contiguous: base pointer and element strides of B, H, N.
 template <typename T>
@@ -178,8 +237,53 @@ struct Rows {
   explicit Rows(const at::Tensor& t)
       : ptr(static_cast<const char*>(t.data_ptr())), dtype(t.scalar_type()), sb(t.stride(0) * t.element_size()),
         sh(t.stride(1) * t.element_size()), sn(t.stride(2) * t.element_size()) {}
+  Rows(const void* p, at::ScalarType t, int64_t sb_bytes, int64_t sh_bytes, int64_t sn_bytes)
+      : ptr(static_cast<const char*>(p)), dtype(t), sb(sb_bytes), sh(sh_bytes), sn(sn_bytes) {}
   const char* at(int64_t b, int64_t h, int64_t n) const { return ptr + b * sb + h * sh + n * sn; }
 };
+
+// --- reused memory -------------------------------------------------------------------------------------------
+
+// A growable buffer of floats, 64-byte aligned, that keeps its memory between calls (the kernels' workspaces: a
+// decode step allocates nothing but its output). Contents are unspecified after grow().
+class FloatBuffer {
+ public:
+  float* grow(int64_t floats) {
+    if (floats > size_) {
+      std::free(data_);
+      const int64_t bytes = ((std::max<int64_t>(floats, 16) * static_cast<int64_t>(sizeof(float)) + 63) / 64) * 64;
+      data_ = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
+      TORCH_CHECK(data_ != nullptr, "flashcodec: out of memory for a workspace of ", floats, " floats");
+      size_ = bytes / static_cast<int64_t>(sizeof(float));
+    }
+    return data_;
+  }
+  ~FloatBuffer() { std::free(data_); }
+  FloatBuffer() = default;
+  FloatBuffer(const FloatBuffer&) = delete;
+  FloatBuffer& operator=(const FloatBuffer&) = delete;
+
+ private:
+  float* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// The calling thread's buffer number `which` (each use in a call has its own number; pool helpers write into the
+// caller's buffers, never into their own).
+enum Workspace : int { kWorkAttention, kWorkRows, kWorkTransform, kWorkInputs, kWorkRawRows, kWorkspaces };
+inline float* workspace(Workspace which, int64_t floats) {
+  thread_local FloatBuffer buffers[kWorkspaces];
+  return buffers[which].grow(floats);
+}
+
+// The calling thread's per-slot record of the query tile each pool slot has prepared, reset to none (-1) for `slots`
+// slots. Taken by reference before a parallel region: a thread_local named inside the region's lambda would be the
+// helper thread's own.
+inline std::vector<int64_t>& prepared_tiles(int64_t slots) {
+  thread_local std::vector<int64_t> prepared;
+  prepared.assign(static_cast<size_t>(slots), -1);
+  return prepared;
+}
 
 // --- BLAS threads ---------------------------------------------------------------------------------------------
 
@@ -238,6 +342,21 @@ inline void from_float(const float* src, at::ScalarType t, void* dst, int n) {
     at::Half* d = static_cast<at::Half*>(dst);
     for (int i = 0; i < n; ++i) d[i] = at::Half(src[i]);
   }
+}
+
+// A value of dtype t as stored (rounded to t) and read back as fp32.
+inline float round_to(float v, at::ScalarType t) {
+  if (t == at::kBFloat16) return static_cast<float>(at::BFloat16(v));
+  if (t == at::kHalf) return static_cast<float>(at::Half(v));
+  return v;
+}
+
+// An output row o (fp32, D values) into dst of dtype t, times the channel factors n (D fp32; null: none) as ATen's
+// `out.to(t) * n.to(t)` rounds them: the row is rounded to t, multiplied by the rounded factor, rounded again.
+inline void store_output(float* o, at::ScalarType t, void* dst, int D, const float* n) {
+  if (n != nullptr)
+    for (int d = 0; d < D; ++d) o[d] = round_to(o[d], t) * round_to(n[d], t);
+  from_float(o, t, dst, D);
 }
 
 // --- codes ----------------------------------------------------------------------------------------------------
@@ -348,6 +467,113 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// dot() of `count` rows a_j (stride as) with b into out[j * os], in the order of the additions the compiler gave dot()
+// for W lanes: lane l the chain of FMAs of i = l, l + W, ... (from 0), then 0 + lane 0 + lane 1 + ... + lane W-1
+// (GCC's `omp simd` reduction: a lane array summed in order). Eight rows at a time, so their chains overlap: dot()
+// one row at a time waits on each row's W dependent additions. Only for n a multiple of W (dots() checks).
+template <int W>
+inline void dots_lanes(const float* a, int64_t as, const float* b, int n, int count, float* out, int64_t os) {
+  constexpr int R = 8;
+  int j = 0;
+  for (; j + R <= count; j += R) {
+    float lanes[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < W; ++l) lanes[r][l] = 0.0f;
+    for (int c = 0; c < n; c += W)
+      for (int r = 0; r < R; ++r) {
+        const float* ar = a + (j + r) * as + c;
+#pragma omp simd
+        for (int l = 0; l < W; ++l) lanes[r][l] = std::fma(ar[l], b[c + l], lanes[r][l]);
+      }
+    float sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = 0.0f;
+    for (int l = 0; l < W; ++l)
+      for (int r = 0; r < R; ++r) sum[r] = sum[r] + lanes[r][l];
+    for (int r = 0; r < R; ++r) out[(j + r) * os] = sum[r];
+  }
+  for (; j < count; ++j) out[j * os] = dot(a + j * as, b, n);
+}
+
+// The lane count W for which dots_lanes<W> is bitwise dot() in this build (probed once on random rows of every
+// length class, against dot() itself), or 0: none (dots() then calls dot() row by row).
+inline int dot_lanes() {
+  static const int lanes = [] {
+    uint64_t state = 0x2545F4914F6CDD1Dull;
+    std::vector<float> a(16 * 8 * 40), b(16 * 40), got(16), want(16);
+    for (float& x : a) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      x = static_cast<float>(static_cast<double>(state >> 11) / 9007199254740992.0 - 0.5) * 8.0f;
+    }
+    for (size_t i = 0; i < b.size(); ++i) b[i] = a[a.size() - 1 - i] * 0.37f;
+    for (int w : {16, 8, 4}) {
+      bool same = true;
+      for (int n = w; n <= 8 * w && same; n += w) {
+        const auto run = [&](auto width) {
+          dots_lanes<decltype(width)::value>(a.data(), n, b.data(), n, 16, got.data(), 1);
+        };
+        if (w == 16) run(std::integral_constant<int, 16>());
+        else if (w == 8) run(std::integral_constant<int, 8>());
+        else run(std::integral_constant<int, 4>());
+        for (int j = 0; j < 16; ++j) want[j] = dot(a.data() + j * n, b.data(), n);
+        same = std::memcmp(got.data(), want.data(), sizeof(float) * 16) == 0;
+      }
+      if (same) return w;
+    }
+    return 0;
+  }();
+  return lanes;
+}
+
+// out[d] = dot(rot + d * D, q, D) for every d < D (the query's rotation q_rot = R @ q), bitwise, from the transposed
+// matrix: W-lane accumulators of 16 outputs each (lane l: the FMAs of k = l, l + W, ... for 16 outputs side by side),
+// then the W lanes added in order, 16 outputs at a time. D a multiple of 16 and of W.
+template <int W>
+inline void rotate_query_lanes(const float* rot_t, const float* q, int D, float* out) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    float acc[W][16];
+    for (int l = 0; l < W; ++l)
+      for (int e = 0; e < 16; ++e) acc[l][e] = 0.0f;
+    for (int c = 0; c < D; c += W)
+      for (int l = 0; l < W; ++l) {
+        const float x = q[c + l];
+        const float* r = rot_t + static_cast<int64_t>(c + l) * D + d0;
+#pragma omp simd
+        for (int e = 0; e < 16; ++e) acc[l][e] = std::fma(r[e], x, acc[l][e]);
+      }
+    float sum[16];
+    for (int e = 0; e < 16; ++e) sum[e] = 0.0f;
+    for (int l = 0; l < W; ++l)
+#pragma omp simd
+      for (int e = 0; e < 16; ++e) sum[e] = sum[e] + acc[l][e];
+    for (int e = 0; e < 16; ++e) out[d0 + e] = sum[e];
+  }
+}
+
+inline void dots(const float* a, int64_t as, const float* b, int n, int count, float* out, int64_t os);
+
+// q_rot = R @ q for a codec with a rotation (c.rot (D, D)), bitwise dot() row by row: from the transposed matrix
+// where the plan is registered and the shapes allow, else dots().
+inline void rotate_query(const Codec& c, const float* q, int D, float* out) {
+  const int w = dot_lanes();
+  if (c.rot_t != nullptr && D % 16 == 0 && w > 0 && D % w == 0) {
+    if (w == 16) rotate_query_lanes<16>(c.rot_t, q, D, out);
+    else if (w == 8) rotate_query_lanes<8>(c.rot_t, q, D, out);
+    else rotate_query_lanes<4>(c.rot_t, q, D, out);
+    return;
+  }
+  dots(c.rot, D, q, D, D, out, 1);
+}
+
+// out[j * os] = dot(a + j * as, b, n) for j < count, bitwise, several rows at a time where dot_lanes() allows.
+inline void dots(const float* a, int64_t as, const float* b, int n, int count, float* out, int64_t os) {
+  const int w = dot_lanes();
+  if (w == 16 && n % 16 == 0) dots_lanes<16>(a, as, b, n, count, out, os);
+  else if (w == 8 && n % 8 == 0) dots_lanes<8>(a, as, b, n, count, out, os);
+  else if (w == 4 && n % 4 == 0) dots_lanes<4>(a, as, b, n, count, out, os);
+  else
+    for (int j = 0; j < count; ++j) out[j * os] = dot(a + j * as, b, n);
+}
+
 // y += a * x
 inline void axpy(float* y, float a, const float* x, int n) {
 #pragma omp simd
@@ -357,6 +583,36 @@ inline void axpy(float* y, float a, const float* x, int n) {
 inline void scale_row(float* y, float a, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) y[i] *= a;
+}
+
+// o[d] += sum_e a[e] * rot[e][d] for d < D, e ascending: the rotation back (`out += acc_rot @ R`), each channel's
+// sum the chain of FMAs a sequence of axpy(o, a[e], rot + e * D, D) makes, with 64 channels held in registers.
+inline void rotate_back(float* o, const float* a, const float* rot, int D) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    float t[64];
+    for (int l = 0; l < 64; ++l) t[l] = o[d0 + l];
+    for (int e = 0; e < D; ++e) {
+      const float s = a[e];
+      const float* r = rot + static_cast<int64_t>(e) * D + d0;
+#pragma omp simd
+      for (int l = 0; l < 64; ++l) t[l] = std::fma(s, r[l], t[l]);
+    }
+    for (int l = 0; l < 64; ++l) o[d0 + l] = t[l];
+  }
+  for (; d0 + 16 <= D; d0 += 16) {
+    float t[16];
+    for (int l = 0; l < 16; ++l) t[l] = o[d0 + l];
+    for (int e = 0; e < D; ++e) {
+      const float s = a[e];
+      const float* r = rot + static_cast<int64_t>(e) * D + d0;
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) t[l] = std::fma(s, r[l], t[l]);
+    }
+    for (int l = 0; l < 16; ++l) o[d0 + l] = t[l];
+  }
+  for (; d0 < D; ++d0)
+    for (int e = 0; e < D; ++e) o[d0] = std::fma(a[e], rot[static_cast<int64_t>(e) * D + d0], o[d0]);
 }
 
 // --- lane kernels: kLanes query rows side by side (GQA heads x tokens), one SIMD vector ---------------------------

@@ -1,5 +1,10 @@
 """Launchers of the CPU kernels: validate once per argument layout, look up the codec plans, call the C++.
 
+Plans go to the C++ once (``plan_id``: registered, then passed by number). ``cpu_append_attention``, a decode step's
+one call, keeps its per-call Python to a dict lookup: the C++ entry of each pair of specs (``module.AppendAttention``)
+remembers the layouts validated here and returns None, having changed nothing, for any other call, which then takes
+the slow path below it (validation, registration, or the reference).
+
 Validation (the reference ops' own checks) depends only on the specs and the tensors' shapes and dtypes, so a layout
 that passed is remembered and not checked again (``VALIDATED``, bounded: a process-wide memo of a pure check, like
 ``functools.cache``, module-level so that every call site shares it; it never changes a result). The kernels address
@@ -16,6 +21,7 @@ import math
 import torch
 
 from ..reference.append import append_reference, append_stored, check_append_args
+from ..reference.append_attention import append_attention_reference, check_append_attention_args
 from ..reference.attention import check_attention_args, codec_attention_reference
 from ..reference.normalize import attention_inputs, attention_output
 from ..state import StreamState, fast_kernels_serve, spec_codec
@@ -46,6 +52,9 @@ class _Validated:
 
 
 VALIDATED = _Validated()
+_PLAN_IDS: dict[tuple, int] = {}  # (module, spec, head_dim) -> the number register_plan gave its plan
+MAX_STEPS = 4096
+_STEPS: dict[tuple[str, str], tuple] = {}  # (spec_k, spec_v) -> (module, its AppendAttention for the pair)
 SUM_WIDTHS = (8, 16)  # Vectorized<float> sizes of torch's CPU kernels (AVX2 / default, AVX-512)
 PROBE_SHAPES = ((67, 64), (130, 24), (9, 32))  # rows and columns of every length class the encoder sums
 
@@ -62,6 +71,16 @@ def sum_width(module) -> int:
         if all(torch.equal(r, x.sum(1)) and torch.equal(c, x.sum(0)) for (r, c), x in zip(sums, probes, strict=True)):
             return width
     return SUM_WIDTHS[0]
+
+
+def plan_id(module, spec: str, head_dim: int) -> int:
+    """The number of ``spec``'s plan at ``head_dim`` in ``module``'s registry (registered on first use; the plan
+    carries the summation width the encoder follows, which attention ignores)."""
+    key = (module, spec, head_dim)
+    found = _PLAN_IDS.get(key)
+    if found is None:
+        found = _PLAN_IDS[key] = module.register_plan(list(codec_plan(spec, head_dim, sum_width(module))))
+    return found
 
 
 def _layout(t: torch.Tensor | None):
@@ -100,8 +119,9 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     q, k_new, v_new, out_factors = attention_inputs(spec_codec("spec_k", spec_k), spec_codec("spec_v", spec_v),
                                                     StreamState(*k_state), StreamState(*v_state), q, k_new, v_new,
                                                     host=True)
-    out = module.codec_attention(q, k_state, v_state, codec_plan(spec_k, d), codec_plan(spec_v, d), k_new, v_new,
-                                 mask, softmax_scale, True, 0.0 if softcap is None else float(softcap), sinks, alibi)
+    out = module.codec_attention_plans(q, k_state, v_state, plan_id(module, spec_k, d), plan_id(module, spec_v, d),
+                                       k_new, v_new, mask, softmax_scale, True,
+                                       0.0 if softcap is None else float(softcap), sinks, alibi)
     return attention_output(out, out_factors)
 
 
@@ -123,6 +143,52 @@ def cpu_append(state, new, spec, memo=None) -> None:
         return
     key = ("append", spec, _state_layout(state), _layout(new), _layout(memo))
     VALIDATED.check(key, lambda: check_append_args(state, new, spec, memo))
-    plan, codec = codec_plan(spec, new.shape[3], sum_width(module)), spec_codec("spec", spec)
-    append_stored(codec, StreamState(*state), new, memo, lambda stored, kept: module.append(state, stored, plan, kept),
-                  host=True)
+    plan, codec = plan_id(module, spec, new.shape[3]), spec_codec("spec", spec)
+    append_stored(codec, StreamState(*state), new, memo,
+                  lambda stored, kept: module.append_plan(state, stored, plan, kept), host=True)
+
+
+def cpu_append_attention(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask=None, scale=None, softcap=None,
+                         sinks=None, alibi=None):
+    """CPU kernel of ``flashcodec::append_attention`` (same contract as ``append_attention_reference``): one call into
+    the C++ (``fused.cpp``) for both appends and the attention. The stream states are bitwise those of ``cpu_append``
+    twice, the output bitwise that of ``cpu_codec_attention`` after them (so within its tolerance of the reference).
+
+    A layout the C++ entry of the pair knows runs no Python besides this lookup; anything else (a first call, a new
+    layout, an invalid argument, the append that measures a normalized stream's channel exponents, a codec or dtype
+    the kernels do not serve) goes through :func:`_append_attention_checked`."""
+    entry = _STEPS.get((spec_k, spec_v))
+    if entry is not None and entry[0] is EXTENSION.loaded:
+        try:
+            out = entry[1](q, k_state, v_state, k_new, v_new, mask, scale, softcap, sinks, alibi)
+        except TypeError:  # an argument of another type than the schema's (a direct call): the checks name it
+            out = None
+        if out is not None:
+            return out
+    return _append_attention_checked(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap, sinks,
+                                     alibi)
+
+
+def _append_attention_checked(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap, sinks, alibi):
+    """The checks (nothing changes before they pass), then the layout admitted to the pair's C++ entry and the step
+    run there; the measuring append as the separate kernels; the reference where the kernels do not serve."""
+    module = EXTENSION.module()
+    if (module is None or not isinstance(q, torch.Tensor) or q.dtype not in KERNEL_DTYPES or q.dim() != 4
+            or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3])):  # the reference validates the rest
+        return append_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap,
+                                          sinks, alibi)
+    check_append_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, softcap, sinks, alibi)
+    entry = _STEPS.get((spec_k, spec_v))
+    if entry is None or entry[0] is not module:
+        if len(_STEPS) >= MAX_STEPS:
+            _STEPS.clear()
+        entry = _STEPS[(spec_k, spec_v)] = (module, module.AppendAttention())
+    d = q.shape[3]
+    entry[1].admit(q, k_state, v_state, k_new, v_new, mask, sinks, alibi, plan_id(module, spec_k, d),
+                   plan_id(module, spec_v, d))
+    out = entry[1](q, k_state, v_state, k_new, v_new, mask, scale, softcap, sinks, alibi)
+    if out is not None:
+        return out
+    cpu_append(k_state, k_new, spec_k)  # a normalized stream's first append past its sinks: it measures
+    cpu_append(v_state, v_new, spec_v)
+    return cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap, sinks, alibi)

@@ -26,6 +26,19 @@ constexpr int kTokenChunk = 256;              // positions per online-softmax st
 constexpr int kTokenItemsPerThread = 4;       // work items per thread used
 constexpr int64_t kMinTokenWorkPerThread = 16384;  // stored positions x tiles (~0.3 ms of 4-bit codes) per extra thread
 
+// One call's queries and own tokens as the kernels read them: views with any strides along (B, H, N), rows
+// contiguous. `out_factors`: (B, Hkv, D) fp32 channel factors the output is multiplied by as ATen would (a normalized
+// value stream read in its stored domain, ops/reference/normalize.py), or null.
+struct AttentionInput {
+  Rows q, knew, vnew;
+  int64_t B = 0, Hq = 0, Tq = 0, Hkv = 0, tn = 0;  // tn: the call's own tokens (0: none)
+  int D = 0;
+  const c10::optional<at::Tensor>* mask = nullptr;
+  double scale = 1.0;
+  bool simd = true;
+  const float* out_factors = nullptr;
+};
+
 // A codec whose archive holds one row per token: block_size 1, one stored row, token-axis scales or unquantized.
 inline bool per_token(const Codec& c) {
   return c.jpeg && c.r == 1 && c.rows == 1 && c.blocks == 1 && (c.quant == kNone || c.quant == kToken);
@@ -94,16 +107,31 @@ struct TokenAttention {
   int splits;
   int64_t n_chunks;
   float* part;  // items x TokenPartial::floats
+  const float* out_factors;  // (B, Hkv, D) or null (AttentionInput)
 };
 
 // --- rows --------------------------------------------------------------------------------------------------------
 
-// out[m * os + i] = q[m] . row_i for M query rows and n raw rows (stride bytes apart, dtype dt).
+// out[m * os + i] = q[m] . row_i for M query rows and n raw rows (stride bytes apart, dtype dt): up to 64 rows at a
+// time, fp32 rows read in place, others converted into the executing thread's buffer.
 inline void raw_dots(const float* q, int M, int D, const char* first, int64_t stride, at::ScalarType dt, int64_t n,
-                     float* out, int64_t os, float* buf) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = float_row(first + i * stride, dt, buf, D);
-    for (int m = 0; m < M; ++m) out[m * os + i] = dot(q + m * D, row, D);
+                     float* out, int64_t os, float*) {
+  constexpr int64_t kBatch = 64;
+  float* buf = dt == at::kFloat && stride % static_cast<int64_t>(sizeof(float)) == 0
+                   ? nullptr : workspace(kWorkRawRows, kBatch * D);
+  for (int64_t i0 = 0; i0 < n; i0 += kBatch) {
+    const int nb = static_cast<int>(std::min(kBatch, n - i0));
+    const float* rows;
+    int64_t rs;
+    if (buf == nullptr) {
+      rows = reinterpret_cast<const float*>(first + i0 * stride);
+      rs = stride / static_cast<int64_t>(sizeof(float));
+    } else {
+      for (int i = 0; i < nb; ++i) to_float(first + (i0 + i) * stride, dt, buf + i * D, D);
+      rows = buf;
+      rs = D;
+    }
+    for (int m = 0; m < M; ++m) dots(rows, rs, q + m * D, D, nb, out + m * os + i0, 1);
   }
 }
 
@@ -344,8 +372,7 @@ void token_queries(const TokenAttention& A, int64_t b, int64_t h, int64_t row0, 
     float* qp = w.qp + m * D;
     to_float(A.q.at(b, h * gq + row / A.Tq, row % A.Tq), A.q.dtype, qp, D);
     scale_row(qp, A.scale, D);
-    if (c.rotate)  // q_rot = R @ q
-      for (int d = 0; d < D; ++d) w.qr[m * D + d] = dot(c.rot + d * D, qp, D);
+    if (c.rotate) rotate_query(c, qp, D, w.qr + m * D);  // q_rot = R @ q
     float qsum = 0.0f;
     for (int d = 0; d < D; ++d) qsum += w.qr[m * D + d];
     w.qsum[m] = c.quant == kToken && c.zero_classes ? qsum : 0.0f;
@@ -380,7 +407,8 @@ void token_combine(const TokenAttention& A, at::Tensor& out) {
   const int64_t osb = out.stride(0) * out.element_size(), osh = out.stride(1) * out.element_size(),
                 ost = out.stride(2) * out.element_size();
   const int64_t gq = A.Hq / A.Hkv;
-  std::vector<float> acc(D), accr(D), o(D);
+  float* rows = workspace(kWorkRows, 3LL * D);
+  float *acc = rows, *accr = rows + D, *o = rows + 2 * D;
   for (int64_t it = 0; it < A.B * A.Hkv * A.tiles.count; ++it) {
     const int64_t bh = it / A.tiles.count, tile = it % A.tiles.count, b = bh / A.Hkv, h = bh % A.Hkv;
     for (int m = 0; m < A.tiles.rows(tile); ++m) {
@@ -390,8 +418,8 @@ void token_combine(const TokenAttention& A, at::Tensor& out) {
         top = std::max(top, TokenPartial(A.part + (it * A.splits + s) * TokenPartial::floats(D), D).mx[m]);
       const float sink = A.var.sinks == nullptr ? kNegInf : A.var.sinks[h * gq + row / A.Tq];
       const float peak = std::max(top, sink);  // the sink logit joins the row's max and its denominator
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(accr.begin(), accr.end(), 0.0f);
+      std::fill(acc, acc + D, 0.0f);
+      std::fill(accr, accr + D, 0.0f);
       float l = 0.0f, mass = 0.0f, zmass = 0.0f;
       if (top != kNegInf)
         for (int s = 0; s < A.splits; ++s) {
@@ -401,24 +429,25 @@ void token_combine(const TokenAttention& A, at::Tensor& out) {
           l += wgt * p.l[m];
           mass += wgt * p.mass[m];
           zmass += wgt * p.zmass[m];
-          axpy(acc.data(), wgt, p.acc + m * D, D);
-          axpy(accr.data(), wgt, p.accr + m * D, D);
+          axpy(acc, wgt, p.acc + m * D, D);
+          axpy(accr, wgt, p.accr + m * D, D);
         }
       if (sink != kNegInf) l += exp_one(sink - peak);
       if (!(l > 0.0f)) {
-        std::fill(o.begin(), o.end(), 0.0f);
+        std::fill(o, o + D, 0.0f);
       } else {
         for (int e = 0; e < D; ++e) accr[e] += zmass;
-        o = acc;
+        std::copy(acc, acc + D, o);
         if (c.rotate) {  // out += acc_rot @ R (back from the rotated space)
-          for (int e = 0; e < D; ++e) axpy(o.data(), accr[e], c.rot + e * D, D);
+          rotate_back(o, accr, c.rot, D);
         } else {
-          axpy(o.data(), 1.0f, accr.data(), D);
+          axpy(o, 1.0f, accr, D);
         }
-        if (c.center) axpy(o.data(), mass, A.vs->mean.at(b, h), D);
-        scale_row(o.data(), 1.0f / l, D);
+        if (c.center) axpy(o, mass, A.vs->mean.at(b, h), D);
+        scale_row(o, 1.0f / l, D);
       }
-      from_float(o.data(), out.scalar_type(), optr + b * osb + (h * gq + row / A.Tq) * osh + (row % A.Tq) * ost, D);
+      store_output(o, out.scalar_type(), optr + b * osb + (h * gq + row / A.Tq) * osh + (row % A.Tq) * ost, D,
+                   A.out_factors == nullptr ? nullptr : A.out_factors + (b * A.Hkv + h) * D);
     }
   }
 }
@@ -440,24 +469,24 @@ TokenLayout token_layout(int64_t B, int64_t Hkv, int64_t GT, int D, int64_t thre
   return lay;
 }
 
-// q (B, Hq, T, D) over streams of Hkv heads; kn / vn: the call's new tokens (or null).
-at::Tensor token_codec_attention(const at::Tensor& q, int64_t Hkv, const Stream& ks, const Stream& vs,
-                                 const at::Tensor* kn, const at::Tensor* vn, const c10::optional<at::Tensor>& mask,
-                                 double scale, bool simd, const Variants& var) {
+// The call's queries (B, Hq, T, D) over streams of Hkv heads, into out (B, Hq, T, D).
+void token_codec_attention(const AttentionInput& in, const Stream& ks, const Stream& vs, const Variants& var,
+                           at::Tensor& out) {
   TokenAttention A;
-  A.B = q.size(0); A.Hq = q.size(1); A.Tq = q.size(2); A.D = static_cast<int>(q.size(3));
-  A.Hkv = Hkv;
+  A.B = in.B; A.Hq = in.Hq; A.Tq = in.Tq; A.D = in.D;
+  A.Hkv = in.Hkv;
   A.GT = (A.Hq / A.Hkv) * A.Tq;
-  A.tn = kn == nullptr ? 0 : kn->size(2);
+  A.tn = in.tn;
   A.ks = &ks; A.vs = &vs;
-  A.kcodes = row_codes(*ks.c, simd); A.vcodes = row_codes(*vs.c, simd);
-  A.simd = simd && std::string(simd_isa()) != "portable";
-  A.q = Rows(q);
-  if (kn != nullptr) { A.knew = Rows(*kn); A.vnew = Rows(*vn); }
-  A.has_mask = mask.has_value();
-  if (A.has_mask) A.mask = MaskView(*mask);
-  A.scale = static_cast<float>(scale);
+  A.kcodes = row_codes(*ks.c, in.simd); A.vcodes = row_codes(*vs.c, in.simd);
+  A.simd = in.simd && std::strcmp(simd_isa(), "portable") != 0;
+  A.q = in.q;
+  A.knew = in.knew; A.vnew = in.vnew;
+  A.has_mask = in.mask != nullptr && in.mask->has_value();
+  if (A.has_mask) A.mask = MaskView(**in.mask);
+  A.scale = static_cast<float>(in.scale);
   A.var = var;
+  A.out_factors = in.out_factors;
   const int64_t threads = at::get_num_threads();
   const TokenLayout lay = token_layout(A.B, A.Hkv, A.GT, A.D, threads);
   A.tiles = Tiles(A.GT, lay.tiles);
@@ -467,19 +496,16 @@ at::Tensor token_codec_attention(const at::Tensor& q, int64_t Hkv, const Stream&
   A.splits = static_cast<int>(use == 1 ? 1
                                        : std::clamp<int64_t>((kTokenItemsPerThread * use + bht - 1) / bht, 1,
                                                              std::min(lay.max_splits, std::max<int64_t>(A.n_chunks, 1))));
-  at::Tensor ws = at::empty({lay.total()}, q.options().dtype(at::kFloat));
-  A.part = ws.data_ptr<float>();
+  A.part = workspace(kWorkAttention, lay.total());
   float* scratch = A.part + lay.part_floats;
   const int64_t items = bht * A.splits;
   const bool rotated = ks.c->rotate;
-  std::vector<int64_t> prepared(use, -1);  // per slot: the tile whose queries its scratch holds
+  std::vector<int64_t>& prepared = prepared_tiles(use);  // per slot: the tile whose queries its scratch holds
   Pool::get().run(items, static_cast<int>(use - 1), [&](int64_t item, int slot) {
     TokenScratch w(scratch + slot * lay.scratch_floats, A.D, rotated);
     token_item(A, item, w, prepared[slot]);
   });
-  at::Tensor out = at::empty(q.sizes(), q.options());
   token_combine(A, out);
-  return out;
 }
 
 }  // namespace fc

@@ -1,7 +1,8 @@
 """Triton kernels of every ``torch.ops.flashcodec`` op, for CUDA (and for CPU tensors under ``TRITON_INTERPRET=1``,
 which is how the tests check them against the reference): ``common`` (limits, a stored form as the kernels' constexpr
 tuple, device tables, row loaders), one file per op with its launcher next to its kernels (``append``, ``attention``,
-``blocks`` for encode / decode, ``read``), and ``gate`` (the capability gate in front of them).
+``blocks`` for encode / decode, ``read``; ``fused``: ``append_attention`` as the append and attention launchers),
+and ``gate`` (the capability gate in front of them).
 
 :func:`register` runs when ``flashcodec_fx.ops`` is imported (so ``import flashcodec_fx`` defines every op) and does
 not import Triton: each op's CUDA kernel imports the launchers on its first call, as the warmer does on the first
@@ -17,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..reference.append_attention import library_op_kernels
+from ..reference.append_attention import register_kernel as register_library_kernel
 from ..warm import WARMERS
 
 LAUNCHERS = {  # the ops with a Triton kernel (gate.KERNELS) -> their launcher, "module.function", named not imported
@@ -25,6 +28,7 @@ LAUNCHERS = {  # the ops with a Triton kernel (gate.KERNELS) -> their launcher, 
     "flashcodec::encode": "flashcodec_fx.ops.triton.blocks.triton_encode",
     "flashcodec::decode": "flashcodec_fx.ops.triton.blocks.triton_decode",
     "flashcodec::read": "flashcodec_fx.ops.triton.read.triton_read",
+    "flashcodec::append_attention": "flashcodec_fx.ops.triton.fused.triton_append_attention",
 }
 OPS = tuple(LAUNCHERS)
 
@@ -69,4 +73,7 @@ def register() -> None:
         return
     WARMERS.append(_warm)
     for name in OPS:
-        torch.library.register_kernel(name, "cuda", _cuda_kernel(name))
+        if library_op_kernels(name) is not None:  # defined with torch.library.Library: its own registration
+            register_library_kernel("cuda", _cuda_kernel(name))
+        else:
+            torch.library.register_kernel(name, "cuda", _cuda_kernel(name))

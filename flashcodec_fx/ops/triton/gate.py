@@ -1,7 +1,8 @@
 """The Triton launchers as the CUDA kernels of the ``torch.ops.flashcodec`` ops they implement, behind a
 capability gate (``ops.triton.register`` installs them; this module imports Triton).
 
-``KERNELS`` lists the ops with a Triton kernel: every op (append, codec_attention, encode, decode, read). CPU tensors
+``KERNELS`` lists the ops with a Triton kernel: every op (append, codec_attention, append_attention, encode, decode,
+read). CPU tensors
 keep the C++ kernels or the plain-torch reference; CUDA tensors get the reference where the fast kernels do not know
 the codec or the head_dim (``state.fast_kernels_serve``; ``HEAD_DIM`` says where each op's head_dim is). The
 launchers themselves can be called on CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them
@@ -19,12 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from ... import _compat
 from ...codecs import Encoded, codec_from_spec
+from ..reference import op_kernels
 from ..state import StreamState, fast_kernels_serve
 from .append import triton_append
 from .attention import triton_codec_attention
 from .blocks import triton_decode, triton_encode
+from .fused import triton_append_attention
 from .read import triton_read
 
 MIN_CAPABILITY = (8, 0)  # sm_80: bf16 tensor-core dots and tf32x3
@@ -35,6 +37,7 @@ KERNELS = {
     "flashcodec::encode": triton_encode,
     "flashcodec::decode": triton_decode,
     "flashcodec::read": triton_read,
+    "flashcodec::append_attention": triton_append_attention,
 }
 
 _capability = torch.cuda.get_device_capability  # (major, minor) of a CUDA device index; the tests fake it
@@ -59,8 +62,8 @@ def kernel_choice(device: torch.device) -> str:
 
 
 def leading_head_dim(args: tuple) -> int:
-    """``D`` of the first tensor argument, ``(B, H, T, D)``: q (codec_attention), the new tokens (append), x
-    (encode)."""
+    """``D`` of the first tensor argument, ``(B, H, T, D)``: q (codec_attention, append_attention), the new tokens
+    (append), x (encode)."""
     first = next(a for a in args if isinstance(a, torch.Tensor))
     return first.shape[3] if first.dim() == 4 else 1  # another rank: the reference validates and raises
 
@@ -87,6 +90,7 @@ HEAD_DIM = {  # how each op's head_dim is read from its arguments (the fast kern
     "flashcodec::encode": leading_head_dim,
     "flashcodec::decode": archive_head_dim,
     "flashcodec::read": state_head_dim,
+    "flashcodec::append_attention": leading_head_dim,
 }
 
 
@@ -110,5 +114,5 @@ def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple
 
 def gated_kernels() -> dict[str, Callable]:
     """Every launcher in ``KERNELS`` gated (:func:`gated`): the CUDA kernels ``ops.triton.register`` installs."""
-    return {name: gated(launcher, _compat.custom_op_kernels(name)[None], HEAD_DIM[name])
+    return {name: gated(launcher, op_kernels(name)[None], HEAD_DIM[name])
             for name, launcher in KERNELS.items()}
