@@ -166,6 +166,11 @@ class CodecStream(StreamGrowth, StreamCrop, StreamMoves, StreamAccounting):
             x = self._convert(x)  # a compiled step works on the codec state: converts first
             if x.shape[2] == 0:
                 return
+        self._make_room(x)
+        self._write(x, compiling)
+
+    def _make_room(self, x: torch.Tensor) -> None:
+        """Own the archive (copy-on-append) and grow it (dynamic) so that ``x (B, H, T, D)`` can be appended."""
         t = x.shape[2]
         if self.shared and advance(self.codec, self._host_start, self._host_length + t) > self._host_start:
             self._own_archive()  # copy-on-append
@@ -173,7 +178,21 @@ class CodecStream(StreamGrowth, StreamCrop, StreamMoves, StreamAccounting):
             need = self._groups_for(self._host_length + t)
             if need > self.state.data.shape[2]:
                 self._grow(self._grown_groups(x, need))
-        self._write(x, compiling)
+
+    @property
+    def defers(self) -> bool:
+        """Whether the stream can take tokens in a later op call that appends and attends at once
+        (``flashcodec::append_attention``; :meth:`reserve`): eager, a codec state (not held raw), no memo to keep."""
+        return not torch.compiler.is_compiling() and self.state is not None and self._raw is None and self.memo is None
+
+    def reserve(self, x: torch.Tensor) -> None:
+        """Prepare a stream that :attr:`defers` to take checked tokens ``x (B, H, T, D)`` in a later op call: room
+        made as :meth:`append` makes it, and the host mirrors advanced as that append will advance the device lengths
+        (:meth:`get_seq_length` counts ``x`` from now on)."""
+        self._make_room(x)
+        t = x.shape[2]
+        self._host_start = advance(self.codec, self._host_start, self._host_length + t)
+        self._host_length += t
 
     def _own_archive(self) -> None:
         """Copy the archive if it is another stream's too (:mod:`flashcodec_fx.persist.fork`), before writing it."""

@@ -129,9 +129,13 @@ def model_reads(step: AttentionStep | None, query: torch.Tensor, key: torch.Tens
     if reason is None:
         return None
     if step.strict:
+        if step.pending:
+            step.append_now()
         raise NotImplementedError(f"attention on the stored form does not support {reason} (strict=True)")
     warnings.warn(f"attention on the stored form does not support {reason}: this step attends on the decoded view",
                   MaterializationFreeFallback, stacklevel=stacklevel)
+    if step.pending:
+        step.append_now()
     return step.decoded_views()
 
 
@@ -172,12 +176,15 @@ def _latent_forward(run: Callable, module: torch.nn.Module, query: torch.Tensor,
 def stored_form_attention(query: torch.Tensor, step: AttentionStep, mask: torch.Tensor | None, scaling: float | None,
                           softcap: float | None = None, sinks: torch.Tensor | None = None,
                           alibi: torch.Tensor | None = None) -> torch.Tensor:
-    """``query (B, Hq, T, D)`` over the step's stored form, its own keys and values read exactly: ``(B, Hq, T, D)``.
+    """``query (B, Hq, T, D)`` over the step's stored form, its own keys and values read exactly: ``(B, Hq, T, D)``; a
+    pending step's keys and values appended to the streams by the same op call (``flashcodec::append_attention``:
+    one op per layer and step).
     ``softcap`` (logit soft-capping), ``sinks`` (per query head sink logits), ``alibi`` (per query head slopes): as
     ``flashcodec::codec_attention`` takes them."""
     keys, values = step.keys, step.values
-    return torch.ops.flashcodec.codec_attention(query, keys.state, values.state, keys.spec, values.spec, step.key,
-                                                step.value, mask, scaling, softcap=softcap, sinks=sinks, alibi=alibi)
+    op = torch.ops.flashcodec.append_attention if step.pending else torch.ops.flashcodec.codec_attention
+    return op(query, keys.state, values.state, keys.spec, values.spec, step.key, step.value, mask, scaling,
+              softcap=softcap, sinks=sinks, alibi=alibi)
 
 
 def flashcodec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

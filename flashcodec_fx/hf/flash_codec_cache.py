@@ -120,9 +120,13 @@ class FlashCodecCache(Cache):
         self.source_config = config  # what save() fingerprints (hf/cache_file.py)
         offload = dict(offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         if layer_types is None:
-            Cache.__init__(self, layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs), **offload)
+            Cache.__init__(self, layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs, not offloading),
+                           **offload)
             return
         layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dim(config), mla_widths(config))
+        for layer in layers:
+            if isinstance(layer, FlashCodecLayer) and offloading:
+                layer.fused_append = False  # offloaded right after update: update appends, attention reads the step
         if not any(isinstance(layer, FlashCodecLayer) for layer in layers):
             message = no_codec_message(f"this {type(config).__name__} model", layer_types)
             if strict:
@@ -314,13 +318,15 @@ class _LayerFactory:
     (``rotate=True``). A plain object rather than a closure over the cache, so a deep copy of the cache stays
     independent of the original."""
 
-    def __init__(self, codec_config: CacheConfig, layer_kwargs: dict):
-        self.codec_config, self.layer_kwargs, self.made = codec_config, layer_kwargs, 0
+    def __init__(self, codec_config: CacheConfig, layer_kwargs: dict, fused_append: bool = True):
+        self.codec_config, self.layer_kwargs, self.made, self.fused_append = codec_config, layer_kwargs, 0, fused_append
 
     def __call__(self) -> FlashCodecLayer:
         key, value = self.codec_config.layers.build(self.made)
         self.made += 1
-        return FlashCodecLayer(key, value, **self.layer_kwargs)
+        layer = FlashCodecLayer(key, value, **self.layer_kwargs)
+        layer.fused_append = self.fused_append
+        return layer
 
 
 def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: dict,

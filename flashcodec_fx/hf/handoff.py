@@ -91,6 +91,13 @@ class AttentionStep:
     strict: bool
     sliding: bool
     latent: int | None = None
+    pending: bool = False
+
+    def append_now(self) -> None:
+        """Append a pending step's ``key`` / ``value`` to its streams, as ``flashcodec::append_attention`` would (the
+        stream mirrors already count them: ``CodecStream.reserve``)."""
+        torch.ops.flashcodec.append(self.keys.state, self.key, self.keys.spec, None)
+        torch.ops.flashcodec.append(self.values.state, self.value, self.values.spec, None)
 
     def received(self, key: torch.Tensor) -> bool:
         """Whether ``key`` is what attention should receive of this step: the very tensor the update returned; for an

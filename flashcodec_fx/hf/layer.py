@@ -170,6 +170,7 @@ class FlashCodecLayer(CacheLayerMixin):
         if flow is COMPILED:
             return self._compiled_update(key_states, value_states)
         if self.handed_out:
+            self._withdraw()  # a pending step's tokens appended first: the streams stay whole
             raise RuntimeError("the attention function did not receive the keys this cache layer handed out at the "
                                "previous step (the model changes K/V between cache.update and attention, or does not "
                                "use the 'kvcodec' attention): build the cache with materialization_free=False")
@@ -187,7 +188,12 @@ class FlashCodecLayer(CacheLayerMixin):
             stored_k, stored_v = torch.where(mask, key_states, zero), torch.where(mask, value_states, zero)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._store(stored_k, stored_v)
+        pending = flow is STORED_FORM and not first_fill and self.defers_appends
+        if pending:  # attention appends them: one op per layer and step (flashcodec::append_attention)
+            self.keys_stream.reserve(stored_k)
+            self.values_stream.reserve(stored_v)
+        else:
+            self._store(stored_k, stored_v)
         if self.layout == "static" and not self._marked_static:
             self._mark_static()  # after a batch reorder that reallocated
         if first_fill:  # the prompt attends on its exact states (static: padded to the views' capacity)
@@ -198,8 +204,17 @@ class FlashCodecLayer(CacheLayerMixin):
         else:
             return self.read_view((key_states, value_states))
         if flow is STORED_FORM:
-            self._hand_off(*out, decode=not first_fill)
+            self._hand_off(*out, decode=not first_fill, pending=pending)
         return out
+
+    fused_append = True  # False: every update appends itself (an offloading cache; an MLA layer's one stream)
+
+    @property
+    def defers_appends(self) -> bool:
+        """Whether a decode step's tokens are appended by the attention call that reads them (``AttentionStep.pending``:
+        one op per layer and step) rather than by ``update``: a lossy codec attended on its stored form, both
+        streams holding a codec state without a memo (:attr:`CodecStream.defers`), not offloaded."""
+        return self.fused_append and not self.stores_raw and self.keys_stream.defers and self.values_stream.defers
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append the call's (checked) keys and values to the streams."""
@@ -216,8 +231,9 @@ class FlashCodecLayer(CacheLayerMixin):
         if pending is not None:
             steps.hand(index, pending)
 
-    def _hand_off(self, key: torch.Tensor, value: torch.Tensor, decode: bool) -> None:
-        """Hand the attention call that follows this step: the returned ``key`` / ``value`` and the stored form."""
+    def _hand_off(self, key: torch.Tensor, value: torch.Tensor, decode: bool, pending: bool = False) -> None:
+        """Hand the attention call that follows this step: the returned ``key`` / ``value`` and the stored form
+        (``pending``: before this call's tokens, which the attention call appends)."""
         stored = [StoredStream(*stream.op_state(), None if self.layout == "static" else stream.get_seq_length())
                   for stream in (self.keys_stream, self.values_stream)]
         views = self.read_view((key, value)) if decode and self.stores_raw else None
@@ -225,15 +241,18 @@ class FlashCodecLayer(CacheLayerMixin):
         self._handed = True
         self._steps.hand(self._index, AttentionStep(*self._step_tensors(key, value), *stored, views=views,
                                                     decode=decode, strict=self.strict, sliding=self.is_sliding,
-                                                    latent=self.latent_width))
+                                                    latent=self.latent_width, pending=pending))
 
     def _step_tensors(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The call's keys and values as the step hands them to attention (as returned)."""
         return key, value
 
     def _withdraw(self) -> None:
-        """Forget the step handed out last (taken or not)."""
-        self._steps.pop(self._index, None)
+        """Forget the step handed out last (taken or not); one nobody took that still owes its tokens to the streams
+        appends them."""
+        step = self._steps.pop(self._index, None)
+        if step is not None and step.pending and self._handed:
+            step.append_now()
         self._handed = False
 
     @property

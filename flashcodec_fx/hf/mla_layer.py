@@ -33,6 +33,8 @@ class FlashCodecMLALayer(FlashCodecLayer):
     """A full-attention MLA layer: one stream of rows ``[c ; k_rot]`` (``latent_width + rope_width`` channels), stored
     by ``codec`` (``value_codec``, when given, must be the same codec: one stream serves keys and values)."""
 
+    fused_append = False  # the absorbed attention reads one stream as keys and values: update appends the rows
+
     def __init__(self, key_codec: Codec, value_codec: Codec | None = None, *, latent_width: int, rope_width: int,
                  **layer_kwargs: Any):
         if value_codec is not None and value_codec.spec != key_codec.spec:
