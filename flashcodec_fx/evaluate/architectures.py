@@ -117,6 +117,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
              "ffn_config": {"ffn_hidden_size": INTERMEDIATE, "moe_num_experts": 4, "moe_top_k": 2}},
     "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1,
              "layer_types": ["sliding_attention", "full_attention"] * 2},
+    # Gemma 4: the full layers' head dim is a constructor keyword (global_head_dim, 512 by default), not a field the
+    # generic shrink reaches; at 512 with Gemma's scaling 1.0 a random-init model attends almost one-hot
+    "gemma4_text": {"global_head_dim": 2 * HEAD_DIM},
+    "gemma4_unified_text": {"global_head_dim": 2 * HEAD_DIM},
+    # CPM-Ant's default init_std is 1.0: random-init keys 50x the other models' (K rms ~8), attention almost one-hot,
+    # so int8's 0.5% key error moves its logits past the bounds; 0.02 as the other architectures initialize
+    "cpmant": {"init_std": 0.02},
     "gemma3n_text": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
                      "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.0] * 4},
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {

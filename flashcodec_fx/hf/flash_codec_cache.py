@@ -123,7 +123,8 @@ class FlashCodecCache(Cache):
             Cache.__init__(self, layer_class_to_replicate=_LayerFactory(codec_config, layer_kwargs, not offloading),
                            **offload)
             return
-        layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dim(config), mla_widths(config))
+        layers = _layers(codec_config, layer_types, native_kwargs, layer_kwargs, _head_dims(config, len(layer_types)),
+                         mla_widths(config))
         for layer in layers:
             if isinstance(layer, FlashCodecLayer) and offloading:
                 layer.fused_append = False  # offloaded right after update: update appends, attention reads the step
@@ -207,6 +208,8 @@ class FlashCodecCache(Cache):
         start, t = layer.position, key_states.shape[2]  # absolute: a ring's streams hold only its window
         if mask is None or start >= mask.shape[1]:
             return None
+        if start == 0 and t > mask.shape[1]:  # a model that stores tokens of its own beside the prompt's (CPM-Ant's
+            return None  # learned prefix): which of them the mask's positions are is unknown, so none is zeroed
         if mask.shape[0] != key_states.shape[0]:
             raise ValueError(f"padding mask batch {mask.shape[0]} does not match the cache batch {key_states.shape[0]}")
         keep = mask[:, start: start + t].to(key_states.device)
@@ -348,11 +351,11 @@ def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: di
 
 
 def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: list[dict], layer_kwargs: dict,
-            head_dim: int | None, mla: tuple[int, int] | None = None) -> list:
-    """One cache layer per model layer (see :class:`FlashCodecCache`); checks the overrides and head_dim first (an
-    MLA model's: its latent row, ``kv_lora_rank + qk_rope_head_dim``)."""
+            head_dims: list[int | None], mla: tuple[int, int] | None = None) -> list:
+    """One cache layer per model layer (see :class:`FlashCodecCache`); checks the overrides and each layer's head dim
+    first (``head_dims``, per layer; an MLA model's: its latent row, ``kv_lora_rank + qk_rope_head_dim``)."""
     if mla is not None:
-        head_dim = sum(mla)
+        head_dims = [sum(mla)] * len(layer_types)
     layout, n = layer_kwargs["layout"], len(layer_types)
     allowed = CODEC_LAYER_TYPES if layout == "dynamic" else STATIC_CODEC_LAYER_TYPES
     carries = [kind in allowed for kind in layer_types]
@@ -375,6 +378,7 @@ def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: li
         if kind in WINDOWED:
             layer_config = layer_config.without_sinks()
         key, value = layer_config.build(idx)
+        head_dim = head_dims[idx]
         if head_dim is not None:
             for stream, codec in (("keys", key), ("values", value)):
                 try:
@@ -389,9 +393,18 @@ def _layers(codec_config: CacheConfig, layer_types: list[str], native_kwargs: li
     return layers
 
 
-def _head_dim(config: Any) -> int | None:
-    """The attention head dim of ``config`` (its decoder text config), None where the config does not say."""
+def _head_dims(config: Any, layers: int) -> list[int | None]:
+    """The attention head dim of each of the ``layers`` layers of ``config`` (its decoder text config): a
+    heterogeneous config's (``per_layer_config``: Gemma 4's sliding and full layers differ) read from each layer's
+    config; None where the config does not say."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if "head_dim" in (getattr(text, "per_layer_attributes", None) or ()):
+        return [_head_dim(layer) for layer in text.per_layer_config]
+    return [_head_dim(text)] * layers
+
+
+def _head_dim(text: Any) -> int | None:
+    """The attention head dim of one (text or per-layer) config, None where it does not say."""
     head_dim = getattr(text, "head_dim", None)
     if head_dim is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
         head_dim = text.hidden_size // text.num_attention_heads

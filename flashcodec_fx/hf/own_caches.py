@@ -11,6 +11,7 @@ says so when it is called (:class:`~flashcodec_fx.hf.flash_codec_cache.NoCodecLa
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,19 @@ def builds_own_cache(model: Any) -> bool:
     """Whether ``generate()`` leaves the cache to ``model`` itself (it prepares none)."""
     supports = getattr(model, "_supports_default_dynamic_cache", None)
     return supports is not None and not supports()
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # the names transformers' forwards take a Cache by (5.24+, before)
+
+
+def takes_cache(model: Any) -> bool:
+    """Whether ``model``'s forward takes a KV cache at all (a ``cache`` / ``past_key_values`` parameter): OpenAI GPT's,
+    for one, recomputes every token at every step and keeps none."""
+    try:
+        parameters = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):  # no signature to read: assume it does
+        return True
+    return any(name in parameters for name in CACHE_ARGUMENTS)
 
 
 @functools.cache
@@ -79,4 +93,4 @@ def own_cache_class(model: Any) -> type[FlashCodecCache] | None:
     return None if make is None else make()
 
 
-__all__ = ["OWN_CACHES", "builds_own_cache", "own_cache_class"]
+__all__ = ["OWN_CACHES", "builds_own_cache", "own_cache_class", "takes_cache"]

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .._compat import GENERATE_CACHE_KWARG, PREPARE_CACHE_METHOD, is_user_defined_cache, warn_untested_transformers
-from .attention import apply_codec_attention, remove_codec_attention
+from .attention import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
 from .compile_option import check_compile, forget_compiled_call, install_compile_config
 from .flash_codec_cache import FlashCodecCache, NoCodecLayers, no_codec_message
 from .options import CACHE_SWITCHES, resolve_codecs
-from .own_caches import builds_own_cache, own_cache_class
+from .own_caches import builds_own_cache, own_cache_class, takes_cache
 
 METHOD = PREPARE_CACHE_METHOD
 REPLACED = (None, "dynamic", "static", "offloaded", "offloaded_static")  # cache_implementation values the codec serves
@@ -62,12 +62,50 @@ def _check_coverage(model: Any, options: dict[str, Any]) -> None:
         warnings.warn(no_codec_message(f"{type(model).__name__}") + ": its generation config says use_cache=False, "
                       "so generate() keeps no KV cache unless a call passes use_cache=True (or set "
                       "model.generation_config.use_cache = True)", NoCodecLayers, stacklevel=3)  # a call may override
-    if builds_own_cache(model) and own_cache_class(model) is None:
-        message = (no_codec_message(f"{type(model).__name__}") + ": the model builds a cache of its own "
-                   "(generate() prepares none), which flashcodec does not replace")
+    if _keeps_no_codec_cache(model):
+        message = no_codec_message(f"{type(model).__name__}") + (
+            ": the model builds a cache of its own (generate() prepares none), which flashcodec does not replace"
+            if takes_cache(model) else ": its forward takes no KV cache (it recomputes every token at every step)")
         if options.get("strict"):
             raise ValueError(f"{message} (strict=True)")
         warnings.warn(message, NoCodecLayers, stacklevel=3)
+
+
+def _keeps_no_codec_cache(model: Any) -> bool:
+    """Whether no generate() of ``model`` can hold a codec cache: it takes no cache, or builds one of its own that no
+    codec cache class serves."""
+    return not takes_cache(model) or (builds_own_cache(model) and own_cache_class(model) is None)
+
+
+VIEW_CHOSEN = "_flashcodec_view_chosen"  # on a model instance: why its codec caches attend on the decoded view
+
+
+def _choose_dataflow(model: Any, options: dict[str, Any], stacklevel: int = 3) -> dict[str, Any]:
+    """``options`` with the dataflow this model can run: where ``materialization_free`` is on, the model switches to
+    the ``"kvcodec"`` attention (:func:`apply_codec_attention`); a model that cannot (its attention modules do not
+    call transformers' attention interface, or it runs another implementation than sdpa / eager) attends on the
+    decoded view instead (``materialization_free=False``), announced once per model with a
+    :class:`MaterializationFreeFallback` warning; ``strict=True`` raises ``ValueError`` instead, changing nothing. A
+    model whose own cache flashcodec does not replace keeps its attention (nothing to serve)."""
+    if not options.get("materialization_free", True):
+        return options
+    if _keeps_no_codec_cache(model):
+        return {**options, "materialization_free": False, "strict": False}
+    reason = vars(model).get(VIEW_CHOSEN)
+    if reason is None:
+        try:
+            apply_codec_attention(model)
+            return options
+        except ValueError as err:
+            reason = str(err)
+        if options.get("strict"):
+            raise ValueError(f"{reason}: attention on the stored form cannot serve it (strict=True; without it the "
+                             f"codec cache attends on the decoded view)") from None
+        warnings.warn(f"{reason}: attention on the stored form cannot serve it, so its codec caches attend on the "
+                      f"decoded view (materialization_free=False: one decoded full-precision memo per codec layer "
+                      f"beside its codes)", MaterializationFreeFallback, stacklevel=stacklevel)
+        setattr(model, VIEW_CHOSEN, reason)
+    return {**options, "materialization_free": False}
 
 
 def _own_cache(model: Any, options: dict[str, Any], compiled: bool) -> FlashCodecCache:
@@ -111,8 +149,7 @@ def _prepare_with_codec(model: Any, native: Callable, options: dict[str, Any], a
         raise ValueError(f"flashcodec_fx replaces transformers' dynamic and static caches (cache_implementation in "
                          f"{REPLACED}); this generate() call asked for cache_implementation={wanted!r}: pass a "
                          f"FlashCodecCache or remove the codec (remove_flash_codec)")
-    if options.get("materialization_free", True):
-        apply_codec_attention(model)
+    options = _choose_dataflow(model, options, stacklevel=6)  # compress_kv: decided on an instance's first generate
     native(*args, **kwargs)
     name = next((k for k in ("cache", "past_key_values") if isinstance(model_kwargs.get(k), Cache)), None)
     if name is None:  # use_cache=False, or a model that brings its own cache
@@ -161,10 +198,9 @@ def apply_flash_codec(model: Any, **options: Any) -> Any:
         own = vars(model).get(METHOD)
         native = own if own is not None else types.MethodType(_class_native(type(model)), model)
         state = {"own": own, "native": native}
-    if options.get("materialization_free", True):
-        apply_codec_attention(model)
-    elif state.get("options", {}).get("materialization_free", True):
-        remove_codec_attention(model)
+    remove_codec_attention(model)  # options replaced: the dataflow is chosen anew
+    vars(model).pop(VIEW_CHOSEN, None)
+    options = _choose_dataflow(model, options)
     state["options"], state["compile"] = options, compiled
 
     def prepare(self, *args, **kwargs):
@@ -235,6 +271,7 @@ def remove_flash_codec(target: Any) -> Any:
     else:
         setattr(target, METHOD, state["own"])
     remove_codec_attention(target)
+    vars(target).pop(VIEW_CHOSEN, None)
     forget_compiled_call(target)
     del target._flashcodec_patch
     return target
