@@ -52,30 +52,42 @@ class MaterializationFreeFallback(UserWarning):
 
 
 def take(module: torch.nn.Module, key: torch.Tensor) -> AttentionStep | None:
-    """The step the codec layer at ``module.layer_idx`` handed this call, taken out of the current table; None when it
-    handed none (layers without a codec, other caches). Raises ``RuntimeError`` when a decode step is pending and
-    ``key`` is not the key it returned (the model changes K/V between ``cache.update`` and attention: attending on
-    ``key`` would read this call's tokens only, a wrong answer); a prompt step with other keys stays untaken (its
-    layer then attends on the decoded view, warned). A step is owed to this call only when it is the one handed last
-    (:attr:`StepTable.fresh`) and ``key`` has its shape: one a forward left behind (an exception between update and
-    attention, then a model on another cache in this context) is not; it stays, and its layer's next update reports
-    it untaken."""
+    """The step a codec layer handed this call, taken out of the current table; None when it handed none (layers
+    without a codec, other caches). The step at ``module.layer_idx`` when ``key`` is what it returned; else the step
+    handed last when ``key`` is the very tensor it returned (a model that updates the cache at another index: a cache
+    offset, a shared attention block); else a decode step taken before whose key tensor ``key`` is (KV sharing:
+    :meth:`StepTable.shared`). Raises ``RuntimeError`` when a decode step is pending and ``key`` is not the key it
+    returned (the model changes K/V between ``cache.update`` and attention: attending on ``key`` would read this
+    call's tokens only, a wrong answer); a prompt step with other keys stays untaken (its layer then attends on the
+    decoded view, warned). A step is owed to this call only when it is the one handed last (:attr:`StepTable.fresh`)
+    and ``key`` has its shape: one a forward left behind (an exception between update and attention, then a model on
+    another cache in this context) is not; it stays, and its layer's next update reports it untaken."""
     table = current_table()
     if table is None:
         return None
     layer_idx = getattr(module, "layer_idx", None)
     fresh = table.fresh
-    if fresh == layer_idx:
-        table.fresh = None
     step = table.pop(layer_idx, None)
     if step is not None and step.received(key):
-        return step
+        if fresh == layer_idx:
+            table.fresh = None
+        return table.taken(layer_idx, step)
     if step is not None:
         table[layer_idx] = step  # not for these keys: it stays (the layer's next update finds it untaken)
-        owed = fresh == layer_idx and step.key.shape == key.shape
+    last = table.get(fresh)
+    if last is not None and last.key is key:  # handed at another index than the module's: its very keys
+        del table[fresh]
+        table.fresh = None
+        return table.taken(fresh, last)
+    shared = table.shared(key)
+    if shared is not None:
+        return shared
+    if fresh == layer_idx:
+        table.fresh = None
+    if step is None:
+        step, owed = last, last is not None
     else:
-        step = table.get(fresh)  # another layer's step, handed just before this call
-        owed = step is not None
+        owed = fresh == layer_idx and step.key.shape == key.shape
     if owed and step.decode:
         raise RuntimeError("the 'kvcodec' attention did not receive the keys its cache layer handed out for this step "
                            "(the model changes K/V between cache.update and attention): attention on the stored form "
@@ -208,6 +220,22 @@ for _delegate_name, _forward_fn in (("sdpa", flashcodec_attention_forward), ("ea
     AttentionMaskInterface.register(IMPLEMENTATIONS[_delegate_name], ALL_MASK_ATTENTION_FUNCTIONS[_delegate_name])
 
 
+CHANGES_KV: dict[str, str] = {
+    "JetMoeAttention": "repeats its keys and values once per selected expert after cache.update",
+}
+"""Attention module class name -> how it changes K/V between ``cache.update`` and its attention call: the stored
+form cannot serve it (the attention call would receive other tensors than the cache layer returned)."""
+
+
+def _changes_kv(model: torch.nn.Module) -> str | None:
+    """Why an attention module of ``model`` cannot attend on the stored form (:data:`CHANGES_KV`), or None."""
+    for module in model.modules():
+        how = CHANGES_KV.get(type(module).__name__)
+        if how is not None:
+            return f"{type(module).__name__} {how}"
+    return None
+
+
 def _configs(model: torch.nn.Module) -> list[Any]:
     seen, out = set(), []
     for module in model.modules():
@@ -229,7 +257,8 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
     it as its delegate); attention modules that call no attention function and have an adapter (BLOOM, MPT:
     :mod:`flashcodec_fx.hf.alibi`) are served by it, whether or not the model can switch implementations.
 
-    The model must currently use ``"sdpa"`` or ``"eager"`` (ValueError otherwise); calling it again is a no-op.
+    The model must currently use ``"sdpa"`` or ``"eager"``, and its attention modules pass the K/V the cache returns
+    to the attention function unchanged (:data:`CHANGES_KV`): ValueError otherwise. Calling it again is a no-op.
     Layers whose cache is not a FlashCodecLayer keep computing exactly as before.
     """
     from . import alibi
@@ -242,6 +271,9 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
     if current_name not in DELEGATES:
         raise ValueError(f"apply_codec_attention needs a model using attn_implementation in {DELEGATES}, got "
                          f"{current_name!r}")
+    changes = _changes_kv(model)
+    if changes is not None:
+        raise ValueError(f"{type(model).__name__}: {changes}")
     own = [(config, attn_implementation(config)) for config in _configs(model)]
     adapted = alibi.install(model)
     try:

@@ -21,12 +21,16 @@ layer learns whether its step was taken by looking at the table (taken: no longe
 writes back.
 
 A model that calls ``cache.update`` with another index than its attention module's ``layer_idx`` (a cache offset, as
-looped models do) leaves its steps untaken: the layer then attends on the decoded view, with a
-``MaterializationFreeFallback`` warning (see ``fall_back_to_view``), never on the wrong step.
+looped models and shared attention blocks do: HRM, Dory, Zamba) hands its attention call the very key tensor the
+update returned: the attention call takes the step handed last when it receives that tensor (never another step). A
+layer that attends on another layer's K/V (KV sharing: Gemma 3n, Gemma 4) receives the tensor the other layer's update
+returned: a decode step stays readable by that identity after it was taken (:attr:`StepTable.kept`), until its layer
+hands the next one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -126,16 +130,39 @@ class StepTable(dict[int, AttentionStep]):
 
     ``fresh``: the layer index handed to last, until the attention call of that index comes (None: it came), so that
     an attention call tells the step a layer just handed out from one a forward left behind (an exception between
-    update and attention, then a model on another cache in the same context): only the fresh step can be owed."""
+    update and attention, then a model on another cache in the same context): only the fresh step can be owed.
 
-    fresh: int | None = None
+    ``kept``: the decode steps taken, by layer index, until their layer hands the next (their tokens are in the streams
+    by then: no longer pending); a later attention call that receives one's key tensor reads the same stored form (KV
+    sharing). Decode steps only: their key and value are the step's few tokens; a prompt's full states are not held
+    (a layer that shares them receives them whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: int | None = None
+        self.kept: dict[int, AttentionStep] = {}
 
     def hand(self, layer_idx: int, step: AttentionStep) -> None:
         """Put ``step`` at ``layer_idx`` (replacing what is there) and make this the context's current table."""
         self[layer_idx] = step
+        self.kept.pop(layer_idx, None)
         self.fresh = layer_idx
         if _FORWARD.get() is not self:
             _FORWARD.set(self)
+
+    def taken(self, layer_idx: int, step: AttentionStep) -> AttentionStep:
+        """``step``, taken by an attention call: a decode step is kept (see the class docstring)."""
+        if step.decode:
+            self.kept[layer_idx] = step
+        return step
+
+    def shared(self, key: torch.Tensor) -> AttentionStep | None:
+        """The kept step whose key tensor ``key`` is (another attention call reads a layer's K/V again), its tokens
+        already appended; None where there is none."""
+        for step in self.kept.values():
+            if step.key is key:
+                return dataclasses.replace(step, pending=False) if step.pending else step
+        return None
 
 
 _FORWARD: ContextVar[StepTable | None] = ContextVar("flashcodec_step_table", default=None)
