@@ -155,6 +155,8 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
              kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     run = _delegate(module, delegate)
+    if kwargs.get("indices") is not None:  # sparse attention: the keys its indexer selected, as sdpa / eager get them
+        attention_mask = index_mask(attention_mask, kwargs.pop("indices"), key.shape[2], query.dtype)
     step = None if dataflow() is COMPILED else take(module, key)
     if step is not None and step.latent is not None:
         return _latent_forward(run, module, query, key, value, attention_mask, dropout, scaling, step, kwargs)
@@ -164,6 +166,20 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
     out = stored_form_attention(query, step, attention_mask, scaling, softcap=kwargs.get("softcap"),
                                 sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def index_mask(mask: torch.Tensor | None, indices: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mask (B, 1, T, keys)`` (bool or additive; None: every key visible) with the keys a sparse-attention indexer
+    did not select masked: ``indices (B, T, k)`` the selected key positions. What DeepSeek-V3.2-style attention modules
+    (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HY-V4, ...) do themselves for ``"sdpa"`` / ``"eager"``; under any other
+    implementation name they pass ``indices=`` to the attention function instead."""
+    b, t = indices.shape[:2]
+    hidden = indices.new_ones((b, t, keys), dtype=torch.bool).scatter(-1, indices.long(), False).unsqueeze(1)
+    if mask is None:
+        return ~hidden
+    if mask.dtype == torch.bool:
+        return mask & ~hidden
+    return mask.masked_fill(hidden, torch.finfo(dtype).min)
 
 
 def _latent_forward(run: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

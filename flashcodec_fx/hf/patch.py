@@ -33,12 +33,15 @@ T = TypeVar("T", bound=type)
 
 def _validate(options: dict[str, Any], config: Any = None) -> dict[str, Any]:
     """Check every option now (a static layout may omit max_cache_len: generate's max length is used; without a
-    model config, the codec options are checked on their own and the cache switches on a default cache)."""
+    model config, the codec options are checked on their own and the cache switches on a default cache). A model
+    config none of whose layers carries a codec (warned :class:`NoCodecLayers`) keeps its own attention:
+    ``materialization_free=False`` (no layer to attend on a stored form)."""
     probe = dict(options)
     if probe.get("layout") == "static" and probe.get("max_cache_len") is None:
         probe["max_cache_len"] = 1
     if config is not None:
-        FlashCodecCache.from_config(config, **probe)
+        if not FlashCodecCache.from_config(config, **probe).codec_layers:
+            return {**options, "materialization_free": False}
         return dict(options)
     switches = {k: v for k, v in probe.items() if k in CACHE_SWITCHES}
     resolve_codecs(probe.get("codecs"), {k: v for k, v in probe.items() if k not in CACHE_SWITCHES and k != "codecs"})
