@@ -24,7 +24,11 @@ Configurations:
 - compiled: ``raw`` (transformers StaticCache, backend inductor), ``codec_materialized`` (FlashCodecCache static,
   memoize=False, backend inductor: SDPA over ``flashcodec::read`` views), ``codec_pass`` (same cache, backend
   flashcodec, strict: attention on the stored state). Codec tier of the compiled rows: jpeg r=8, all coefficients,
-  int8 (the cache's default, not the "int8" preset).
+  int8 (the cache's default, not the "int8" preset);
+- compiled beside eager, in the eager configurations' interleaved rounds (so that the compiled / eager ratio shares
+  the machine's conditions): ``compiled_raw`` (StaticCache, backend inductor) and ``compiled_<preset>`` for each lossy
+  preset (``FlashCodecCache.from_config(config, preset=..., layout="static", memoize=False)``, backend flashcodec,
+  strict: attention on the stored state); the untimed first round compiles them.
 
     python benchmarks/bench_e2e.py --models smollm2 --configs eager_raw,eager_int8,eager_4bit,eager_3bit,eager_2.5bit \
         --contexts 4096,16384 --new-tokens 6 --threads 1 --out benchmarks/results/e2e_cpu_eager_1thread.json
@@ -57,7 +61,8 @@ from flashcodec_fx.threads import apply_threads
 
 COMPILED = ("raw", "codec_materialized", "codec_pass")
 EAGER_PRESETS = {f"eager_{name}": name for name in PRESETS if name != "lossless"}
-EAGER = ("eager_raw", "eager_codec", "eager_quanto", *EAGER_PRESETS)
+COMPILED_PRESETS = {f"compiled_{name}": name for name in PRESETS if name != "lossless"}
+EAGER = ("eager_raw", "eager_codec", "eager_quanto", *EAGER_PRESETS, "compiled_raw", *COMPILED_PRESETS)
 EAGER_CODEC = ("eager_codec", *EAGER_PRESETS)  # attention on the stored form
 CONFIGS = COMPILED + EAGER
 MODELS = {"smollm2": None, "gemma3": "gemma-3-270m"}  # load_pretrained names; llama-rand: random weights
@@ -111,7 +116,7 @@ def _cache(model, config: str, capacity: int):
 
     from flashcodec_fx.hf import FlashCodecCache
 
-    if config == "raw":
+    if config in ("raw", "compiled_raw"):
         return StaticCache(config=model.config, max_cache_len=capacity)
     if config == "eager_raw":
         return DynamicCache(config=model.config)
@@ -119,6 +124,9 @@ def _cache(model, config: str, capacity: int):
         return FlashCodecCache.from_config(model.config)  # the defaults: what a user gets
     if config in EAGER_PRESETS:
         return FlashCodecCache.from_config(model.config, preset=EAGER_PRESETS[config])
+    if config in COMPILED_PRESETS:
+        return FlashCodecCache.from_config(model.config, preset=COMPILED_PRESETS[config], layout="static",
+                                           max_cache_len=capacity, memoize=False)
     if config == "eager_quanto":
         return QuantizedCache("quanto", model.config, nbits=4)
     return FlashCodecCache.from_config(model.config, layout="static", max_cache_len=capacity, memoize=False, **TIER)
@@ -126,7 +134,7 @@ def _cache(model, config: str, capacity: int):
 
 def _kv_bytes(cache, config: str, raw_equivalent: int) -> dict:
     """Bytes the cache holds (``total``) next to the stored tokens' fp32 K and V (``raw_equivalent``)."""
-    if config == "raw":
+    if config in ("raw", "compiled_raw"):
         total = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         return {"total": total, "raw_equivalent": raw_equivalent}
     if config in ("eager_raw", "eager_quanto"):  # DynamicCache: exactly its tokens; quanto: packed + residual
@@ -212,8 +220,10 @@ def run_one(model_name: str, config: str, context: int, new_tokens: int, device:
 
 def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int, threads: str | int,
               neighbour_kind: str = "none") -> list[dict]:
-    """The eager configurations on one model in one process, their steps interleaved (a round times one step of
-    each), so that their ratios share the machine's conditions; one row per configuration."""
+    """The eager configurations (and the compiled ones beside them) on one model in one process, their steps
+    interleaved (a round times one step of each), so that their ratios share the machine's conditions; one row per
+    configuration."""
+    import flashcodec_fx as fx
     from flashcodec_fx.hf import MaterializationFreeFallback, apply_codec_attention, remove_codec_attention
 
     apply_threads(threads)
@@ -236,6 +246,16 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
                 if config in EAGER_CODEC:  # the fill stands for a prefill the kvcodec attention served (it marks it)
                     cache.layers[idx].attention_bound = True
     warnings.simplefilter("error", MaterializationFreeFallback)  # a layer on the decoded view would time the memo
+    steps = {config: model for config in caches}
+    for config in caches:
+        if config == "compiled_raw":
+            steps[config] = torch.compile(model, backend="inductor", fullgraph=True)
+        elif config in COMPILED_PRESETS:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # CompiledGenerateWarning: the steps call the wrapper, not generate
+                steps[config] = torch.compile(model, fullgraph=True, backend=fx.backend(strict=True))
+    first: dict[str, float] = {}
+    graphs = torch._dynamo.utils.counters["stats"]
     name = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
     tokens = {config: [42] for config in configs}
     times: dict[str, list[float]] = {config: [] for config in configs}
@@ -247,8 +267,8 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
                     apply_codec_attention(model)  # what apply_flash_codec installs: attention on the stored form
                 ids = torch.tensor([[tokens[config][-1]]])
                 start = time.perf_counter()
-                out = model(input_ids=ids, position_ids=torch.tensor([[context + i]]), use_cache=True,
-                            **{name: cache})
+                out = steps[config](input_ids=ids, position_ids=torch.tensor([[context + i]]), use_cache=True,
+                                    **{name: cache})
                 token = int(out.logits[0, -1].argmax())
                 elapsed = time.perf_counter() - start
                 if config in EAGER_CODEC:
@@ -256,6 +276,10 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
                 tokens[config].append(token)
                 if i:
                     times[config].append(elapsed)
+                else:
+                    first[config] = elapsed
+            if not i:
+                compiled_graphs = graphs["unique_graphs"]
     raw_equivalent = 2 * cfg.num_hidden_layers * heads * (context + 1 + new_tokens) * dim * 4
     rows = []
     for config, cache in caches.items():
@@ -267,7 +291,7 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
                      "step_ms_p90": round(sorted(times[config])[int(0.9 * (len(times[config]) - 1))] * 1e3, 3),
                      "tok_per_s": round(1.0 / median, 2), "kv_bytes": _kv_bytes(cache, config, raw_equivalent),
                      "tokens": tokens[config][1:], "timer": "interleaved rounds, one step of each config per round",
-                     "neighbour": neighbour_kind,
+                     "neighbour": neighbour_kind, "first_step_s": round(first[config], 2),
                      "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg())})
     raw = next((r for r in rows if r["config"] == "eager_raw"), None)
     for row in rows:
@@ -275,6 +299,11 @@ def run_eager(model_name: str, configs: list[str], context: int, new_tokens: int
             row["tok_per_s_vs_raw"] = round(raw["step_ms_median"] / row["step_ms_median"], 3)
             row["tok_per_s_vs_raw_min"] = round(raw["step_ms_min"] / row["step_ms_min"], 3)
         row["kv_total_vs_raw"] = round(row["kv_bytes"]["total"] / raw_equivalent, 4)
+        eager = next((r for r in rows if r["config"] == row["config"].replace("compiled_", "eager_")), None)
+        if row["config"].startswith("compiled_"):
+            row["recompiles_after_first_round"] = graphs["unique_graphs"] - compiled_graphs
+            if eager is not None:
+                row["step_vs_eager"] = round(row["step_ms_median"] / eager["step_ms_median"], 3)
     return rows + skipped
 
 def _subprocess_rows(cmd: list[str], what: dict) -> list[dict]:

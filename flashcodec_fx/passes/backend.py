@@ -18,6 +18,7 @@ import torch
 
 from .. import _compat
 from .chain import post_grad_pre_pass
+from .fuse_append import AppendAttentionFusion
 from .sdpa_over_cache import SDPAOverCachePass
 
 OWN_OPTIONS = ("strict", "debug", "inductor")
@@ -25,7 +26,8 @@ OWN_OPTIONS = ("strict", "debug", "inductor")
 
 class FlashCodecBackend:
     """A configured backend (callable as a torch.compile backend). ``pass_`` is the installed
-    :class:`SDPAOverCachePass`; its ``reports`` say what each compiled graph got."""
+    :class:`SDPAOverCachePass`; its ``reports`` say what each compiled graph got. ``fusion``, the
+    :class:`AppendAttentionFusion` that runs after it (a decode step's appends and attention as one op)."""
 
     def __init__(self, strict: bool = False, debug: bool | str | os.PathLike | None = None, inductor: bool = True,
                  mode: str | None = None, options: dict | None = None):
@@ -36,20 +38,22 @@ class FlashCodecBackend:
         if not isinstance(inductor, bool):
             raise TypeError(f"inductor must be a bool, got {type(inductor).__name__}")
         self.pass_ = SDPAOverCachePass(strict=strict, debug=debug)
+        self.fusion = AppendAttentionFusion()
         self.inductor = inductor
         self.mode, self.options = mode, dict(options or {})
         self.__name__ = "flashcodec"
 
     def config_patches(self, mode: str | None = None, options: dict | None = None) -> dict:
-        """Inductor config for one compile: the mode's options, then ``options``, then this pass prepended to
-        any ``post_grad_custom_pre_pass`` already configured."""
+        """Inductor config for one compile: the mode's options, then ``options``, then this backend's passes prepended
+        to any ``post_grad_custom_pre_pass`` already configured."""
         mode = mode or self.mode
         patches = dict(_compat.list_mode_options(mode)) if mode and mode != "default" else {}
         patches.update(self.options)
         patches.update(options or {})
         user = patches.get("post_grad_custom_pre_pass", _compat.inductor_config.post_grad_custom_pre_pass)
         user = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
-        patches["post_grad_custom_pre_pass"] = post_grad_pre_pass([self.pass_, *(p for p in user if p is not self.pass_)])
+        own = (self.pass_, self.fusion)
+        patches["post_grad_custom_pre_pass"] = post_grad_pre_pass([*own, *(p for p in user if p not in own)])
         return patches
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str | None = None,
@@ -67,6 +71,7 @@ class FlashCodecBackend:
         the same graph the Inductor path rewrites, without code generation (fast; for checks and debugging)."""
         def run_pass(graph_module: torch.fx.GraphModule, _inputs) -> Callable:
             self.pass_(graph_module.graph)
+            self.fusion(graph_module.graph)
             graph_module.graph.lint()
             graph_module.recompile()
             return graph_module

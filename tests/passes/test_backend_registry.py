@@ -55,18 +55,20 @@ def test_mode_and_options_reach_inductor_config():
     assert patches["triton.cudagraphs"] is True and patches["epilogue_fusion"] is False
     assert patches["max_autotune"] is False and patches["post_grad_custom_pre_pass"][0] is be.pass_
     with torch._inductor.config.patch(post_grad_custom_pre_pass=print):
-        assert be.config_patches()["post_grad_custom_pre_pass"] == [be.pass_, print]
+        assert be.config_patches()["post_grad_custom_pre_pass"] == [be.pass_, be.fusion, print]
 
 
 def test_one_pass_where_inductor_takes_one(monkeypatch):
     """torch 2.11's Inductor calls ``post_grad_custom_pre_pass`` itself (a list fails there): the backend then hands
-    its pass alone, or chained before the user's, and the compile runs both, in order."""
+    its passes chained (the SDPA rewrite, then the append fusion), before the user's, and the compile runs them all, in
+    order."""
     from flashcodec_fx import _compat
     from flashcodec_fx.passes.chain import ChainedPass
 
     monkeypatch.setattr(_compat, "inductor_takes_pass_lists", lambda: False)
     be = flashcodec_fx.backend()
-    assert be.config_patches()["post_grad_custom_pre_pass"] is be.pass_
+    own = be.config_patches()["post_grad_custom_pre_pass"]
+    assert isinstance(own, ChainedPass) and own.passes == (be.pass_, be.fusion) and own.uuid() is not None
     seen = []
 
     def user_pass(graph):
@@ -74,9 +76,9 @@ def test_one_pass_where_inductor_takes_one(monkeypatch):
 
     with torch._inductor.config.patch(post_grad_custom_pre_pass=user_pass):
         chained = be.config_patches()["post_grad_custom_pre_pass"]
-        assert isinstance(chained, ChainedPass) and chained.passes == (be.pass_, user_pass)
+        assert isinstance(chained, ChainedPass) and chained.passes == (be.pass_, be.fusion, user_pass)
         assert chained.uuid() is None  # the user's pass has no uuid: not cacheable
         torch._dynamo.reset()
         out = torch.compile(lambda x: x.sin() + 1, backend=be)(torch.ones(3))
     assert torch.equal(out, torch.ones(3).sin() + 1)
-    assert seen == [1] and len(be.pass_.reports) == 1  # ours ran first, then the user's
+    assert seen == [1] and len(be.pass_.reports) == 1 and be.fusion.fused == [0]  # ours ran first, then the user's
