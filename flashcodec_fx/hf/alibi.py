@@ -41,7 +41,7 @@ def _bloom_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, al
     query, key, value = self._reshape(self.query_key_value(hidden_states))
     if layer_past is not None:
         key, value = layer_past.update(key, value, self.layer_idx)
-    step = None if dataflow() is COMPILED else take(self, key)
+    step = None if dataflow() is COMPILED else take(self, key, value)
     dropout = self.attention_dropout.p if self.training else 0.0
     reads = model_reads(step, query, key, value, attention_mask, dropout, {"output_attentions": output_attentions})
     probs = None
@@ -88,7 +88,7 @@ def _mpt_forward(self, hidden_states: torch.Tensor, position_bias: torch.Tensor 
     query, key, value = (x.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    step = None if dataflow() is COMPILED else take(self, key)
+    step = None if dataflow() is COMPILED else take(self, key, value)
     dropout = self.attn_dropout_p if self.training else 0.0
     reads = model_reads(step, query, key, value, attention_mask, dropout, {})
     probs = None

@@ -4,14 +4,15 @@
 A codec layer's update hands the attention call that follows an :class:`~flashcodec_fx.hf.handoff.AttentionStep`
 (the keys and values it returns, a snapshot of both streams' stored form as the ops read it, what attention needs to
 know of the layer), put in a table by layer index (:mod:`flashcodec_fx.hf.handoff`): the ``"kvcodec"`` function
-:func:`take` s the step of its module's ``layer_idx``. The keys it receives must be those the layer returned (a check,
-not how they meet: a model that changed K/V between ``cache.update`` and attention would get an answer over other
-keys than its own, so a decode step raises). Then it attends:
+:func:`take` s the step of its module's ``layer_idx``, or the one whose very tensors it receives (cache offsets, KV
+sharing). The keys and values it receives must be those the layer returned (a check: a model that changed K/V between
+``cache.update`` and attention would get an answer over other tensors than its own, so a decode step raises). A
+sparse-attention module's ``indices=`` are folded into the mask first (:func:`index_mask`). Then it attends:
 
 - prefill (the layer was empty): on the exact prompt states, through the delegate;
 - later calls: ``torch.ops.flashcodec.codec_attention`` on the step's stored form, the call's own tokens read exactly,
-  with the mask transformers passes (bool, additive or None), ``scaling``, GQA, logit soft-capping (``softcap``:
-  Gemma 2) and attention-sink logits (``s_aux``: GPT-OSS); no ``(S, D)`` view;
+  with the mask transformers passes (bool, additive or None; a ``position_bias`` folded in: Inkling), ``scaling``,
+  GQA, logit soft-capping (``softcap``: Gemma 2) and attention-sink logits (``s_aux``: GPT-OSS); no ``(S, D)`` view;
 - an MLA module's calls: in the absorbed form on its stored latent rows (:mod:`flashcodec_fx.hf.mla_attention`).
 
 ALiBi models, whose attention modules do not call an attention function (BLOOM, MPT), are served by module adapters
@@ -19,10 +20,11 @@ ALiBi models, whose attention modules do not call an attention function (BLOOM, 
 
 Every other call (layers without a codec, linear layers, models not using a FlashCodecCache, compiled steps) runs the
 delegate unchanged; a codec sliding-window layer is served like a full one (the mask bounds its window). Calls the
-stored-form path cannot serve (``output_attentions``, dropout, a position bias, a multi-token call without a mask)
-attend on one decode of the
-stored view, with a ``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built
-with ``strict=True``.
+stored-form path cannot serve (``output_attentions``, dropout, per-token sink logits, a multi-token call without a
+mask, a mask over fewer keys than the layer holds) attend on one decode of the stored view, with a
+``MaterializationFreeFallback`` warning, or raise ``NotImplementedError`` when the cache was built with
+``strict=True``. Models known not to be served (:data:`NOT_SERVED`, or that cannot switch implementations) are refused
+by :func:`apply_codec_attention`, so ``apply_flash_codec`` chooses the decoded view for them at apply time.
 """
 
 from __future__ import annotations
@@ -51,35 +53,36 @@ class MaterializationFreeFallback(UserWarning):
     """A step that was to attend on the stored form attended on the decoded view instead (see docs/hf.md)."""
 
 
-def take(module: torch.nn.Module, key: torch.Tensor) -> AttentionStep | None:
+def take(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> AttentionStep | None:
     """The step a codec layer handed this call, taken out of the current table; None when it handed none (layers
-    without a codec, other caches). The step at ``module.layer_idx`` when ``key`` is what it returned; else the step
-    handed last when ``key`` is the very tensor it returned (a model that updates the cache at another index: a cache
-    offset, a shared attention block); else a decode step taken before whose key tensor ``key`` is (KV sharing:
-    :meth:`StepTable.shared`). Raises ``RuntimeError`` when a decode step is pending and ``key`` is not the key it
-    returned (the model changes K/V between ``cache.update`` and attention: attending on ``key`` would read this
-    call's tokens only, a wrong answer); a prompt step with other keys stays untaken (its layer then attends on the
-    decoded view, warned). A step is owed to this call only when it is the one handed last (:attr:`StepTable.fresh`)
-    and ``key`` has its shape: one a forward left behind (an exception between update and attention, then a model on
-    another cache in this context) is not; it stays, and its layer's next update reports it untaken."""
+    without a codec, other caches). The step at ``module.layer_idx`` when ``key`` / ``value`` are what it returned;
+    else the step handed last when they are the very tensors it returned (a model that updates the cache at another
+    index: a cache offset, a shared attention block); else a decode step taken before whose tensors they are (KV
+    sharing: :meth:`StepTable.shared`). Raises ``RuntimeError`` when a decode step is pending and the call did not
+    receive the keys and values it returned (the model changes K/V between ``cache.update`` and attention: attending
+    on them would read this call's tokens only, a wrong answer); a prompt step with other tensors stays untaken (its
+    layer then attends on the decoded view, warned). A step is owed to this call only when it is the one handed last
+    (:attr:`StepTable.fresh`) and ``key`` has its shape: one a forward left behind (an exception between update and
+    attention, then a model on another cache in this context) is not; it stays, and its layer's next update reports
+    it untaken."""
     table = current_table()
     if table is None:
         return None
     layer_idx = getattr(module, "layer_idx", None)
     fresh = table.fresh
     step = table.pop(layer_idx, None)
-    if step is not None and step.received(key):
+    if step is not None and step.received(key, value):
         if fresh == layer_idx:
             table.fresh = None
         return table.taken(layer_idx, step)
     if step is not None:
         table[layer_idx] = step  # not for these keys: it stays (the layer's next update finds it untaken)
     last = table.get(fresh)
-    if last is not None and last.key is key:  # handed at another index than the module's: its very keys
+    if last is not None and last.key is key and last.value is value:  # handed at another index: its very tensors
         del table[fresh]
         table.fresh = None
         return table.taken(fresh, last)
-    shared = table.shared(key)
+    shared = table.shared(key, value)
     if shared is not None:
         return shared
     if fresh == layer_idx:
@@ -113,14 +116,17 @@ def _unsupported(query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
         return "output_attentions=True"
     if dropout:
         return "attention dropout"
-    if kwargs.get("position_bias") is not None:
-        return "a position bias"
     # a sliding_window keyword needs nothing: the delegates (sdpa, eager) read the window from the mask transformers
     # builds for the layer, and so does the stored form
+    if kwargs.get("sinks") is not None:
+        return "per-token sink logits (sinks=)"
     if query.shape[2] > 1 and mask is None:
         return "a multi-token step without an explicit mask"
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
         return f"a {type(mask).__name__} mask (needs a 4D bool or additive tensor)"
+    held = step.keys.length
+    if mask is not None and held is not None and mask.shape[3] < held:  # a mask built for other keys than the layer's
+        return f"a mask over {mask.shape[3]} keys (the layer holds {held})"
     return None
 
 
@@ -156,16 +162,31 @@ def _forward(delegate: str, module: torch.nn.Module, query: torch.Tensor, key: t
              kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     run = _delegate(module, delegate)
     if kwargs.get("indices") is not None:  # sparse attention: the keys its indexer selected, as sdpa / eager get them
-        attention_mask = index_mask(attention_mask, kwargs.pop("indices"), key.shape[2], query.dtype)
-    step = None if dataflow() is COMPILED else take(module, key)
+        keys = key.shape[2] if attention_mask is None else attention_mask.shape[-1]  # a codec layer's key: the step's
+        attention_mask = index_mask(attention_mask, kwargs.pop("indices"), keys, query.dtype)
+    step = None if dataflow() is COMPILED else take(module, key, value)
     if step is not None and step.latent is not None:
         return _latent_forward(run, module, query, key, value, attention_mask, dropout, scaling, step, kwargs)
     reads = model_reads(step, query, key, value, attention_mask, dropout, kwargs)
     if reads is not None:
         return run(module, query, *reads, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = stored_form_attention(query, step, attention_mask, scaling, softcap=kwargs.get("softcap"),
-                                sinks=kwargs.get("s_aux"))
+    out = stored_form_attention(query, step, _biased(attention_mask, kwargs, key.dtype), scaling,
+                                softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _biased(mask: torch.Tensor | None, kwargs: dict, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask the stored form attends with: ``mask`` with an additive ``position_bias`` (Inkling's relative logits,
+    ``(B, Hq, T, L)`` over the mask's keys) folded in, as transformers' sdpa integration folds it (bool mask: the bias
+    where True, the dtype's minimum elsewhere; additive: summed); the eager delegates add it to the scores alike."""
+    bias = kwargs.get("position_bias")
+    if bias is None:
+        return mask
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, max(torch.finfo(dtype).min, torch.finfo(bias.dtype).min))
+    return bias + mask
 
 
 def index_mask(mask: torch.Tensor | None, indices: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +219,7 @@ def _latent_forward(run: Callable, module: torch.nn.Module, query: torch.Tensor,
     if reads is not None:  # lossless or a fallback: the module expands the stored rows, as it does natively
         return run(module, query, *module.expand_kv(*reads), attention_mask, dropout=dropout, scaling=scaling,
                    **kwargs)
-    return absorbed_attention(module, query, step, attention_mask, scaling), None
+    return absorbed_attention(module, query, step, _biased(attention_mask, kwargs, query.dtype), scaling), None
 
 
 def stored_form_attention(query: torch.Tensor, step: AttentionStep, mask: torch.Tensor | None, scaling: float | None,
@@ -236,19 +257,25 @@ for _delegate_name, _forward_fn in (("sdpa", flashcodec_attention_forward), ("ea
     AttentionMaskInterface.register(IMPLEMENTATIONS[_delegate_name], ALL_MASK_ATTENTION_FUNCTIONS[_delegate_name])
 
 
-CHANGES_KV: dict[str, str] = {
+_PER_TOKEN_SINKS = "passes per-token sink logits (sinks=; the stored form takes one sink logit per head)"
+NOT_SERVED: dict[str, str] = {
     "JetMoeAttention": "repeats its keys and values once per selected expert after cache.update",
+    "DiffLlamaAttention": "splits its values in two and repeats each half after cache.update",
+    "DogeAttention": "computes its dynamic mask from every value cache.update returns",
+    **dict.fromkeys(("Inkling2SlidingAttention", "Inkling2FullAttention", "Inkling2LoopSlidingAttention",
+                     "Inkling2LoopFullAttention"), _PER_TOKEN_SINKS),
 }
-"""Attention module class name -> how it changes K/V between ``cache.update`` and its attention call: the stored
-form cannot serve it (the attention call would receive other tensors than the cache layer returned)."""
+"""Attention module class name -> what it does that attention on the stored form cannot take: K/V used beyond its
+attention call (the update returns the step's tokens only; the module needs them all, or the attention call would
+receive other tensors than the cache layer returned), or an argument ``codec_attention`` has no form for."""
 
 
-def _changes_kv(model: torch.nn.Module) -> str | None:
-    """Why an attention module of ``model`` cannot attend on the stored form (:data:`CHANGES_KV`), or None."""
+def _not_served(model: torch.nn.Module) -> str | None:
+    """Why an attention module of ``model`` cannot attend on the stored form (:data:`NOT_SERVED`), or None."""
     for module in model.modules():
-        how = CHANGES_KV.get(type(module).__name__)
-        if how is not None:
-            return f"{type(module).__name__} {how}"
+        why = NOT_SERVED.get(type(module).__name__)
+        if why is not None:
+            return f"{type(module).__name__} {why}"
     return None
 
 
@@ -273,8 +300,8 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
     it as its delegate); attention modules that call no attention function and have an adapter (BLOOM, MPT:
     :mod:`flashcodec_fx.hf.alibi`) are served by it, whether or not the model can switch implementations.
 
-    The model must currently use ``"sdpa"`` or ``"eager"``, and its attention modules pass the K/V the cache returns
-    to the attention function unchanged (:data:`CHANGES_KV`): ValueError otherwise. Calling it again is a no-op.
+    The model must currently use ``"sdpa"`` or ``"eager"``, and its attention modules be ones the stored form serves
+    (:data:`NOT_SERVED`): ValueError otherwise. Calling it again is a no-op.
     Layers whose cache is not a FlashCodecLayer keep computing exactly as before.
     """
     from . import alibi
@@ -287,9 +314,9 @@ def apply_codec_attention(model: torch.nn.Module) -> None:
     if current_name not in DELEGATES:
         raise ValueError(f"apply_codec_attention needs a model using attn_implementation in {DELEGATES}, got "
                          f"{current_name!r}")
-    changes = _changes_kv(model)
-    if changes is not None:
-        raise ValueError(f"{type(model).__name__}: {changes}")
+    why = _not_served(model)
+    if why is not None:
+        raise ValueError(f"{type(model).__name__}: {why}")
     own = [(config, attn_implementation(config)) for config in _configs(model)]
     adapted = alibi.install(model)
     try:

@@ -22,7 +22,7 @@ from ..config import CacheConfig
 from .handoff import COMPILED, StepTable, dataflow
 from .hybrid_layer import FlashCodecHybridLayer, FlashCodecHybridSlidingLayer
 from .layer import FlashCodecLayer, fall_back_to_view
-from .mla_layer import FlashCodecMLALayer, mla_widths
+from .mla_layer import FlashCodecMLALayer, FlashCodecSlidingMLALayer, mla_widths
 from .options import check_cache_switches, crop_count, is_model_config, resolve_codecs
 from .sliding_layer import FlashCodecSlidingLayer
 
@@ -336,7 +336,7 @@ def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: di
                  mla: tuple[int, int] | None) -> FlashCodecLayer:
     """The codec layer of a model layer of type ``kind`` (one of :data:`CODEC_LAYER_TYPES`), built with transformers'
     per-layer ``kwargs`` (``sliding_window``, ``number_of_states``); ``mla``: an MLA model's ``(kv_lora_rank,
-    qk_rope_head_dim)``, whose full-attention layers store one latent row with the key codec."""
+    qk_rope_head_dim)``, whose full-attention and sliding-window layers store one latent row with the key codec."""
     states = {"number_of_states": kwargs.get("number_of_states", 1)}
     if kind == "full_attention" and mla is not None:
         return FlashCodecMLALayer(key, latent_width=mla[0], rope_width=mla[1], **layer_kwargs)
@@ -345,6 +345,8 @@ def _codec_layer(kind: str, key: Any, value: Any, kwargs: dict, layer_kwargs: di
     if kind == "hybrid":
         return FlashCodecHybridLayer(key, value, **states, **layer_kwargs)
     window = {"sliding_window": kwargs["sliding_window"]}
+    if kind == "sliding_attention" and mla is not None:
+        return FlashCodecSlidingMLALayer(key, latent_width=mla[0], rope_width=mla[1], **window, **layer_kwargs)
     if kind == "hybrid_sliding":
         return FlashCodecHybridSlidingLayer(key, value, **window, **states, **layer_kwargs)
     return FlashCodecSlidingLayer(key, value, **window, **layer_kwargs)  # sliding, chunked: a ring of the window

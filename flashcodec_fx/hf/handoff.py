@@ -103,12 +103,12 @@ class AttentionStep:
         torch.ops.flashcodec.append(self.keys.state, self.key, self.keys.spec, None)
         torch.ops.flashcodec.append(self.values.state, self.value, self.values.spec, None)
 
-    def received(self, key: torch.Tensor) -> bool:
-        """Whether ``key`` is what attention should receive of this step: the very tensor the update returned; for an
-        MLA step, the module's per-head expansion of the same tokens (``(B, H, T, .)`` of the step's ``B`` and
-        ``T``)."""
+    def received(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether ``key`` / ``value`` are what attention should receive of this step: the very tensors the update
+        returned; for an MLA step, the module's per-head expansion of the same tokens (``(B, H, T, .)`` of the step's
+        ``B`` and ``T``)."""
         if key is self.key:
-            return True
+            return value is self.value
         return self.latent is not None and key.dim() == 4 and key.shape[0] == self.key.shape[0] \
             and key.shape[2] == self.key.shape[2]
 
@@ -156,11 +156,11 @@ class StepTable(dict[int, AttentionStep]):
             self.kept[layer_idx] = step
         return step
 
-    def shared(self, key: torch.Tensor) -> AttentionStep | None:
-        """The kept step whose key tensor ``key`` is (another attention call reads a layer's K/V again), its tokens
-        already appended; None where there is none."""
+    def shared(self, key: torch.Tensor, value: torch.Tensor) -> AttentionStep | None:
+        """The kept step whose key and value tensors ``key`` / ``value`` are (another attention call reads a layer's
+        K/V again), its tokens already appended; None where there is none."""
         for step in self.kept.values():
-            if step.key is key:
+            if step.key is key and step.value is value:
                 return dataclasses.replace(step, pending=False) if step.pending else step
         return None
 

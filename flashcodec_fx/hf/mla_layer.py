@@ -8,7 +8,8 @@ returns the call's own tokens (eager, the default): so the module expands only t
 attention attends on the stored rows in the absorbed form (``hf/mla_attention.py``): per-head K/V of the history are
 never built. ``lossless`` stores the rows as given: attention then expands the stored rows through the module's own
 ``expand_kv`` and runs the model's attention, the tokens of an uncompressed run. With ``materialization_free=False``
-the update returns the decoded ``(c, k_rot)`` views, which the module expands itself.
+the update returns the decoded ``(c, k_rot)`` views, which the module expands itself. An MLA model's sliding-window
+layers (dots.llm3) hold their rows in a ring: :class:`FlashCodecSlidingMLALayer`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from ..cache.latent import LatentKVCache
 from ..codecs import Codec
 from .layer import FlashCodecLayer
+from .sliding_layer import FlashCodecSlidingLayer
 
 
 def mla_widths(config: Any) -> tuple[int, int] | None:
@@ -104,3 +106,13 @@ class FlashCodecMLALayer(FlashCodecLayer):
         """Values the stored tokens stand for: ``B * L * (latent_width + rope_width)`` (each row stored once)."""
         tail = self.keys_stream.tail
         return 0 if tail is None else tail.shape[0] * tail.shape[1] * tail.shape[3] * self.keys_stream.get_seq_length()
+
+
+class FlashCodecSlidingMLALayer(FlashCodecSlidingLayer, FlashCodecMLALayer):
+    """A sliding-window MLA layer: the latent rows of :class:`FlashCodecMLALayer` in the ring of
+    :class:`~flashcodec_fx.hf.sliding_layer.FlashCodecSlidingLayer` (archive groups every later query has left behind
+    are dropped)."""
+
+    def __repr__(self) -> str:
+        return (f"FlashCodecSlidingMLALayer(window={self.sliding_window}, latent={self.latent_width}, "
+                f"rope={self.rope_width}, codec={self.keys_stream.codec!r})")

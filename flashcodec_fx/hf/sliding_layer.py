@@ -35,7 +35,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
             raise ValueError(f"a codec sliding-window layer takes codecs without sinks, got sinks={key_codec.sinks} "
                              f"(keys), {value_codec.sinks} (values)")
         check_count("sliding_window", sliding_window, 1)
-        super().__init__(key_codec, value_codec, layout, **layer_kwargs)
+        super().__init__(key_codec, value_codec, layout=layout, **layer_kwargs)
         self.sliding_window = sliding_window
         self.dropped = 0  # positions forgotten at the front (a multiple of the drop unit)
         self.record_past = False
@@ -83,7 +83,7 @@ class FlashCodecSlidingLayer(FlashCodecLayer):
 
     def _drop_to(self, target: int) -> None:
         if target > self.dropped:
-            for stream in (self.keys_stream, self.values_stream):
+            for stream in self.streams:
                 stream.drop_front(target - self.dropped)
             self.dropped = target
 

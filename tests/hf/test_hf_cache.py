@@ -57,9 +57,10 @@ def test_stored_form_layer_hands_attention_its_step():
     assert out_k is k and out_v is v and handed.key is k and handed.value is v and not handed.decode
     assert current_table() is table and not layer.attention_bound
     assert layer.keys_stream.memo is None  # nothing but the stored form is kept
-    assert take(_Attention(1), k) is None and table.get(0) is handed  # another layer's attention: not its step
-    assert take(_Attention(0), k.clone()) is None and not layer.attention_bound  # a prompt step with other keys stays
-    assert take(_Attention(0), k) is handed and layer.attention_bound and table.get(0) is None
+    assert take(_Attention(1), k.clone(), v) is None and table.get(0) is handed  # another layer's tensors: not its step
+    assert take(_Attention(0), k.clone(), v) is None and not layer.attention_bound  # a prompt step with other keys stays
+    assert take(_Attention(0), k, v.clone()) is None and not layer.attention_bound  # or other values
+    assert take(_Attention(0), k, v) is handed and layer.attention_bound and table.get(0) is None
     nk, nv = _states(1, 1)
     out_k, _ = layer.update(nk, nv)
     handed = table.get(0)
@@ -79,14 +80,15 @@ def test_a_step_left_behind_is_not_owed_to_another_caches_keys():
     and the layer's own next update reports the step untaken."""
     layer = _layer(view=False, quant_bits=8)
     layer.update(*_states(13, 0))
-    assert take(_Attention(0), layer._steps.get(0).key) is not None
+    step = layer._steps.get(0)
+    assert take(_Attention(0), step.key, step.value) is not None
     nk, nv = _states(1, 1)
     layer.update(nk, nv)  # a decode step, never taken
     with pytest.raises(RuntimeError, match="did not receive the keys"):
-        take(_Attention(0), nk.clone())  # its own attention call, with changed keys of its shape
+        take(_Attention(0), nk.clone(), nv)  # its own attention call, with changed keys of its shape
     other_cache_keys = torch.cat([_states(13, 2)[0], nk], 2)  # a DynamicCache's view: 14 positions
     for idx in (0, 1, 0):
-        assert take(_Attention(idx), other_cache_keys) is None
+        assert take(_Attention(idx), other_cache_keys, other_cache_keys) is None
     with pytest.raises(RuntimeError, match="did not receive the keys"):
         layer.update(nk, nv)
 
@@ -100,7 +102,7 @@ def test_a_cache_seats_each_layer_at_its_index():
         cache.update(k, v, idx)
     steps = [cache.step_table.get(idx) for idx in (0, 1)]
     assert current_table() is cache.step_table and steps[0] is not steps[1] and all(s.key is k for s in steps)
-    assert take(_Attention(1), k) is steps[1] and take(_Attention(0), k) is steps[0]
+    assert take(_Attention(1), k, v) is steps[1] and take(_Attention(0), k, v) is steps[0]
     assert all(cache.layers[idx].attention_bound for idx in (0, 1))
     other = fx.FlashCodecCache(num_layers=2, mode="png")  # another cache: its own table, its own steps
     other.update(k, v, 1)
@@ -108,15 +110,35 @@ def test_a_cache_seats_each_layer_at_its_index():
     assert cache.step_table.get(1) is None and not other.layers[1].attention_bound
 
 
+def test_a_cache_index_other_than_the_modules_takes_the_step_of_its_very_tensors():
+    """A model passing update another index than its attention module's layer_idx (a cache offset, a shared block)
+    takes the step handed last when its attention receives the very tensors the update returned; a later call that
+    receives a taken decode step's tensors again (KV sharing) reads the same stored form, its tokens appended."""
+    cache = fx.FlashCodecCache(num_layers=2, preset="int8")
+    k, v = _states(13, 0)
+    cache.update(k, v, 1)  # the module is layer 0, the cache index 1
+    assert take(_Attention(0), k, v).key is k and cache.step_table.get(1) is None and cache.layers[1].attention_bound
+    nk, nv = _states(1, 1)
+    cache.update(nk, nv, 1)
+    step = take(_Attention(0), nk, nv)
+    assert step.decode and step.pending and cache.step_table.kept[1] is step
+    step.append_now()  # what the attention call does with a pending step
+    again = take(_Attention(3), nk, nv)  # a layer sharing these K/V
+    assert again.keys is step.keys and not again.pending
+    assert take(_Attention(3), nk.clone(), nv) is None
+    cache.update(*_states(1, 2), 1)
+    assert 1 not in cache.step_table.kept  # the layer's next step replaces it
+
+
 def test_a_cache_index_other_than_the_modules_falls_back_to_the_view_loudly():
-    """A model passing update another index than its attention module's layer_idx (a cache offset) never reads
-    another layer's step: its prompt attends exactly, the step stays untaken, and the layer's next update warns and
-    switches to the decoded view (strict=True raises)."""
+    """A model passing update another index than its attention module's layer_idx whose attention receives other
+    tensors never reads another layer's step: its prompt attends exactly, the step stays untaken, and the layer's next
+    update warns and switches to the decoded view (strict=True raises)."""
     k, v = _states(13, 0)
     for strict in (False, True):
         cache = fx.FlashCodecCache(num_layers=2, mode="png", strict=strict)
         cache.update(k, v, 1)  # the module is layer 0, the cache index 1
-        assert take(_Attention(0), k) is None and cache.step_table.get(1) is not None
+        assert take(_Attention(0), k.clone(), v) is None and cache.step_table.get(1) is not None
         nk, nv = _states(1, 1)
         if strict:
             with pytest.raises(RuntimeError, match="does not use the 'kvcodec' attention"):

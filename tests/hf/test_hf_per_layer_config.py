@@ -5,6 +5,7 @@ head dim (issue 40), where reading the global ``config.head_dim`` raises ``Ambig
 from __future__ import annotations
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4TextConfig"):
@@ -40,3 +41,24 @@ def test_lossless_padded_batch_is_exact_and_lossy_runs_on_the_stored_form():
     cache = cache_of(out)
     assert [layer.keys_stream.tail.shape[-1] for layer in cache.layers] == [16, 32]
     assert cache.bits_per_value() < 16
+
+
+@pytest.mark.skipif("dots3_note_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING,
+                    reason="this transformers has no dots.llm3")
+def test_an_mla_sliding_layer_is_a_ring_of_latent_rows():
+    """dots.llm3: MLA on every layer, sliding-window layers among them (their head dim differs per layer): their
+    latent rows live in a ring (FlashCodecSlidingMLALayer), attended on in the absorbed form."""
+    from flashcodec_fx.evaluate.architectures import build_model
+    from flashcodec_fx.hf.mla_layer import FlashCodecSlidingMLALayer
+
+    model = build_model("dots3_note_text")
+    ids, mask = padded_batch(length=40, pad=16)  # past the window of 8
+    exact = codec_greedy(model, ids, mask, preset="lossless")
+    assert same_logits(exact, greedy(model, ids, mask), atol=1e-5)
+    assert isinstance(cache_of(exact).layers[2], FlashCodecSlidingMLALayer)
+    stored = codec_greedy(model, ids, mask, preset="int8", strict=True, raw_dtype="stream")
+    ring = cache_of(stored).layers[2]
+    assert ring.dropped > 0 and ring.keys_stream.get_seq_length() <= 16  # the window's rows, and the next group's
+    view = codec_greedy(model, ids, mask, preset="int8", materialization_free=False, memoize=False, raw_dtype="stream")
+    assert torch.equal(stored.sequences, view.sequences)
+    torch.testing.assert_close(torch.stack(stored.logits), torch.stack(view.logits), rtol=1e-4, atol=1e-4)

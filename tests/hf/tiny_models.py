@@ -37,13 +37,14 @@ def greedy(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None, new_
                               return_dict_in_generate=True, output_logits=True, **kwargs)
 
 
-def codec_greedy(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None, **options: Any) -> Any:
+def codec_greedy(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None, new_tokens: int = 8,
+                 **options: Any) -> Any:
     """:func:`greedy` under ``apply_flash_codec(model, **options)``, removed afterwards."""
     import flashcodec_fx as fx
 
     fx.apply_flash_codec(model, **options)
     try:
-        return greedy(model, ids, mask)
+        return greedy(model, ids, mask, new_tokens)
     finally:
         fx.remove_flash_codec(model)
 
@@ -59,6 +60,16 @@ def flashcodec_warnings(call: Callable[[], Any]) -> tuple[Any, list[warnings.War
         warnings.simplefilter("always")
         result = call()
     return result, [w for w in caught if type(w.message).__module__.startswith("flashcodec_fx")]
+
+
+def apply_saying(model: Any, category: str, words: str, **options: Any) -> None:
+    """``apply_flash_codec(model, **options)``, checking that flashcodec said exactly one thing: a ``category``
+    warning whose message holds ``words``."""
+    import flashcodec_fx as fx
+
+    _, caught = flashcodec_warnings(lambda: fx.apply_flash_codec(model, **options))
+    said = [f"{type(w.message).__name__}: {w.message}" for w in caught]
+    assert len(said) == 1 and said[0].startswith(f"{category}: ") and words in said[0], said
 
 
 def same_logits(a: Any, b: Any, atol: float = 0.0) -> bool:
