@@ -12,7 +12,7 @@ FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 
 # The issue-9 key table (5,3,3,2,2,2,2,2 for r = 8), cut or padded with 2s for other block sizes.
 KEY_TABLE = (5, 3, 3)
-QUANT_TIERS = ("jpeg-table", "token-lloyd2", "channel-uniform4", "jpeg-midrise4")
+QUANT_TIERS = ("jpeg-table", "token-lloyd2", "channel-uniform4", "jpeg-midrise4", "token-tcq3")
 
 
 def bit_table(block_size: int) -> tuple[int, ...]:
@@ -33,7 +33,9 @@ def tier_table(block_size: int, low_keep: int) -> dict[str, Codec]:
       2 sinks and a raw window of 3;
     - ``channel-uniform4``: tokens (block_size 1) 4-bit uniform per channel over ``block_size`` tokens (KIVI-style
       keys), searched, 2 sinks;
-    - ``jpeg-midrise4``: DCT blocks, 4-bit mid-rise per (block, frequency), centered, seed-5 rotation, a window of 2.
+    - ``jpeg-midrise4``: DCT blocks, 4-bit mid-rise per (block, frequency), centered, seed-5 rotation, a window of 2;
+    - ``token-tcq3``: keys per token, 3-bit trellis codes (``levels="tcq"``), centered and rotated, searched scale,
+      2 sinks and a raw window of 3.
 
     ``png-window``: exact png with 1 sink and a raw window of ``block_size // 2`` (residual policy on the exact tier).
     """
@@ -53,6 +55,8 @@ def tier_table(block_size: int, low_keep: int) -> dict[str, Codec]:
                                        group=r, scale_search=True, sinks=2),
         "jpeg-midrise4": make_codec("jpeg", block_size=r, quant_bits=4, levels="midrise", center=True, rotate=5,
                                     window=2),
+        "token-tcq3": make_codec("jpeg", block_size=1, quant_bits=3, levels="tcq", rotate=True, center=True,
+                                 scale_search=True, sinks=2, window=3),
     }
 
 

@@ -8,6 +8,8 @@ A stored value is ``level[c] * scale + zero``:
 - ``midrise``: symmetric ``c - 2**(b-1) + 1/2`` (no zero level): scale ``amax / 2**(b-1)``.
 - ``lloyd``: Lloyd-Max levels of a unit Gaussian (minimum mean squared error for normal data), scale = the RMS;
   1..6 bits.
+- ``tcq``: trellis-coded quantization (``trellis.py``): a code's value depends on the three codes before it in its
+  row, ``alphabet[index] * scale`` (the table below is the ``2**(b+1)`` alphabet); token-axis scales, 1..4 bits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import math
 
 import torch
 
-LEVELS = ("int", "uniform", "midrise", "lloyd")
+from . import trellis
+
+LEVELS = ("int", "uniform", "midrise", "lloyd")  # scalar level sets: a code's value is its own
+LEVEL_SETS = (*LEVELS, "tcq")  # every ``levels`` name: the scalar ones, then trellis codes
 MAX_BITS = 8
 LLOYD_MAX_BITS = 6
 _LLOYD_ITERATIONS = 100_000  # at most; stops once no level moves by more than _LLOYD_TOLERANCE of the level spacing
@@ -32,14 +37,16 @@ def qmax(bits: int) -> int:
 
 def check_levels(name: str, levels: str, bits: int) -> None:
     if not isinstance(levels, str):
-        raise TypeError(f"{name} must be one of {LEVELS}, got {type(levels).__name__} {levels!r}")
-    if levels not in LEVELS:
-        raise ValueError(f"{name} must be one of {LEVELS}, got {levels!r}")
+        raise TypeError(f"{name} must be one of {LEVEL_SETS}, got {type(levels).__name__} {levels!r}")
+    if levels not in LEVEL_SETS:
+        raise ValueError(f"{name} must be one of {LEVEL_SETS}, got {levels!r}")
     if levels == "int" and bits < 2:
         raise ValueError(f"{name}='int' needs at least 2 bits (1 bit has no symmetric integer grid), got {bits}")
     if levels == "lloyd" and bits > LLOYD_MAX_BITS:
         raise ValueError(f"{name}='lloyd' is for 1..{LLOYD_MAX_BITS} bits (above, a uniform grid is as good); got {bits}: "
                          f"use 'int' or 'uniform'")
+    if levels == "tcq":
+        trellis.check_bits(name, bits)
 
 
 def _normal_pdf(x: torch.Tensor) -> torch.Tensor:
@@ -79,11 +86,14 @@ def _table(levels: str, bits: int) -> tuple[float, ...]:
         return tuple(float(c) for c in range(n))
     if levels == "midrise":
         return tuple(c - (n >> 1) + 0.5 for c in range(n))
+    if levels == "tcq":
+        return trellis.ALPHABETS[bits]
     return _lloyd_max(bits)
 
 
 def level_table(levels: str, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``(2**bits,)`` fp32: the unscaled value of each code (one copy per device, cached)."""
+    """``(2**bits,)`` fp32: the unscaled value of each code (one copy per device, cached); ``tcq``: its
+    ``(2**(bits+1),)`` alphabet, indexed by ``trellis.alphabet_index``."""
     check_levels("levels", levels, bits)
     return _on_device(levels, bits, str(torch.device("cpu") if device is None else torch.device(device)))
 
@@ -112,7 +122,7 @@ def base_scale(levels: str, bits: int, x: torch.Tensor, dims: tuple[int, ...]) -
         low, high = x.amin(dims, keepdim=True), x.amax(dims, keepdim=True)
         return (high - low) / ((1 << bits) - 1), low
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    if levels == "lloyd":  # the RMS, its square root correctly rounded (torch's CPU sqrt is not: rms_sqrt)
+    if levels in ("lloyd", "tcq"):  # the RMS, its square root correctly rounded (torch's CPU sqrt is not: rms_sqrt)
         return rms_sqrt(x.square().mean(dims, keepdim=True)), zero
     amax = x.abs().amax(dims, keepdim=True)
     return amax / (qmax(bits) if levels == "int" else (1 << (bits - 1))), zero

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import trellis
 from .levels import MAX_BITS, base_scale, check_levels, code_range, level_table, qmax
 from .pack import pack, unpack
 
@@ -57,6 +58,9 @@ class Quantizer:
             if lv == "uniform" and len({self.bits[j] for j in rows}) > 1:
                 raise ValueError("levels='uniform' needs one bit width per scale class (its zero point and step are "
                                  f"shared); the AC rows have bits {sorted({self.bits[j] for j in rows})}")
+        if "tcq" in self.levels and self.axis != "token":
+            raise ValueError("levels='tcq' codes each row along head_dim with one scale per row: it needs "
+                             f"scale_axis='token', got {self.axis!r}")
         if self.axis == "token" and self.blocks != 1:
             raise ValueError(f"scale_axis='token' keeps one scale per row: blocks must be 1, got {self.blocks}")
 
@@ -116,10 +120,10 @@ class Quantizer:
 
     def level_rows(self, device: torch.device | str | None = None) -> torch.Tensor:
         """``(K, 2**max_bits)`` fp32: the level table of each row (padded with zeros), for kernels."""
-        width = 1 << max(self.bits)
-        out = torch.zeros(self.rows, width, dtype=torch.float32)
-        for j, b in enumerate(self.bits):
-            out[j, : 1 << b] = level_table(self.levels[self.row_class[j]], b)
+        tables = [level_table(self.levels[self.row_class[j]], b) for j, b in enumerate(self.bits)]
+        out = torch.zeros(self.rows, max(t.numel() for t in tables), dtype=torch.float32)  # tcq: 2**(b+1) columns
+        for j, table in enumerate(tables):
+            out[j, : table.numel()] = table
         return out.to(device)
 
     def warm(self, device: torch.device | str) -> None:
@@ -181,6 +185,8 @@ class Quantizer:
         return codes
 
     def _levels_of(self, codes: torch.Tensor, c: int) -> torch.Tensor:
+        if self.levels[c] == "tcq":  # token axis: one row per class, its values decoded along head_dim
+            return trellis.levels(codes, self.bits[self.classes[c][0]])
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
         for i, j in enumerate(self.classes[c]):
             table = level_table(self.levels[c], self.bits[j], codes.device)
@@ -196,6 +202,11 @@ class Quantizer:
         scales, zeros = [], []
         for c, idx in enumerate(self.classes):
             x = self._class_values(rows, c)
+            if self.levels[c] == "tcq":  # the trellis' own search (trellis.py): codes and scale (..., g, 1)
+                tcq_codes, scale = trellis.encode(x, self.bits[idx[0]], self.search)
+                codes[..., idx[0]: idx[0] + 1, :] = tcq_codes
+                scales.append(scale)
+                continue
             cand_s, cand_z = self._candidates(x, c)
             if cand_s.shape[0] > 1:
                 err = torch.stack([

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codecs import LEVELS, JPEGCodec, codec_from_spec
+from ..codecs import JPEGCodec, codec_from_spec
+from ..codecs.levels import LEVEL_SETS
 from ..codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 
 # Stored forms (``StoredFormPlan.form``):
@@ -20,8 +21,9 @@ FLOAT_ROWS = 0  # jpeg coefficients in the stream dtype, png anchor + deltas in 
 PRUNED_ROWS = 1  # png keep_ratio < 1: anchor + the kept deltas, uint8 positions
 TOKEN_CODES = 2  # packed codes, one fp16 scale per (block, row) (scale_axis="token")
 CHANNEL_CODES = 3  # packed codes, fp16 scales per (group, class, channel) (scale_axis="channel")
-# Level kinds (``StoredFormPlan.level_kind``, ``class_levels``): the index in ``codecs.levels.LEVELS``.
-LEVEL_KINDS = {name: i for i, name in enumerate(LEVELS)}
+# Level kinds (``StoredFormPlan.level_kind``, ``class_levels``): the index in ``codecs.levels.LEVEL_SETS`` (the scalar
+# ``LEVELS``, then ``tcq``: trellis codes, ``codecs/trellis.py``).
+LEVEL_KINDS = {name: i for i, name in enumerate(LEVEL_SETS)}
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ def stored_form_plan(spec: str, head_dim: int) -> StoredFormPlan:
     for b in q.bits:
         slices |= b
     kinds = tuple(LEVEL_KINDS[lv] for lv in q.levels)
+    levels = q.level_rows("cpu").contiguous()  # tcq rows: their 2**(b+1) alphabet
     return StoredFormPlan(
         form=TOKEN_CODES if q.axis == "token" else CHANNEL_CODES, classes=len(q.classes), zero_classes=q.zero_classes,
         row_bytes=q.row_bytes(head_dim), bits=q.bits, bit_offset=q.row_offsets,
@@ -117,4 +120,4 @@ def stored_form_plan(spec: str, head_dim: int) -> StoredFormPlan:
         zero_slot=tuple(q.zero_slot[c] for c in q.row_class), level_kind=tuple(kinds[c] for c in q.row_class),
         class_levels=kinds, class_zero=q.zero_slot, class_first=tuple(rows[0] for rows in q.classes),
         class_last=tuple(rows[-1] for rows in q.classes), slices=slices, lloyd="lloyd" in q.levels, search=q.search,
-        level_width=1 << max(q.bits), levels=q.level_rows("cpu").contiguous(), **common)
+        level_width=levels.shape[1], levels=levels, **common)

@@ -103,17 +103,25 @@ def advance(codec: Codec, start, end):
 
 
 @functools.lru_cache(maxsize=512)
-def fast_kernels_serve(*specs: str, head_dim: int | None = None) -> bool:
+def fast_kernels_serve(*specs: str, head_dim: int | None = None, trellis: bool = False) -> bool:
     """Whether the fast kernels know every codec of ``specs`` (:data:`KERNEL_CODECS`) and ``head_dim`` (a multiple of
     :data:`KERNEL_HEAD_DIM_MULTIPLE`); else the reference ops serve, which use only the
     :class:`~flashcodec_fx.codecs.Codec` interface and take any head_dim the codec stores (and reject a bad spec,
-    naming the argument)."""
+    naming the argument). Trellis codes (``levels="tcq"``) only where the caller's kernels decode them
+    (``trellis``)."""
     if head_dim is not None and head_dim % KERNEL_HEAD_DIM_MULTIPLE:
         return False
     try:
-        return all(type(codec_from_spec(spec)) in KERNEL_CODECS for spec in specs)
+        codecs = [codec_from_spec(spec) for spec in specs]
     except (TypeError, ValueError):  # a bad spec: the reference op validates it and names the argument
         return False
+    return all(type(c) in KERNEL_CODECS and (trellis or not uses_trellis(c)) for c in codecs)
+
+
+def uses_trellis(codec: Codec) -> bool:
+    """Whether ``codec`` stores trellis codes (``levels="tcq"``, ``codecs/trellis.py``)."""
+    q = getattr(codec, "quantizer", None)
+    return q is not None and "tcq" in q.levels
 
 
 def spec_codec(name: str, spec: str) -> Codec:

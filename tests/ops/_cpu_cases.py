@@ -11,7 +11,8 @@ from flashcodec_fx.ops.reference.append import append_reference
 from flashcodec_fx.ops.state import empty_state
 
 # Every stored form: raw / truncated DCT, png exact and pruned, each level set on each scale axis, bit tables,
-# sub-byte widths 1..8, sinks, windows, centers and rotations (small blocks keep the reference fast).
+# sub-byte widths 1..8, sinks, windows, centers and rotations, trellis codes (levels="tcq") per token and per DCT row
+# (small blocks keep the reference fast).
 CODECS = {
     "jpeg": ("jpeg", {"block_size": 4}),
     "jpeg-k2-residual": ("jpeg", {"block_size": 4, "keep_freqs": 2, "sinks": 1, "window": 3}),
@@ -31,6 +32,12 @@ CODECS = {
     "token-lloyd-value": ("jpeg", {"block_size": 1, "quant_bits": 2, "levels": "lloyd", "rotate": 2, "center": True,
                                    "scale_search": True, "sinks": 3, "window": 5}),
     "token-uniform-4bit": ("jpeg", {"block_size": 1, "quant_bits": 4, "levels": "uniform", "center": True}),
+    "token-tcq3": ("jpeg", {"block_size": 1, "quant_bits": 3, "levels": "tcq", "rotate": 2, "center": True,
+                            "scale_search": True, "sinks": 3, "window": 5}),
+    "token-tcq2": ("jpeg", {"block_size": 1, "quant_bits": 2, "levels": "tcq", "scale_search": True}),
+    "token-tcq1": ("jpeg", {"block_size": 1, "quant_bits": 1, "levels": "tcq", "rotate": 1}),
+    "token-tcq4": ("jpeg", {"block_size": 1, "quant_bits": 4, "levels": "tcq", "scale_search": True, "window": 2}),
+    "jpeg-tcq-table": ("jpeg", {"block_size": 4, "quant_bits": (4, 3, 2, 1), "levels": "tcq", "scale_search": True}),
     "png": ("png", {"block_size": 4}),
     "png-pruned": ("png", {"block_size": 4, "keep_ratio": 0.5, "sinks": 1, "window": 2}),
 }

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import LEVELS, Codec, JPEGCodec, make_codec
+from flashcodec_fx.codecs.levels import LEVEL_SETS
 from flashcodec_fx.codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 from flashcodec_fx.ops.cpu.plan import CLASS_FIELDS, LEVEL_WIDTH, META_FIELDS, ROW_FIELDS, codec_plan
 from flashcodec_fx.ops.plan import CHANNEL_CODES, FLOAT_ROWS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
@@ -69,12 +70,13 @@ def _check_against_codec(plan: StoredFormPlan, codec: Codec, d: int) -> None:
         offset += bits
         c = plan.row_class[j]
         assert j in q.classes[c] and plan.class_first[c] <= j <= plan.class_last[c]
-        assert plan.level_kind[j] == LEVELS.index(q.levels[c]) == plan.class_levels[c]
+        assert plan.level_kind[j] == LEVEL_SETS.index(q.levels[c]) == plan.class_levels[c]
         assert plan.zero_slot[j] == plan.class_zero[c] == (q.zero_slot[c] if q.levels[c] == "uniform" else -1)
     assert plan.classes == len(q.classes) == len(plan.class_first) and plan.zero_classes == q.zero_classes
     assert all(plan.class_first[c] == min(rows) and plan.class_last[c] == max(rows) for c, rows in enumerate(q.classes))
     assert all((plan.slices & w != 0) == any(b & w for b in q.bits) for w in (1, 2, 4, 8))
-    assert plan.lloyd == ("lloyd" in q.levels) and plan.level_width == 1 << max(q.bits)
+    alphabet = max(b + (lv == "tcq") for b, lv in zip(q.bits, (q.levels[c] for c in q.row_class), strict=True))
+    assert plan.lloyd == ("lloyd" in q.levels) and plan.level_width == 1 << alphabet  # tcq: 2**(b+1) levels
     assert torch.equal(plan.levels, q.level_rows())
 
 

@@ -47,8 +47,8 @@ try:
 except ImportError:  # not POSIX: builds are still published atomically, two processes may both build
     fcntl = None
 
-SOURCES = ("common.h", "pool.h", "token_simd.h", "token_attention.cpp", "attention.cpp", "quantize.h", "append.cpp",
-           "fused.cpp", "bindings.cpp")
+SOURCES = ("common.h", "trellis.h", "pool.h", "token_simd.h", "token_attention.cpp", "attention.cpp", "quantize.h",
+           "append.cpp", "fused.cpp", "bindings.cpp")
 # -ffp-contract=off: every a * b + c rounds as written (the encoder is bitwise the reference); the attention kernels
 # ask for their FMAs explicitly (std::fma, FMA intrinsics).
 # -fvisibility=hidden: the helpers bind locally (no PLT calls between them); the module's entry point stays exported.

@@ -28,12 +28,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kFp16Max = 65504.0f;
 
 enum Quant { kNone = 0, kToken = 1, kChannel = 2 };
-enum Levels { kInt = 0, kUniform = 1, kMidrise = 2, kLloyd = 3 };
+enum Levels { kInt = 0, kUniform = 1, kMidrise = 2, kLloyd = 3, kTcq = 4 };  // ops/plan.py LEVEL_KINDS
 
 // One codec, parsed from plan.Plan: the meta fields by name (CodecMeta, generated), the tables, and what follows.
 struct Codec : CodecMeta {
   float level_off[kMaxRows];  // affine level sets: level[c] == c + level_off (int, uniform, midrise)
   bool affine[kMaxRows];
+  bool tcq[kMaxRows];     // trellis codes (levels="tcq", trellis.h): `levels` holds the row's 2**(bits+1) alphabet
   bool bytes8;            // every row 8-bit affine, rows back to back: a block converts as one run of bytes
   const float* synth;     // (r, dense)
   const float* levels;    // (rows, kLevelWidth)
@@ -52,7 +53,8 @@ struct Codec : CodecMeta {
       for (int k = 0; k < c.classes; ++k, record += kClassFields) c.read_class(k, record);
       for (int j = 0; j < c.rows; ++j) {
         int kind = c.class_levels[c.row_class[j]], half = 1 << (c.bits[j] - 1);
-        c.affine[j] = kind != kLloyd;
+        c.affine[j] = kind != kLloyd && kind != kTcq;
+        c.tcq[j] = kind == kTcq;
         c.level_off[j] = kind == kInt ? -half : kind == kMidrise ? 0.5f - half : 0.0f;
       }
     }
@@ -431,6 +433,8 @@ inline void select_levels(const int32_t* codes, const float* table, int D, float
   }
 }
 
+inline void tcq_indices(int32_t* codes, int D);  // trellis.h
+
 // The unscaled level values of row j of a packed block (`block` = the block's row_bytes).
 inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* codes, float* out) {
   const int D = c.head_dim;
@@ -441,6 +445,17 @@ inline void row_levels(const Codec& c, const uint8_t* block, int j, int32_t* cod
     return;
   }
   unpack_codes(src, c.bits[j], D, codes);
+  if (c.tcq[j]) {  // trellis codes: alphabet indices (each from its code and the three before it), then the alphabet
+    tcq_indices(codes, D);
+    const float* table = c.levels + j * kLevelWidth;
+    switch (c.bits[j]) {
+      case 1: select_levels<4>(codes, table, D, out); break;
+      case 2: select_levels<8>(codes, table, D, out); break;
+      case 3: select_levels<16>(codes, table, D, out); break;
+      default: for (int d = 0; d < D; ++d) out[d] = table[codes[d]];
+    }
+    return;
+  }
   if (c.affine[j]) {
     const float off = c.level_off[j];
     for (int d = 0; d < D; ++d) out[d] = static_cast<float>(codes[d]) + off;

@@ -107,7 +107,7 @@ def cpu_codec_attention(q, k_state, v_state, spec_k, spec_v, k_new=None, v_new=N
     """
     module = EXTENSION.module()
     if (module is None or q.dtype not in KERNEL_DTYPES or q.dim() != 4
-            or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3])):  # the reference validates the rest
+            or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3], trellis=True)):  # the reference validates the rest
         return codec_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap,
                                          sinks, alibi)
     key = ("attention", spec_k, spec_v, _layout(q), _state_layout(k_state), _state_layout(v_state), _layout(k_new),
@@ -138,7 +138,7 @@ def cpu_append(state, new, spec, memo=None) -> None:
     """
     module = EXTENSION.module()
     if (module is None or new.dtype not in KERNEL_DTYPES or new.dim() != 4
-            or not fast_kernels_serve(spec, head_dim=new.shape[3])):  # the reference validates the rest
+            or not fast_kernels_serve(spec, head_dim=new.shape[3], trellis=True)):  # the reference validates the rest
         append_reference(state, new, spec, memo)
         return
     key = ("append", spec, _state_layout(state), _layout(new), _layout(memo))
@@ -174,7 +174,7 @@ def _append_attention_checked(q, k_state, v_state, spec_k, spec_v, k_new, v_new,
     run there; the measuring append as the separate kernels; the reference where the kernels do not serve."""
     module = EXTENSION.module()
     if (module is None or not isinstance(q, torch.Tensor) or q.dtype not in KERNEL_DTYPES or q.dim() != 4
-            or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3])):  # the reference validates the rest
+            or not fast_kernels_serve(spec_k, spec_v, head_dim=q.shape[3], trellis=True)):  # the reference validates the rest
         return append_attention_reference(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, scale, softcap,
                                           sinks, alibi)
     check_append_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, softcap, sinks, alibi)

@@ -387,6 +387,12 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
     if (c.quant == kToken) {
       rbuf.assign(D, first);
       for (int blk = 0; blk < g; ++blk) {
+        if (c.class_levels[k] == kTcq) {  // trellis codes: the row's Viterbi search and scale (trellis.h)
+          slot.scale[blk * c.classes + k] = at::Half(tcq_encode_row(
+              coefs + (blk * K + first) * D, D, c.bits[first], c.levels + first * kLevelWidth, c.search,
+              codes.data() + (blk * K + first) * D, tcq_work(static_cast<size_t>(D) * (kTcqStates + 4))));
+          continue;
+        }
         Slice s{coefs + (blk * K + first) * D, rbuf.data(), D, -1};
         float sc, zr;
         quantize_slice(c, k, s, false, 1, sq.data(), sc, zr, codes.data() + (blk * K + first) * D);

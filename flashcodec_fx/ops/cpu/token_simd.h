@@ -102,6 +102,61 @@ struct Codes {
   }
 };
 
+// Unscaled values of BITS-bit trellis codes (levels="tcq", 1..3 bits: trellis.h): the alphabet index of channel t is
+// ((c[t] >> 1) << 2) | l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1 (l: the codes' low bits, 0 before the row), read from
+// the 2**(BITS+1) alphabet (at most 16 values: two registers) as Codes<4> reads its table. The low bits of the 8
+// channels before the chunk come from decoding that chunk's codes too (no state carried between calls).
+template <int BITS>
+struct TcqCodes {
+  __m256 lo, hi;  // alphabet entries 0..7 and 8..15 (zero past the alphabet)
+  int64_t high_slice;
+
+  TcqCodes(const float* alphabet, float, int D) {
+    alignas(32) float t[16] = {};
+    for (int e = 0; e < (2 << BITS); ++e) t[e] = alphabet[e];
+    lo = _mm256_load_ps(t);
+    hi = _mm256_load_ps(t + 8);
+    high_slice = D / 4;
+  }
+
+  __m256i codes(const uint8_t* row, int j) const {
+    if constexpr (BITS == 3)
+      return _mm256_or_si256(slice_codes<2>(row, j), _mm256_slli_epi32(slice_codes<1>(row + high_slice, j), 2));
+    else
+      return slice_codes<BITS>(row, j);
+  }
+
+  // The low bit of every code of chunk j (lane i: bit i).
+  int low_bits(const uint8_t* row, int j) const {
+    if constexpr (BITS == 1) {
+      return row[j];
+    } else {
+      const __m256i c = slice_codes<2>(row, j);  // the low 2 bits hold the low bit (BITS 2 and 3)
+      return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(c, 31)));
+    }
+  }
+
+  __m256 operator()(const uint8_t* row, int j) const {
+    const __m256i c = codes(row, j);
+    const int prev = j > 0 ? low_bits(row, j - 1) : 0;
+    const int window = prev | (low_bits(row, j) << 8);  // bit k: the low bit of channel 8j - 8 + k
+    // lane i: bits 0..3 = l[t-3], l[t-2], l[t-1], l[t] of channel t = 8j + i
+    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(window), _mm256_setr_epi32(5, 6, 7, 8, 9, 10, 11, 12));
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i l2 = _mm256_and_si256(_mm256_srli_epi32(v, 1), one);
+    const __m256i parity = _mm256_and_si256(
+        _mm256_xor_si256(v, _mm256_xor_si256(_mm256_srli_epi32(v, 2), _mm256_srli_epi32(v, 3))), one);
+    const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2),
+                                      _mm256_or_si256(l2, _mm256_slli_epi32(parity, 1)));
+    if constexpr (BITS == 3) {
+      const __m256 low = _mm256_permutevar8x32_ps(lo, a), high = _mm256_permutevar8x32_ps(hi, a);
+      return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(a, 28)));  // bit 3 selects
+    } else {
+      return _mm256_permutevar8x32_ps(lo, a);
+    }
+  }
+};
+
 // [sum(v[0]), ..., sum(v[7])]: eight horizontal sums in one register.
 inline __m256 hsum8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
@@ -277,11 +332,19 @@ inline void halves(const at::Half* half, int64_t n, float* out) {
 #endif  // FC_TOKEN_AVX2
 
 // How a per-token archive's rows are read: stream-dtype rows, the portable path, or a SIMD code width.
-enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8 };
+enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8, kTcq1, kTcq2, kTcq3 };
 
 inline RowCodes row_codes(const Codec& c, bool simd) {
   if (c.quant == kNone) return RowCodes::kRaw;
 #ifdef FC_TOKEN_AVX2
+  if (simd && c.tcq[0]) {
+    switch (c.bits[0]) {
+      case 1: return RowCodes::kTcq1;
+      case 2: return RowCodes::kTcq2;
+      case 3: return RowCodes::kTcq3;
+      default: return RowCodes::kPortable;
+    }
+  }
   if (simd) {
     switch (c.bits[0]) {
       case 1: return RowCodes::kBits1;
@@ -310,6 +373,9 @@ inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {
     case RowCodes::kBits2: fn(avx2::Codes<2>(table, off, D)); break;
     case RowCodes::kBits3: fn(avx2::Codes<3>(table, off, D)); break;
     case RowCodes::kBits4: fn(avx2::Codes<4>(table, off, D)); break;
+    case RowCodes::kTcq1: fn(avx2::TcqCodes<1>(table, off, D)); break;
+    case RowCodes::kTcq2: fn(avx2::TcqCodes<2>(table, off, D)); break;
+    case RowCodes::kTcq3: fn(avx2::TcqCodes<3>(table, off, D)); break;
     default: fn(avx2::Codes<8>(table, off, D)); break;
   }
 }

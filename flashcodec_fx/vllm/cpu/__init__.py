@@ -12,8 +12,9 @@ from ...ops.cpu.build import Extension, compile_extension
 
 _HERE = Path(__file__).resolve().parent
 _OPS = _HERE.parent.parent / "ops" / "cpu"
-SOURCES = (_OPS / "common.h", _OPS / "pool.h", _OPS / "token_simd.h", _OPS / "quantize.h", _HERE / "page.h",
-           _HERE / "paged_store.cpp", _HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp", _HERE / "bindings.cpp")
+SOURCES = (_OPS / "common.h", _OPS / "trellis.h", _OPS / "pool.h", _OPS / "token_simd.h", _OPS / "quantize.h",
+           _HERE / "page.h", _HERE / "paged_store.cpp", _HERE / "paged_attention.cpp", _HERE / "paged_prefill.cpp",
+           _HERE / "bindings.cpp")
 EXTENSION = Extension(functools.partial(compile_extension, paths=SOURCES), kernels="the vLLM plugin's store and attention")
 
 __all__ = ["EXTENSION", "SOURCES"]

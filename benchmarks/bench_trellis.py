@@ -1,0 +1,193 @@
+"""Issue 42's probe: trellis-coded quantization (TCQ) of the rotated per-token rows against the scalar Lloyd-Max codes.
+
+    python benchmarks/bench_trellis.py                      # Gaussian MSE, then KL on SmolLM2 (3 x 1024 tokens)
+    python benchmarks/bench_trellis.py --mse-only --rows 2000
+    python benchmarks/bench_trellis.py --speed --threads 1    # attention on the stored form: presets vs their tcq codes
+
+Trellises (``trellis_probe_lib.py``, plain torch): an 8-state Ungerboeck TCQ (alphabet ``0.9 x`` the ``(b+1)``-bit
+Lloyd-Max levels in four subsets, state = the last three branch bits), the same trellis with its ``8 x 2**b`` table
+trained on Gaussian rows (Lloyd iterations through the Viterbi encoder), and QTIP-style bitshift trellises (state =
+the last ``m`` bits of the code stream, a trained ``2**(m+b)`` table). Every row of 64 values starts in state 0 (no
+side bits); the scale is one fp16 per row: two candidates (0.9 and 1.1 x the RMS), a Viterbi pass each, the least
+error kept, then the least-squares scale of the kept codes where it errs less.
+
+MSE: unit-Gaussian rows of 64, normalized (sum of squared errors over sum of squares), against the package's
+Lloyd-Max quantizer with its scale search. KL: ``bench_fakequant``'s one-pass model of bench_ppl's streaming protocol
+(SmolLM2-135M, fp32, prefill 128, chunks of 16), the presets' recipes as they are (sinks, windows, center,
+normalize, rotation) with the archived rows' codes replaced by the trellis' (same bits per value: ``b`` bits per code,
+one fp16 scale per token and head, so the stored bits are the presets'). Output: results/trellis_probe.json.
+
+Speed (``--speed``): ``bench_attention.bench`` (single-token decode attention of one SmolLM2 layer, fp32, interleaved
+rounds, the C++ kernel through ``torch.ops.flashcodec.codec_attention``) for each preset and the same preset with
+``levels="tcq"`` (the package's trellis codes, ``codecs/trellis.py``), at 4k and 16k tokens, 1 and 30 layers cycled.
+Output: results/trellis_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import bench_fakequant
+import torch
+import trellis_probe_lib as tl
+from common import RESULTS_DIR, write_result
+from corpus import kind_texts, leading_tokens, load_tokens, windows
+
+from flashcodec_fx.codecs import Codec
+from flashcodec_fx.codecs.quant import Quantizer
+from flashcodec_fx.config import cache_config
+from flashcodec_fx.evaluate import markdown_table, token_kl, token_nll
+from flashcodec_fx.presets import preset_options
+
+FACTORS = (0.9, 1.1)
+
+
+def trellises(bits: int, train_rows: int, fast: bool) -> dict[str, tl.Trellis]:
+    out = {"tcq8": tl.ungerboeck(bits, 0.9)}
+    out["tcq8-trained"] = tl.train_table(out["tcq8"], bits, rows=train_rows, iterations=8)
+    if not fast:
+        for m in (4, 6):
+            tr = tl.train_table(tl.bitshift(bits, m), bits, rows=train_rows, iterations=10)
+            out[f"bitshift{1 << m}-trained"] = tr
+    return out
+
+
+def mse_rows(rows: int, train_rows: int, bit_list: tuple[int, ...]) -> tuple[list[dict], dict]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 64, generator=gen)
+    out, tables = [], {}
+    for bits in bit_list:
+        q = Quantizer((bits,), ("lloyd",), search=True)
+        packed, s, z = q.quantize(x[:, None, None, :])
+        rec = q.dequantize(packed, s, z, 64)[:, 0, 0]
+        out.append({"bits": bits, "codes": "lloyd + scale search", "mse": float((rec - x).square().sum() / x.square().sum())})
+        trs = trellises(bits, train_rows, fast=bits in (1, 4))
+        tables[bits] = trs
+        for name, tr in trs.items():
+            start = time.perf_counter()
+            rec, _ = tl.quantize(x, tr, FACTORS)
+            out.append({"bits": bits, "codes": name, "states": tr.states,
+                        "mse": float((rec - x).square().sum() / x.square().sum()),
+                        "encode_s_per_1k_rows": (time.perf_counter() - start) * 1000 / rows})
+    return out, tables
+
+
+_ACTIVE: dict[int, tl.Trellis] | None = None  # bits -> trellis of the tier being run (None: the codec's own codes)
+_original_coded = bench_fakequant.coded
+
+
+def coded(codec: Codec, x: torch.Tensor, prefill: int) -> torch.Tensor:
+    """bench_fakequant.coded with the archived rows coded by the active trellis (the codec's own steps otherwise)."""
+    if _ACTIVE is None:
+        return _original_coded(codec, x, prefill)
+    from flashcodec_fx.codecs.channel_norm import channel_exponents, channel_factors
+
+    measured = torch.arange(prefill) >= codec.sinks
+    n = channel_factors(channel_exponents(x[:, :, :prefill], measured))[:, :, None] if codec.normalize else None
+    stored = x.float() if n is None else x.float() / n
+    mean = stored[:, :, codec.sinks: prefill].mean(2) if codec.center else None
+    body = codec.prepare(stored[:, :, codec.sinks:], mean)
+    tr = _ACTIVE[codec.quantizer.bits[0]]
+    rec, _ = tl.quantize(body.reshape(-1, body.shape[-1]), tr, FACTORS)
+    decoded = codec.restore(rec.reshape(body.shape), mean)
+    out = torch.cat([stored[:, :, : codec.sinks], decoded], 2)
+    return out if n is None else out * n
+
+
+def kl_rows(model, ids, presets: list[str], tables: dict[int, dict[str, tl.Trellis]], kinds: list[str],
+            prefill: int, chunk: int) -> list[dict]:
+    global _ACTIVE
+    bench_fakequant.coded = coded
+    ref = bench_fakequant.logprobs(model, ids, None, prefill, chunk)
+    rows = []
+    for preset in presets:
+        config = cache_config(**preset_options(preset))
+        for kind in ["scalar", *kinds]:
+            _ACTIVE = None if kind == "scalar" else {b: t[kind] for b, t in tables.items()}
+            start = time.perf_counter()
+            try:
+                got = bench_fakequant.logprobs(model, ids, config, prefill, chunk)
+            finally:
+                _ACTIVE = None
+            kl = token_kl(ref, got).double()
+            rows.append({"preset": preset, "codes": kind, "kl": float(kl.mean()), "kl_per_window": kl.mean(1).tolist(),
+                         "ppl": math.exp(float(token_nll(got, ids[:, prefill:]).mean())),
+                         "seconds": time.perf_counter() - start})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def speed(args: argparse.Namespace) -> None:
+    import bench_attention
+
+    from flashcodec_fx.presets import preset_config
+
+    tiers = {}
+    for name in args.presets:
+        tiers[name] = tuple(c.resolved(torch.float32) for c in preset_config(name).layers.build(0))
+        tcq = cache_config(preset=name, levels="tcq").layers.build(0)
+        tiers[f"{name}-tcq"] = tuple(c.resolved(torch.float32) for c in tcq)
+    rows = []
+    for s in args.seqs:
+        for layers in args.layers:
+            rows += bench_attention.bench(s, layers, "cpu", torch.float32, "smollm2", args.repeats, 0, None, tiers,
+                                          shuffle=True)
+    table = [r for r in rows if r["path"] == "kernel"]
+    for r in table:
+        base = next(x for x in table if x["S"] == r["S"] and x["layers"] == r["layers"]
+                    and x["tier"] == r["tier"].removesuffix("-tcq"))
+        r["vs_scalar"] = r["time_us"] / base["time_us"]
+        r["vs_scalar_min"] = r["min_us"] / base["min_us"]
+    print(markdown_table(table, [("S", "S", "d"), ("layers", "layers", "d"), ("tier", "tier", "s"),
+                                 ("path", "kernel_path", "s"), ("us", "time_us", ".1f"), ("min us", "min_us", ".1f"),
+                                 ("vs scalar", "vs_scalar", ".2f"), ("vs scalar (min)", "vs_scalar_min", ".2f"),
+                                 ("max diff", "max_abs_diff_vs_reference", ".1e")]))
+    payload = {"threads": args.threads, "shape": "smollm2", "dtype": "float32", "rows": rows}
+    print(f"wrote {write_result('trellis_speed', payload, out=args.out or RESULTS_DIR / 'trellis_speed.json')}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4000, help="Gaussian rows for the MSE (default 4000)")
+    parser.add_argument("--train-rows", type=int, default=4000)
+    parser.add_argument("--mse-only", action="store_true")
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--window-tokens", type=int, default=1024)
+    parser.add_argument("--presets", nargs="+", default=["3bit", "2.5bit", "2bit", "4bit"])
+    parser.add_argument("--kinds", nargs="+", default=["tcq8-trained"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--speed", action="store_true", help="time attention on the stored form instead")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 30])
+    parser.add_argument("--repeats", type=int, default=41)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.speed:
+        speed(args)
+        return
+    mse, tables = mse_rows(args.rows, args.train_rows, (1, 2, 3, 4))
+    print(markdown_table(mse, [("bits", "bits", "d"), ("codes", "codes", "s"), ("MSE", "mse", ".4f")]))
+    payload = {"factors": FACTORS, "mse": mse,
+               "tables": {f"{b}:{k}": tr.table.tolist() for b, t in tables.items() for k, tr in t.items()}}
+    if not args.mse_only:
+        from flashcodec_fx.pretrained import load_pretrained
+
+        model, tokenizer = load_pretrained("SmolLM2-135M-Instruct", dtype=torch.float32)
+        ids = windows(load_tokens(tokenizer, kind_texts(["prose"])), args.windows, args.window_tokens,
+                      leading_tokens(tokenizer))
+        for t in (tables[1], tables[4]):  # 1-bit and 4-bit codes only have the TCQ tables
+            for kind in args.kinds:
+                t.setdefault(kind, t["tcq8-trained"])
+        rows = kl_rows(model, ids, args.presets, tables, args.kinds, 128, 16)
+        print(markdown_table(rows, [("preset", "preset", "s"), ("codes", "codes", "s"), ("KL", "kl", ".4f"),
+                                    ("ppl", "ppl", ".3f")]))
+        payload.update(model="SmolLM2-135M-Instruct", protocol={"windows": args.windows, "window_tokens":
+                       args.window_tokens, "prefill": 128, "chunk": 16, "texts": ["prose"]}, kl=rows)
+    print(f"wrote {write_result('trellis_probe', payload, out=args.out or RESULTS_DIR / 'trellis_probe.json')}")
+
+
+if __name__ == "__main__":
+    main()
