@@ -39,7 +39,8 @@ def token_codecs(draw):
                "sinks": draw(st.integers(0, 5)), "window": draw(st.sampled_from([0, 1, 4, 32]))}
     bits = draw(st.sampled_from([None, 1, 2, 3, 4, 5, 6, 7, 8]))
     if bits is not None:
-        allowed = ["uniform", "midrise"] + (["int"] if bits >= 2 else []) + (["lloyd"] if bits <= 6 else [])
+        allowed = ["uniform", "midrise"] + (["int"] if bits >= 2 else []) + (["lloyd"] if bits <= 6 else []) + (
+            ["tcq"] if bits <= 4 else [])
         options.update(quant_bits=bits, levels=draw(st.sampled_from(allowed)), scale_search=draw(st.booleans()))
     return make_codec("jpeg", **options)
 
@@ -160,6 +161,11 @@ def test_paths(cpu_kernels):
     assert cpu_kernels.attention_path(raw, plan[4], True) == f"token:raw/{isa}"
     block = codec_plan(make_codec("jpeg", block_size=8, quant_bits=8).spec, 64)
     assert cpu_kernels.attention_path(block, plan[8], True) == "block"
+    tcq = {bits: codec_plan(make_codec("jpeg", block_size=1, quant_bits=bits, levels="tcq").spec, 64)
+           for bits in (1, 2, 3, 4)}
+    for bits in (1, 2, 3):  # trellis codes: SIMD at 1-3 bits (a 16-value alphabet at most), portable at 4
+        assert cpu_kernels.attention_path(tcq[bits], tcq[bits], True) == f"token:{isa}/{isa}"
+    assert cpu_kernels.attention_path(tcq[4], tcq[1], True) == f"token:portable/{isa}"
 
 
 def test_simd_is_compiled_where_the_cpu_has_avx2(cpu_kernels):
