@@ -163,9 +163,9 @@ def test_paths(cpu_kernels):
     assert cpu_kernels.attention_path(block, plan[8], True) == "block"
     tcq = {bits: codec_plan(make_codec("jpeg", block_size=1, quant_bits=bits, levels="tcq").spec, 64)
            for bits in (1, 2, 3, 4)}
-    for bits in (1, 2, 3):  # trellis codes: SIMD at 1-3 bits (a 16-value alphabet at most), portable at 4
+    for bits in (1, 2, 3, 4):  # trellis codes: SIMD at 1-4 bits (an alphabet of at most 32 values)
         assert cpu_kernels.attention_path(tcq[bits], tcq[bits], True) == f"token:{isa}/{isa}"
-    assert cpu_kernels.attention_path(tcq[4], tcq[1], True) == f"token:portable/{isa}"
+        assert cpu_kernels.attention_path(tcq[bits], tcq[bits], False) == "token:portable/portable"
 
 
 def test_simd_is_compiled_where_the_cpu_has_avx2(cpu_kernels):

@@ -102,20 +102,19 @@ struct Codes {
   }
 };
 
-// Unscaled values of BITS-bit trellis codes (levels="tcq", 1..3 bits: trellis.h): the alphabet index of channel t is
+// Unscaled values of BITS-bit trellis codes (levels="tcq", 1..4 bits: trellis.h): the alphabet index of channel t is
 // ((c[t] >> 1) << 2) | l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1 (l: the codes' low bits, 0 before the row), read from
-// the 2**(BITS+1) alphabet (at most 16 values: two registers) as Codes<4> reads its table. The low bits of the 8
-// channels before the chunk come from decoding that chunk's codes too (no state carried between calls).
+// the 2**(BITS+1) alphabet (at most 32 values: four registers) with cross-lane permutes, as Codes<4> reads its table.
+// The low bits of the 8 channels before the chunk come from that chunk's codes (no state carried between calls).
 template <int BITS>
 struct TcqCodes {
-  __m256 lo, hi;  // alphabet entries 0..7 and 8..15 (zero past the alphabet)
+  __m256 t[4];  // alphabet entries 8i .. 8i + 7 (zero past the alphabet)
   int64_t high_slice;
 
   TcqCodes(const float* alphabet, float, int D) {
-    alignas(32) float t[16] = {};
-    for (int e = 0; e < (2 << BITS); ++e) t[e] = alphabet[e];
-    lo = _mm256_load_ps(t);
-    hi = _mm256_load_ps(t + 8);
+    alignas(32) float a[32] = {};
+    for (int e = 0; e < (2 << BITS); ++e) a[e] = alphabet[e];
+    for (int i = 0; i < 4; ++i) t[i] = _mm256_load_ps(a + 8 * i);
     high_slice = D / 4;
   }
 
@@ -126,34 +125,64 @@ struct TcqCodes {
       return slice_codes<BITS>(row, j);
   }
 
-  // The low bit of every code of chunk j (lane i: bit i).
-  int low_bits(const uint8_t* row, int j) const {
-    if constexpr (BITS == 1) {
-      return row[j];
-    } else {
-      const __m256i c = slice_codes<2>(row, j);  // the low 2 bits hold the low bit (BITS 2 and 3)
-      return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(c, 31)));
+  // Bit k: the low bit of the code of channel 8j - 8 + k (0 before the row), k < 16.
+  static int window(const uint8_t* row, int j) {
+    if constexpr (BITS == 1) {  // the 1-bit slice: one byte per chunk
+      return (j > 0 ? row[j - 1] : 0) | (row[j] << 8);
+    } else if constexpr (BITS == 4) {  // the 4-bit slice: 4 bytes per chunk, the low bit at bit 0 of each nibble
+#ifdef __BMI2__
+      if (j > 0) {
+        uint64_t word;
+        std::memcpy(&word, row + 4 * j - 4, sizeof(word));
+        return static_cast<int>(_pext_u64(word, 0x1111111111111111ULL));
+      }
+      uint32_t word;
+      std::memcpy(&word, row, sizeof(word));
+      return static_cast<int>(_pext_u32(word, 0x11111111u)) << 8;
+#else
+      return low_bits(row, j - 1) | (low_bits(row, j) << 8);
+#endif
+    } else {  // the 2-bit slice (2 and 3 bits): 2 bytes per chunk, the low bit at the even bits
+#ifdef __BMI2__
+      if (j > 0) {
+        uint32_t word;
+        std::memcpy(&word, row + 2 * j - 2, sizeof(word));
+        return static_cast<int>(_pext_u32(word, 0x55555555u));
+      }
+      uint16_t half;
+      std::memcpy(&half, row, sizeof(half));
+      return static_cast<int>(_pext_u32(half, 0x5555u)) << 8;
+#else
+      return low_bits(row, j - 1) | (low_bits(row, j) << 8);
+#endif
     }
+  }
+
+  // The low bit of every code of chunk j (lane i: bit i), 0 for j < 0.
+  static int low_bits(const uint8_t* row, int j) {
+    if (j < 0) return 0;
+    const __m256i c = slice_codes<BITS == 4 ? 4 : 2>(row, j);  // the widest slice holds the low bit
+    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(c, 31)));
   }
 
   __m256 operator()(const uint8_t* row, int j) const {
     const __m256i c = codes(row, j);
-    const int prev = j > 0 ? low_bits(row, j - 1) : 0;
-    const int window = prev | (low_bits(row, j) << 8);  // bit k: the low bit of channel 8j - 8 + k
-    // lane i: bits 0..3 = l[t-3], l[t-2], l[t-1], l[t] of channel t = 8j + i
-    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(window), _mm256_setr_epi32(5, 6, 7, 8, 9, 10, 11, 12));
-    const __m256i one = _mm256_set1_epi32(1);
-    const __m256i l2 = _mm256_and_si256(_mm256_srli_epi32(v, 1), one);
-    const __m256i parity = _mm256_and_si256(
-        _mm256_xor_si256(v, _mm256_xor_si256(_mm256_srli_epi32(v, 2), _mm256_srli_epi32(v, 3))), one);
-    const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2),
-                                      _mm256_or_si256(l2, _mm256_slli_epi32(parity, 1)));
-    if constexpr (BITS == 3) {
-      const __m256 low = _mm256_permutevar8x32_ps(lo, a), high = _mm256_permutevar8x32_ps(hi, a);
-      return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(a, 28)));  // bit 3 selects
-    } else {
-      return _mm256_permutevar8x32_ps(lo, a);
-    }
+    // On the window w (bit k: l[8j - 8 + k]), lane i (channel t = 8j + i) needs l[t-2] = bit 6 + i and the parity
+    // l[t] ^ l[t-1] ^ l[t-3] = bit 8 + i of w ^ (w << 1) ^ (w << 3): both gathered into one word, bit i and 8 + i.
+    const int w = window(row, j);
+    const int parity = w ^ (w << 1) ^ (w << 3);
+    const int sub = ((w >> 6) & 0xFF) | (parity & 0xFF00);
+    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(sub), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i l2 = _mm256_and_si256(v, _mm256_set1_epi32(1));
+    const __m256i parity2 = _mm256_and_si256(_mm256_srli_epi32(v, 7), _mm256_set1_epi32(2));
+    const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2), _mm256_or_si256(l2, parity2));
+    const __m256 p0 = _mm256_permutevar8x32_ps(t[0], a);
+    if constexpr (BITS <= 2) return p0;
+    const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(a, 28));  // sign bit = bit 3 of the index
+    const __m256 low = _mm256_blendv_ps(p0, _mm256_permutevar8x32_ps(t[1], a), bit3);
+    if constexpr (BITS == 3) return low;
+    const __m256 high = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[2], a), _mm256_permutevar8x32_ps(t[3], a), bit3);
+    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(a, 27)));  // bit 4 selects
   }
 };
 
@@ -332,7 +361,7 @@ inline void halves(const at::Half* half, int64_t n, float* out) {
 #endif  // FC_TOKEN_AVX2
 
 // How a per-token archive's rows are read: stream-dtype rows, the portable path, or a SIMD code width.
-enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8, kTcq1, kTcq2, kTcq3 };
+enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8, kTcq1, kTcq2, kTcq3, kTcq4 };
 
 inline RowCodes row_codes(const Codec& c, bool simd) {
   if (c.quant == kNone) return RowCodes::kRaw;
@@ -342,6 +371,7 @@ inline RowCodes row_codes(const Codec& c, bool simd) {
       case 1: return RowCodes::kTcq1;
       case 2: return RowCodes::kTcq2;
       case 3: return RowCodes::kTcq3;
+      case 4: return RowCodes::kTcq4;
       default: return RowCodes::kPortable;
     }
   }
@@ -376,6 +406,7 @@ inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {
     case RowCodes::kTcq1: fn(avx2::TcqCodes<1>(table, off, D)); break;
     case RowCodes::kTcq2: fn(avx2::TcqCodes<2>(table, off, D)); break;
     case RowCodes::kTcq3: fn(avx2::TcqCodes<3>(table, off, D)); break;
+    case RowCodes::kTcq4: fn(avx2::TcqCodes<4>(table, off, D)); break;
     default: fn(avx2::Codes<8>(table, off, D)); break;
   }
 }
