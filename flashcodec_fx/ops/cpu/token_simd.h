@@ -129,29 +129,15 @@ struct TcqCodes {
   static int window(const uint8_t* row, int j) {
     if constexpr (BITS == 1) {  // the 1-bit slice: one byte per chunk
       return (j > 0 ? row[j - 1] : 0) | (row[j] << 8);
-    } else if constexpr (BITS == 4) {  // the 4-bit slice: 4 bytes per chunk, the low bit at bit 0 of each nibble
+    } else {
 #ifdef __BMI2__
-      if (j > 0) {
-        uint64_t word;
-        std::memcpy(&word, row + 4 * j - 4, sizeof(word));
-        return static_cast<int>(_pext_u64(word, 0x1111111111111111ULL));
-      }
-      uint32_t word;
-      std::memcpy(&word, row, sizeof(word));
-      return static_cast<int>(_pext_u32(word, 0x11111111u)) << 8;
-#else
-      return low_bits(row, j - 1) | (low_bits(row, j) << 8);
-#endif
-    } else {  // the 2-bit slice (2 and 3 bits): 2 bytes per chunk, the low bit at the even bits
-#ifdef __BMI2__
-      if (j > 0) {
-        uint32_t word;
-        std::memcpy(&word, row + 2 * j - 2, sizeof(word));
-        return static_cast<int>(_pext_u32(word, 0x55555555u));
-      }
-      uint16_t half;
-      std::memcpy(&half, row, sizeof(half));
-      return static_cast<int>(_pext_u32(half, 0x5555u)) << 8;
+      // 4-bit slice: 4 bytes per chunk, the low bit at bit 0 of each nibble; 2-bit slice (2 and 3 bits): 2 bytes per
+      // chunk, the low bit at the even bits
+      constexpr int per = BITS == 4 ? 4 : 2;
+      constexpr uint64_t mask = BITS == 4 ? 0x1111111111111111ULL : 0x55555555ULL;
+      uint64_t word = 0;
+      std::memcpy(&word, row + per * (j > 0 ? j - 1 : 0), j > 0 ? 2 * per : per);
+      return static_cast<int>(_pext_u64(word, mask)) << (j > 0 ? 0 : 8);
 #else
       return low_bits(row, j - 1) | (low_bits(row, j) << 8);
 #endif
