@@ -144,3 +144,14 @@ def test_bad_options_are_refused(options, match):
 def test_levels_name_lists_tcq():
     with pytest.raises(ValueError, match="tcq"):
         make_codec("jpeg", block_size=1, quant_bits=2, levels="trellis")
+
+
+def test_only_kernels_that_decode_trellis_codes_serve_them():
+    """The C++ CPU kernels serve trellis codecs (``trellis=True``); the Triton gate (default) leaves them to the
+    reference ops."""
+    from flashcodec_fx.ops.state import fast_kernels_serve
+
+    tcq = make_codec("jpeg", block_size=1, quant_bits=3, levels="tcq", rotate=True).spec
+    lloyd = make_codec("jpeg", block_size=1, quant_bits=3, levels="lloyd", rotate=True).spec
+    assert fast_kernels_serve(lloyd, lloyd) and fast_kernels_serve(lloyd, tcq, trellis=True)
+    assert not fast_kernels_serve(lloyd, tcq) and not fast_kernels_serve(tcq, head_dim=64)
