@@ -303,6 +303,32 @@ def e2e_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*names)
 
 
+STEP_RESULTS = ("e2e_cpu_issue41_1thread",)  # bench_e2e: eager and compiled interleaved
+STEP_CONFIGS = ("eager_raw", "eager_int8", "eager_4bit", "eager_3bit", "eager_2.5bit", "eager_2bit")
+
+
+def e2e_step_table() -> str:
+    """Per thread count, context and preset: the eager decode step (ms, median) and its time over the raw
+    DynamicCache's, the compiled step and its time over the raw StaticCache's and over its own eager step, all of one
+    interleaved run (below 1.00x: faster); the raw caches' own rows first."""
+    lines = ["| threads | context | cache | eager ms | eager / raw eager | compiled ms | compiled / raw compiled | "
+             "compiled / eager |", "|---|---|---|---|---|---|---|---|"]
+    for name in STEP_RESULTS:
+        rows = {(r["context"], r["config"]): r for r in load(name)["rows"] if "error" not in r}
+        for context in sorted({c for c, _ in rows}):
+            raw, raw_compiled = rows[(context, "eager_raw")], rows.get((context, "compiled_raw"))
+            for config in [c for c in STEP_CONFIGS if (context, c) in rows]:
+                eager, compiled = rows[(context, config)], rows.get((context, config.replace("eager_", "compiled_")))
+                cells = ["-", "-", "-"] if compiled is None else [
+                    f"{compiled['step_ms_median']:.1f}",
+                    f"{compiled['step_ms_median'] / raw_compiled['step_ms_median']:.2f}x" if raw_compiled else "-",
+                    f"{compiled['step_ms_median'] / eager['step_ms_median']:.2f}x"]
+                lines.append(f"| {eager['threads']} | {context:,} | `{config.removeprefix('eager_')}` | "
+                             f"{eager['step_ms_median']:.1f} | {eager['step_ms_median'] / raw['step_ms_median']:.2f}x | "
+                             + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance(*STEP_RESULTS)
+
+
 BUSY_RESULTS = ("e2e_cpu_busy_1thread", "e2e_cpu_busy")  # the same decode beside CPU-burning neighbours
 
 
@@ -433,7 +459,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
     "budget": budget_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
-    "e2e": e2e_table, "e2e_busy": e2e_busy_table, "llamacpp": llamacpp_table, "lossless": lossless_table,
+    "e2e": e2e_table, "e2e_step": e2e_step_table, "e2e_busy": e2e_busy_table, "llamacpp": llamacpp_table,
+    "lossless": lossless_table,
     "disk": disk_table,
     "vllm": vllm_table, "vllm-quality": vllm_quality_table, "vllm-memory": vllm_memory_table,
     "architectures": architectures_table,
