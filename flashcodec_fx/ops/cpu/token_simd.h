@@ -106,12 +106,30 @@ struct Codes {
 // ((c[t] >> 1) << 2) | l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1 (l: the codes' low bits, 0 before the row), read from
 // the 2**(BITS+1) alphabet (at most 32 values: four registers) with cross-lane permutes, as Codes<4> reads its table.
 // The low bits of the 8 channels before the chunk come from that chunk's codes (no state carried between calls).
+// The subsets of 8 channels t = 8j .. 8j + 7 from the low bits of channels 8j - 3 .. 8j + 7 (11 bits, bit k: channel
+// 8j - 3 + k): l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1, one byte per channel (2048 x 8 bytes, built once).
+struct TcqSubsets {
+  alignas(64) uint8_t table[2048][8];
+  TcqSubsets() {
+    for (int x = 0; x < 2048; ++x)
+      for (int i = 0; i < 8; ++i) {
+        const int l3 = (x >> i) & 1, l2 = (x >> (i + 1)) & 1, l1 = (x >> (i + 2)) & 1, l0 = (x >> (i + 3)) & 1;
+        table[x][i] = static_cast<uint8_t>(l2 | ((l0 ^ l1 ^ l3) << 1));
+      }
+  }
+  static const TcqSubsets& get() {
+    static const TcqSubsets instance;
+    return instance;
+  }
+};
+
 template <int BITS>
 struct TcqCodes {
   __m256 t[4];  // alphabet entries 8i .. 8i + 7 (zero past the alphabet)
   int64_t high_slice;
+  const uint8_t (*subsets)[8];
 
-  TcqCodes(const float* alphabet, float, int D) {
+  TcqCodes(const float* alphabet, float, int D) : subsets(TcqSubsets::get().table) {
     alignas(32) float a[32] = {};
     for (int e = 0; e < (2 << BITS); ++e) a[e] = alphabet[e];
     for (int i = 0; i < 4; ++i) t[i] = _mm256_load_ps(a + 8 * i);
@@ -135,9 +153,13 @@ struct TcqCodes {
       // chunk, the low bit at the even bits
       constexpr int per = BITS == 4 ? 4 : 2;
       constexpr uint64_t mask = BITS == 4 ? 0x1111111111111111ULL : 0x55555555ULL;
-      uint64_t word = 0;
-      std::memcpy(&word, row + per * (j > 0 ? j - 1 : 0), j > 0 ? 2 * per : per);
-      return static_cast<int>(_pext_u64(word, mask)) << (j > 0 ? 0 : 8);
+      uint64_t word = 0;  // constant-size copies: single loads
+      if (j > 0) {
+        std::memcpy(&word, row + per * (j - 1), 2 * per);
+        return static_cast<int>(_pext_u64(word, mask));
+      }
+      std::memcpy(&word, row, per);
+      return static_cast<int>(_pext_u64(word, mask)) << 8;
 #else
       return low_bits(row, j - 1) | (low_bits(row, j) << 8);
 #endif
@@ -153,15 +175,10 @@ struct TcqCodes {
 
   __m256 operator()(const uint8_t* row, int j) const {
     const __m256i c = codes(row, j);
-    // On the window w (bit k: l[8j - 8 + k]), lane i (channel t = 8j + i) needs l[t-2] = bit 6 + i and the parity
-    // l[t] ^ l[t-1] ^ l[t-3] = bit 8 + i of w ^ (w << 1) ^ (w << 3): both gathered into one word, bit i and 8 + i.
-    const int w = window(row, j);
-    const int parity = w ^ (w << 1) ^ (w << 3);
-    const int sub = ((w >> 6) & 0xFF) | (parity & 0xFF00);
-    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(sub), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i l2 = _mm256_and_si256(v, _mm256_set1_epi32(1));
-    const __m256i parity2 = _mm256_and_si256(_mm256_srli_epi32(v, 7), _mm256_set1_epi32(2));
-    const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2), _mm256_or_si256(l2, parity2));
+    // The window's bits 5..15 are the low bits of channels 8j - 3 .. 8j + 7: the 8 subsets, one table row.
+    const __m256i sub = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[window(row, j) >> 5])));
+    const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2), sub);
     const __m256 p0 = _mm256_permutevar8x32_ps(t[0], a);
     if constexpr (BITS <= 2) return p0;
     const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(a, 28));  // sign bit = bit 3 of the index
