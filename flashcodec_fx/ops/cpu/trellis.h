@@ -3,6 +3,10 @@
 // sequential along the row, one rounding per operation: the build's -ffp-contract=off keeps a * b + c unfused; the
 // same tie rules). Concatenated after common.h; the encoder uses quantize.h's fp16_toward (declared here).
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace fc {
 
 constexpr int kTcqStates = 8;
@@ -37,6 +41,59 @@ inline uint8_t* tcq_work(size_t bytes) {
 // The subset (0..3) branch `branch` leaves state `s` on.
 inline int tcq_subset(int s, int branch) { return ((s >> 1) & 1) | (((branch ^ s ^ (s >> 2)) & 1) << 1); }
 
+#if defined(__AVX2__)
+// The forward pass of tcq_viterbi for 1..3 bits (an alphabet of at most 16 values) with the 8 states in the 8 lanes
+// of a register: the same operations in the same order per state (x - v, its square, strict < for the nearest level
+// of each subset in increasing level order, cost + error, the odd predecessor where strictly cheaper), so the same
+// costs and back pointers. cost: the 8 end costs.
+inline void tcq_forward_avx2(const float* x, int D, int per, const float* values, float* cost, uint8_t* back) {
+  alignas(32) float v[16];
+  for (int a = 0; a < 16; ++a) v[a] = a < 4 * per ? values[a] : 0.0f;
+  const __m256 v0 = _mm256_load_ps(v), v1 = _mm256_load_ps(v + 8);
+  // per new state n: its predecessors 2(n&3), 2(n&3)+1 and the subsets their branch n >> 2 leaves them on
+  alignas(32) int32_t pe[8], po[8], se[8], so[8];
+  for (int n = 0; n < kTcqStates; ++n) {
+    pe[n] = 2 * (n & 3);
+    po[n] = pe[n] + 1;
+    se[n] = tcq_subset(pe[n], n >> 2);
+    so[n] = tcq_subset(po[n], n >> 2);
+  }
+  const __m256i ipe = _mm256_load_si256(reinterpret_cast<const __m256i*>(pe));
+  const __m256i ipo = _mm256_load_si256(reinterpret_cast<const __m256i*>(po));
+  const __m256i ise = _mm256_load_si256(reinterpret_cast<const __m256i*>(se));
+  const __m256i iso = _mm256_load_si256(reinterpret_cast<const __m256i*>(so));
+  __m256 c = _mm256_loadu_ps(cost);
+  alignas(32) int32_t lane[8];
+  for (int t = 0; t < D; ++t) {
+    const __m256 xt = _mm256_set1_ps(x[t]);
+    const __m256 d0 = _mm256_sub_ps(xt, v0), d1 = _mm256_sub_ps(xt, v1);
+    const __m256 e0 = _mm256_mul_ps(d0, d0), e1 = _mm256_mul_ps(d1, d1);
+    // level i of subset j is alphabet[j + 4i]: lanes j of the 4-lane quarter i
+    __m128 best = _mm256_castps256_ps128(e0);
+    __m128i idx = _mm_setzero_si128();
+    const __m128 cand[3] = {_mm256_extractf128_ps(e0, 1), _mm256_castps256_ps128(e1), _mm256_extractf128_ps(e1, 1)};
+    for (int i = 1; i < per; ++i) {
+      const __m128 closer = _mm_cmplt_ps(cand[i - 1], best);
+      best = _mm_blendv_ps(best, cand[i - 1], closer);
+      idx = _mm_blendv_epi8(idx, _mm_set1_epi32(i), _mm_castps_si128(closer));
+    }
+    const __m256 best8 = _mm256_set_m128(best, best);
+    const __m256i idx8 = _mm256_set_m128i(idx, idx);
+    const __m256 ce = _mm256_add_ps(_mm256_permutevar8x32_ps(c, ipe), _mm256_permutevar8x32_ps(best8, ise));
+    const __m256 co = _mm256_add_ps(_mm256_permutevar8x32_ps(c, ipo), _mm256_permutevar8x32_ps(best8, iso));
+    const __m256 odd = _mm256_cmp_ps(co, ce, _CMP_LT_OQ);
+    c = _mm256_blendv_ps(ce, co, odd);
+    const __m256i level = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(idx8, ise)),
+        _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(idx8, iso)), odd));
+    const __m256i code = _mm256_or_si256(level, _mm256_and_si256(_mm256_castps_si256(odd), _mm256_set1_epi32(0x80)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane), code);
+    for (int n = 0; n < kTcqStates; ++n) back[t * kTcqStates + n] = static_cast<uint8_t>(lane[n]);
+  }
+  _mm256_storeu_ps(cost, c);
+}
+#endif
+
 // Least squared error path of x (D values) from state 0 at scale `scale`: codes and its cost (trellis.viterbi).
 // back: D * kTcqStates bytes (bit 7: the odd predecessor; low bits: the level in the subset).
 inline float tcq_viterbi(const float* x, int D, int bits, const float* alphabet, float scale, int32_t* codes,
@@ -47,7 +104,14 @@ inline float tcq_viterbi(const float* x, int D, int bits, const float* alphabet,
   const float inf = std::numeric_limits<float>::infinity();
   float cost[kTcqStates], next[kTcqStates];
   for (int s = 0; s < kTcqStates; ++s) cost[s] = s == 0 ? 0.0f : inf;
-  for (int t = 0; t < D; ++t) {
+  int t0 = 0;  // the first step of the portable forward pass (D: done by the SIMD one)
+#if defined(__AVX2__)
+  if (bits <= 3) {
+    tcq_forward_avx2(x, D, per, values, cost, back);
+    t0 = D;
+  }
+#endif
+  for (int t = t0; t < D; ++t) {
     float best[4];
     int idx[4];
     for (int j = 0; j < 4; ++j) {
