@@ -34,6 +34,12 @@ Parts:
   chunks of 16: KL vs the raw cache too), each preset: its twin. Each preset's row through vLLM gets its twin's
   increase and the target of issue 33 (``TWIN_RATIO`` times it, or ``TWIN_SLACK`` ppl above it where that is more).
   What each option of the page format buys is bench_vllm_pages.py's (fake quantization, results/vllm_pages.json).
+
+Every part also runs vLLM's own quantized KV cache, ``stock fp8`` (``kv_cache_dtype="fp8"``: e4m3 values, one fp32
+scale per layer for K and one for V, 1.0 where the checkpoint carries none; 8 bits per value as stored), the
+in-engine peer of the presets. vLLM's CPU attention serves it only on x86 with AVX-512 or AMX: where it refuses
+(``fp8_refusal``: vLLM's own check, or the engine failing to start with it), the row records the reason
+(``skipped``) and the part goes on.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import torch
 from common import RESULTS_DIR, write_result
 from corpus import STREAMING_TEXTS, leading_tokens, load_tokens, windows
 from vllm_engine import run_job
+from vllm_memory import is_stock
 
 from flashcodec_fx.evaluate import Tier, markdown_table
 from flashcodec_fx.pretrained import DEFAULT_MODEL, model_folder
@@ -67,14 +74,67 @@ RAW_BITS = 16.0  # a bf16 page: K and V of every (token, head) at 16 bits
 WARMUP_TOKENS = 64  # the throughput part's warm-up request (its first prompt's first tokens), untimed
 THROUGHPUT_MODES = ("eager", "compiled")  # enforce_eager=True; vLLM's default (its torch.compile of the model)
 TWIN_RATIO, TWIN_SLACK = 1.25, 0.05  # issue 33: a preset's ppl increase through vLLM within 1.25x its twin's (+0.05)
+FP8 = {"name": "stock fp8", "preset": None, "kv_cache_dtype": "fp8"}  # vLLM's own 8-bit KV cache (e4m3)
+FP8_BITS = 8.0  # e4m3 K and V; the per-layer fp32 scales are no bytes of a page
 
 
-def configurations(presets: list[str], options: bool) -> list[dict[str, Any]]:
-    """Stock, each preset, and (``options``) the page's variants: no raw rows (anchors 0)."""
-    rows = [{"name": "stock vLLM", "preset": None}] + [{"name": p, "preset": p} for p in presets]
+def configurations(presets: list[str], options: bool, fp8: bool = True) -> list[dict[str, Any]]:
+    """Stock, vLLM's fp8 KV cache (``fp8``), each preset, and (``options``) the page's variants: no raw rows
+    (anchors 0)."""
+    rows = [{"name": "stock vLLM", "preset": None}] + ([dict(FP8)] if fp8 else [])
+    rows += [{"name": p, "preset": p} for p in presets]
     if options:
         rows += [{"name": f"{p} anchors=0", "preset": p, "anchors": 0} for p in presets if p in ("4bit", "3bit")]
     return rows
+
+
+def engine_llm(config: dict[str, Any], llm: dict[str, Any]) -> dict[str, Any]:
+    """The ``LLM`` keyword arguments of a configuration's engine: ``llm``, plus its KV cache dtype (fp8)."""
+    return {**llm, "kv_cache_dtype": config["kv_cache_dtype"]} if config.get("kv_cache_dtype") else dict(llm)
+
+
+def fp8_refusal(config: dict[str, Any], dtype: torch.dtype, block_size: int = 128, head_dim: int = 64) -> str | None:
+    """Why vLLM's CPU attention would not serve ``config``'s quantized KV cache (its own check, ``_get_attn_isa``:
+    fp8 needs x86 with AVX-512 or AMX, and a head_dim that is a multiple of 32), or None (it would, or the
+    configuration has none)."""
+    if not config.get("kv_cache_dtype"):
+        return None
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(dtype, block_size, head_dim, config["kv_cache_dtype"])
+    except NotImplementedError as exc:
+        return f"vLLM: {exc}"
+    return None
+
+
+def skipped_row(config: dict[str, Any], reason: str) -> dict[str, Any]:
+    """A part's row for a configuration the engine does not run here, with the reason."""
+    return {"config": config["name"], "preset": config["preset"], "kv_cache_dtype": config.get("kv_cache_dtype"),
+            "skipped": reason}
+
+
+def skip_note(reason: str) -> str:
+    """A table cell for a skipped row: the reason's first line, shortened."""
+    line = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+    return f"skipped ({line[:120]}{'...' if len(line) > 120 else ''})"
+
+
+def run_or_skip(config: dict[str, Any], dtype: torch.dtype, job: dict[str, Any], env: dict[str, str],
+                timeout: float) -> tuple[dict[str, Any] | None, str | None]:
+    """``(engine result, None)``, or ``(None, reason)`` for a quantized KV cache vLLM refuses here (before the
+    start, by its own check, or by failing to start: the error's lines); other configurations' failures raise."""
+    reason = fp8_refusal(config, dtype)
+    if reason is not None:
+        print(f"   skipped: {reason}", flush=True)
+        return None, reason
+    try:
+        return run_job({**job, "llm": engine_llm(config, job.get("llm", {}))}, env, timeout=timeout), None
+    except RuntimeError as exc:
+        if not config.get("kv_cache_dtype"):
+            raise
+        print(f"   skipped (the engine failed): {exc}", flush=True)
+        return None, f"the engine failed: {str(exc)[:2000]}"
 
 
 def engine_env(config: dict[str, Any], kv_gib: int | None) -> dict[str, str]:
@@ -92,6 +152,8 @@ def engine_env(config: dict[str, Any], kv_gib: int | None) -> dict[str, str]:
 
 def page_bits(config: dict[str, Any], head_dim: int, dtype: torch.dtype, block_size: int) -> tuple[int, float]:
     """``(bytes per (token, head) slot, bits per value as stored)`` of a configuration's pages."""
+    if config.get("kv_cache_dtype"):
+        return 2 * head_dim, FP8_BITS
     if config["preset"] is None:
         return 2 * head_dim * torch.empty((), dtype=dtype).element_size(), RAW_BITS
     content = PluginConfig(config["preset"], anchors=config.get("anchors")).state_content_bytes(head_dim, dtype,
@@ -120,15 +182,19 @@ def serving(args) -> list[dict[str, Any]]:
     rows = []
     for config in selected(configurations(args.presets, options=False), args.only):
         print(f"== serving: {config['name']}", flush=True)
-        out = run_job({"model": str(model_folder()), "llm": llm, "greedy": PROMPTS, "tokens": GREEDY_TOKENS},
-                      engine_env(config, args.kv_gib), timeout=7200)
+        out, reason = run_or_skip(config, torch.bfloat16, {"model": str(model_folder()), "llm": llm, "greedy": PROMPTS,
+                                                           "tokens": GREEDY_TOKENS}, engine_env(config, args.kv_gib), 7200)
+        if out is None:
+            rows.append(skipped_row(config, reason))
+            continue
         content, bits = page_bits(config, 64, torch.bfloat16, out["block_size"])
-        rows.append({"config": config["name"], "preset": config["preset"], "kv_gib": args.kv_gib,
+        rows.append({"config": config["name"], "preset": config["preset"],
+                     "kv_cache_dtype": config.get("kv_cache_dtype"), "kv_gib": args.kv_gib,
                      "blocks": out["blocks"], "block_size": out["block_size"],
                      "kv_tokens": out["blocks"] * out["block_size"], "slot_bytes": content, "bits_per_value": bits,
                      "concurrent": {str(n): out["blocks"] // -(-n // out["block_size"]) for n in args.seq_lens},
                      "greedy": out["greedy"], "start_seconds": out["start_seconds"]})
-    return compare_serving(rows) if rows and rows[0]["preset"] is None else rows
+    return compare_serving(rows) if rows and is_stock(rows[0]) else rows
 
 
 def throughput(args, tokenizer, texts) -> dict[str, Any]:
@@ -139,24 +205,31 @@ def throughput(args, tokenizer, texts) -> dict[str, Any]:
     batch = windows(texts, args.batch, max(lengths), leading_tokens(tokenizer))
     prompts = [row[:n].tolist() for row, n in zip(batch, lengths, strict=True)]
     configs = selected(configurations(args.presets, options=False), args.only)
-    runs = []
+    runs, skipped = [], {}
     for mode in args.throughput_modes:
         llm = {"dtype": args.throughput_dtype, "max_model_len": max(lengths) + args.gen_tokens}
         for round_ in range(args.throughput_rounds):
             for config in configs if round_ % 2 == 0 else configs[::-1]:
+                if config["name"] in skipped:
+                    continue
                 print(f"== throughput ({mode}, round {round_ + 1}): {config['name']}", flush=True)
                 load = os.getloadavg()
-                out = run_job({"model": str(model_folder()), "llm": llm, "eager": mode == "eager",
-                               "throughput": {"prompts": prompts, "tokens": args.gen_tokens,
-                                              "warmup": prompts[0][:WARMUP_TOKENS]}},
-                              engine_env(config, args.kv_gib), timeout=7200)
+                out, reason = run_or_skip(config, getattr(torch, args.throughput_dtype),
+                                          {"model": str(model_folder()), "llm": llm, "eager": mode == "eager",
+                                           "throughput": {"prompts": prompts, "tokens": args.gen_tokens,
+                                                          "warmup": prompts[0][:WARMUP_TOKENS]}},
+                                          engine_env(config, args.kv_gib), 7200)
+                if out is None:
+                    skipped[config["name"]] = reason
+                    continue
                 tput = out["throughput"]
                 runs.append({"mode": mode, "round": round_, "config": config["name"], "preset": config["preset"],
-                             **tput, "tokens_per_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["seconds"],
+                             "kv_cache_dtype": config.get("kv_cache_dtype"), **tput,
+                             "tokens_per_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["seconds"],
                              "load_avg_before": list(load), "start_seconds": out["start_seconds"]})
     return {"dtype": args.throughput_dtype, "prompt_lengths": lengths, "gen_tokens": args.gen_tokens,
             "kv_gib": args.kv_gib, "rounds": args.throughput_rounds, "modes": args.throughput_modes, "runs": runs,
-            "rows": throughput_rows(runs)}
+            "rows": throughput_rows(runs), "skipped": skipped}
 
 
 def throughput_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,7 +238,7 @@ def throughput_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for mode in dict.fromkeys(r["mode"] for r in runs):
         of_mode = [r for r in runs if r["mode"] == mode]
-        stock = {r["round"]: r["tokens_per_s"] for r in of_mode if r["preset"] is None}
+        stock = {r["round"]: r["tokens_per_s"] for r in of_mode if is_stock(r)}
         for config in dict.fromkeys(r["config"] for r in of_mode):
             mine = [r for r in of_mode if r["config"] == config]
             ratios = [r["tokens_per_s"] / stock[r["round"]] for r in mine if r["round"] in stock]
@@ -194,16 +267,20 @@ def memory_bound(args, tokenizer, texts, online: bool) -> dict[str, Any]:
         print(f"== memory_bound{'_online' if online else ''}: {config['name']}", flush=True)
         load_avg = os.getloadavg()
         env = engine_env(config, None)
+        reason = fp8_refusal(config, dtype)
+        if reason is not None:
+            rows.append(skipped_row(config, reason))
+            continue
         if online:
             log = Path(tempfile.mkdtemp()) / "server.log"
             begin = time.perf_counter()
-            with served(str(model_folder()), ["--served-model-name", "model", *vllm_memory.server_args(settings)],
-                        env, log) as base:
+            with served(str(model_folder()), ["--served-model-name", "model",
+                                              *vllm_memory.server_args(engine_llm(config, settings))], env, log) as base:
                 start_seconds = time.perf_counter() - begin
                 blocks = server_blocks(base)
                 load = send_load(base, "model", prompts, args.output_tokens, deadline_s=args.deadline_s)
         else:
-            out = run_job({"model": str(model_folder()), "llm": settings,
+            out = run_job({"model": str(model_folder()), "llm": engine_llm(config, settings),
                            "load": {"prompts": prompts, "tokens": args.output_tokens}}, env, timeout=args.deadline_s)
             load, blocks, start_seconds = out["load"], out["blocks"], out["start_seconds"]
         rows.append({**vllm_memory.load_row(config, load, blocks, seq_tokens), "load_avg_before": list(load_avg),
@@ -215,7 +292,7 @@ def memory_bound(args, tokenizer, texts, online: bool) -> dict[str, Any]:
 
 def stock_first_and_last(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The configurations, stock (when first) run again at the end: its two runs bracket the machine's drift."""
-    return configs + configs[:1] if configs and configs[0]["preset"] is None else configs
+    return configs + configs[:1] if configs and is_stock(configs[0]) else configs
 
 
 def selected(configs: list[dict[str, Any]], only: list[str] | None) -> list[dict[str, Any]]:
@@ -227,6 +304,8 @@ def compare_serving(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each serving row against the first (stock): capacity, greedy tokens."""
     stock = rows[0]
     for row in rows:
+        if "skipped" in row:
+            continue
         row["capacity_vs_stock"] = row["kv_tokens"] / stock["kv_tokens"]
         row["greedy_vs_stock"] = []
         for ours, theirs in zip(row["greedy"], stock["greedy"], strict=True):
@@ -270,15 +349,19 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
     rows = []
     for config in selected(configurations(args.presets, options=True), args.only):
         print(f"== quality (vLLM): {config['name']}", flush=True)
-        out = run_job({"model": str(model_folder()), "llm": llm, "ppl": {"windows": batch.tolist(),
-                                                                          "score_from": CHUNK}},
-                      engine_env(config, args.kv_gib), timeout=7200)
+        out, reason = run_or_skip(config, torch.float32, {"model": str(model_folder()), "llm": llm,
+                                                          "ppl": {"windows": batch.tolist(), "score_from": CHUNK}},
+                                  engine_env(config, args.kv_gib), 7200)
+        if out is None:
+            rows.append(skipped_row(config, reason))
+            continue
         nll = sum(out["ppl"]["nll_sums"]) / (scored * args.windows)
         _, bits = page_bits(config, 64, torch.bfloat16, args.quality_block)
         rows.append({"config": config["name"], "preset": config["preset"], "anchors": config.get("anchors"),
-                     "nll": nll, "ppl": math.exp(nll), "nll_per_window": [s / scored for s in out["ppl"]["nll_sums"]],
+                     "kv_cache_dtype": config.get("kv_cache_dtype"), "nll": nll, "ppl": math.exp(nll),
+                     "nll_per_window": [s / scored for s in out["ppl"]["nll_sums"]],
                      "bits_per_value_bf16": bits, "block_size": out["block_size"]})
-    if rows and rows[0]["preset"] is None:
+    if rows and is_stock(rows[0]):
         compare_quality(rows)
     protocol = {"windows": args.windows, "window_tokens": args.window_tokens, "chunk": CHUNK, "scored_from": CHUNK,
                 "dtype": "float32", "texts": list(STREAMING_TEXTS)}
@@ -301,7 +384,8 @@ def quality(args, tokenizer, texts) -> dict[str, Any]:
 
 def compare_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
-        row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
+        if "ppl" in row:
+            row["delta_ppl"] = row["ppl"] - rows[0]["ppl"]
     return rows
 
 
@@ -319,7 +403,10 @@ TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", 
 def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str]:
     """``(tok/s, vs stock)`` of ``config`` in the throughput part, one value per engine mode (eager / compiled:
     the medians over rounds), dashes without one."""
-    rows = [r for r in result.get("throughput", {}).get("rows", []) if r["config"] == config]
+    part = result.get("throughput", {})
+    if config in part.get("skipped", {}):
+        return "skipped", "-"
+    rows = [r for r in part.get("rows", []) if r["config"] == config]
     if not rows:
         return "-", "-"
     ratios = " / ".join("-" if r["vs_stock"] is None else f"{r['vs_stock']:.2f}" for r in rows)
@@ -329,9 +416,13 @@ def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str]:
 def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
     rows = []
     for row in result["serving"]:
+        tokens_per_s, vs_stock = throughput_cells(result, row["config"])
+        if "skipped" in row:
+            rows.append({"config": row["config"], "tokens_per_s": tokens_per_s, "throughput_vs_stock": vs_stock,
+                         "greedy": skip_note(row["skipped"])})
+            continue
         longest = max(row["concurrent"], key=int)
         same = ", ".join(f"{g['same_tokens']}/{g['of']}" for g in row["greedy_vs_stock"])
-        tokens_per_s, vs_stock = throughput_cells(result, row["config"])
         rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": tokens_per_s,
                      "throughput_vs_stock": vs_stock, "greedy": same})
     return table(rows, SERVING_COLUMNS)
@@ -341,7 +432,8 @@ def quality_markdown(result: dict[str, Any], table: Any = None) -> str:
     """The quality part's two tables; ``table(rows, columns)`` renders each (default: ``markdown_table`` with KL
     clamped at 0, as readme_tables' ``markdown`` does)."""
     q = result["quality"]
-    vllm = [{**r, "bits": r["bits_per_value_bf16"],
+    vllm = [{"config": r["config"], "within": skip_note(r["skipped"])} if "skipped" in r else
+            {**r, "bits": r["bits_per_value_bf16"],
              "within": {True: "yes", False: "**no**"}.get(r.get("within_target"), "-")} for r in q["vllm"]]
     twins = [{"bits_end": RAW_BITS, **r} for r in q["flashcodec"]]
     if not vllm:  # only the FlashCodecCache part ran (--only twins)
@@ -412,7 +504,7 @@ def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                 quality_rows[row["config"]] = (run_of("quality", row["config"]), row)
             for row in quality_part["flashcodec"]:
                 twin_rows[row["tier"]] = (run_of("quality", "twins"), row)
-    stock_first = lambda rows: sorted(rows, key=lambda r: r["preset"] is not None)  # noqa: E731
+    stock_first = lambda rows: sorted(rows, key=lambda r: (not is_stock(r)) + (r["preset"] is not None))  # noqa: E731
     used = {run for run, _ in [*serving_rows.values(), *quality_rows.values(), *twin_rows.values()]}
     if serving_rows:
         merged["serving"] = compare_serving(stock_first([row for _, row in serving_rows.values()]))

@@ -20,6 +20,12 @@ BLOCK_SIZE = 128  # vLLM's CPU default page
 LATENCIES = ("ttft", "tpot")  # time to first token, time per output token after the first (seconds)
 
 
+def is_stock(row: dict[str, Any]) -> bool:
+    """A configuration (or its row) of stock vLLM's pages in the model's dtype: no preset, no quantized KV cache
+    dtype (bench_vllm's ``stock fp8`` is vLLM too, but not the baseline)."""
+    return row.get("preset") is None and row.get("kv_cache_dtype") is None
+
+
 def model_shape(folder: str) -> tuple[int, int, int]:
     """``(layers, KV heads, head_dim)`` of the model in ``folder`` (its config.json)."""
     from transformers import AutoConfig
@@ -71,7 +77,8 @@ def load_row(config: dict[str, Any], load: dict[str, Any], blocks: int, seq_toke
     capacity (``blocks`` pages, one of them vLLM's null block: the whole sequences that fit)."""
     requests, seconds = load["requests"], load["seconds"]
     generated = sum(r["generated"] for r in requests)
-    row = {"config": config["name"], "preset": config["preset"], "blocks": blocks, "kv_tokens": blocks * block_size,
+    row = {"config": config["name"], "preset": config["preset"], "kv_cache_dtype": config.get("kv_cache_dtype"),
+           "blocks": blocks, "kv_tokens": blocks * block_size,
            "sequences_fit": (blocks - 1) // math.ceil(seq_tokens / block_size), "seconds": seconds,
            "requests": len(requests), "output_tokens": generated, "output_tokens_per_s": generated / seconds,
            "requests_per_s": len(requests) / seconds, "max_running": load["max_running"],
@@ -85,8 +92,10 @@ def load_row(config: dict[str, Any], load: dict[str, Any], blocks: int, seq_toke
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``vs_stock``: each row's output tokens/s over the mean of stock's runs (None without one), and its KV tokens
     over stock's (``capacity_vs_stock``)."""
-    stock = [r for r in rows if r["preset"] is None]
+    stock = [r for r in rows if is_stock(r) and "skipped" not in r]
     for row in rows:
+        if "skipped" in row:
+            continue
         row["vs_stock"] = row["output_tokens_per_s"] / statistics.mean(r["output_tokens_per_s"] for r in stock) \
             if stock else None
         row["capacity_vs_stock"] = row["kv_tokens"] / stock[0]["kv_tokens"] if stock else None
@@ -102,7 +111,9 @@ COLUMNS = [("config", "config", "s"), ("KV tokens", "kv_tokens", ",d"), ("fit", 
 
 def markdown(part: dict[str, Any], table: Any) -> str:
     """The part's table (``table(rows, columns)`` renders it); one line says the load it served."""
-    rows = [{**r, "ttft": f"{r['ttft_median_s']:.1f} / {r['ttft_p90_s']:.1f}",
+    rows = [{"config": r["config"], "ttft": f"skipped ({r['skipped'].strip().splitlines()[0][:120]})"}
+            if "skipped" in r else
+            {**r, "ttft": f"{r['ttft_median_s']:.1f} / {r['ttft_p90_s']:.1f}",
              "tpot": f"{1e3 * r['tpot_median_s']:.0f} / {1e3 * r['tpot_p90_s']:.0f}"} for r in part["rows"]]
     head = (f"{part['requests']} requests of {part['prompt_tokens']} prompt tokens + {part['output_tokens']} "
             f"generated, all at once; {part['dtype']}, KV space {part['kv_cache_bytes'] / 2**20:.1f} MiB "

@@ -194,3 +194,100 @@ def test_a_merge_credits_a_part_to_the_latest_run_that_measured_it():
     merged = bench_vllm.merge([("vllm", earlier), ("memory", later)])
     assert sorted(merged["runs"]) == ["memory", "serving", "tput"]
     assert bench_vllm.source_run(earlier["runs"], "throughput", None) == "tput"
+
+
+def test_vllms_fp8_cache_is_a_configuration_beside_stock_not_the_baseline():
+    configs = bench_vllm.configurations(["int8", "3bit"], options=False)
+    assert [c["name"] for c in configs] == ["stock vLLM", "stock fp8", "int8", "3bit"]
+    fp8 = configs[1]
+    assert bench_vllm.is_stock(configs[0]) and not bench_vllm.is_stock(fp8) and not bench_vllm.is_stock(configs[2])
+    assert bench_vllm.engine_llm(fp8, {"dtype": "float32"}) == {"dtype": "float32", "kv_cache_dtype": "fp8"}
+    assert bench_vllm.engine_llm(configs[2], {"dtype": "float32"}) == {"dtype": "float32"}
+    assert bench_vllm.page_bits(fp8, 64, torch.bfloat16, 128) == (128, 8.0)  # e4m3 K and V, per-layer scales
+    assert bench_vllm.page_bits(configs[0], 64, torch.bfloat16, 128) == (256, 16.0)
+    assert [c["name"] for c in bench_vllm.configurations(["int8"], options=False, fp8=False)] == ["stock vLLM", "int8"]
+    assert [c["name"] for c in bench_vllm.stock_first_and_last(configs)][-1] == "stock vLLM"
+
+
+def test_fp8_throughput_is_paired_with_stock_and_does_not_replace_it():
+    runs = [{"mode": "eager", "config": c, "preset": p, "kv_cache_dtype": d, "round": r, "tokens_per_s": t}
+            for c, p, d, r, t in [("stock vLLM", None, None, 0, 100.0), ("stock fp8", None, "fp8", 0, 95.0),
+                                  ("3bit", "3bit", None, 0, 90.0), ("3bit", "3bit", None, 1, 80.0),
+                                  ("stock fp8", None, "fp8", 1, 110.0), ("stock vLLM", None, None, 1, 100.0)]]
+    rows = {r["config"]: r for r in bench_vllm.throughput_rows(runs)}
+    assert rows["stock fp8"]["vs_stock"] == pytest.approx(1.025)
+    assert rows["3bit"]["vs_stock"] == pytest.approx(0.85) and rows["stock vLLM"]["vs_stock"] == 1.0
+
+
+def fake_cpu_attn(monkeypatch, refuse: bool) -> None:
+    """vLLM's CPU attention module with an ``_get_attn_isa`` that refuses fp8 (``refuse``) as it does without
+    AVX-512 / AMX, or accepts it."""
+    import sys
+    import types
+
+    def get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None):
+        if refuse and kv_cache_dtype and kv_cache_dtype.startswith("fp8"):
+            raise NotImplementedError("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")
+        return "vec"
+
+    module = types.ModuleType("vllm.v1.attention.backends.cpu_attn")
+    module._get_attn_isa = get_attn_isa
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", module)
+
+
+def test_where_vllm_refuses_fp8_the_row_says_why_and_no_engine_starts(monkeypatch):
+    fake_cpu_attn(monkeypatch, refuse=True)
+    started = []
+    monkeypatch.setattr(bench_vllm, "run_job", lambda job, env, timeout: started.append(job) or {"ok": 1})
+    fp8 = dict(bench_vllm.FP8)
+    assert bench_vllm.fp8_refusal(fp8, torch.float32) == "vLLM: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    assert bench_vllm.fp8_refusal({"name": "3bit", "preset": "3bit"}, torch.float32) is None
+    out, reason = bench_vllm.run_or_skip(fp8, torch.float32, {"llm": {}}, {}, 10)
+    assert out is None and "AVX-512" in reason and not started
+    out, reason = bench_vllm.run_or_skip({"name": "3bit", "preset": "3bit"}, torch.float32, {"llm": {}}, {}, 10)
+    assert out == {"ok": 1} and reason is None and started == [{"llm": {}}]
+
+
+def test_an_engine_that_fails_to_start_with_fp8_is_a_skip_but_a_presets_failure_raises(monkeypatch):
+    fake_cpu_attn(monkeypatch, refuse=False)
+
+    def failing(job, env, timeout):
+        raise RuntimeError("vLLM engine job failed (1); error lines:\nNotImplementedError: no fp8 here")
+
+    monkeypatch.setattr(bench_vllm, "run_job", failing)
+    out, reason = bench_vllm.run_or_skip(dict(bench_vllm.FP8), torch.float32, {"llm": {}}, {}, 10)
+    assert out is None and reason.startswith("the engine failed: vLLM engine job failed")
+    with pytest.raises(RuntimeError, match="no fp8 here"):
+        bench_vllm.run_or_skip({"name": "3bit", "preset": "3bit"}, torch.float32, {"llm": {}}, {}, 10)
+
+
+def test_skipped_rows_show_their_reason_in_every_table():
+    reason = "vLLM: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    skipped = bench_vllm.skipped_row(dict(bench_vllm.FP8), reason)
+    serving = bench_vllm.compare_serving([serving_row("stock vLLM", None, 46592), dict(skipped),
+                                          serving_row("3bit", "3bit", 233856)])
+    part = throughput_part(("eager", "stock vLLM", 0, 100.0), ("eager", "3bit", 0, 90.0))
+    table = bench_vllm.serving_markdown({"serving": serving, "throughput": {**part, "skipped": {"stock fp8": reason}}})
+    fp8_line = table.splitlines()[3]
+    assert fp8_line.startswith("| stock fp8 |") and "| skipped | - |" in fp8_line and "AVX-512" in fp8_line
+    quality = bench_vllm.compare_quality([{"config": "stock vLLM", "preset": None, "ppl": 20.0,
+                                           "bits_per_value_bf16": 16.0}, dict(skipped)])
+    table = bench_vllm.quality_markdown({"quality": {"vllm": quality, "flashcodec": []}})
+    assert "| stock fp8 | - | - | - | - | - | skipped (vLLM: FP8 KV cache on CPU requires x86" in table
+    stock = vllm_memory.load_row({"name": "stock vLLM", "preset": None},
+                                 load_figures([1.0], [0.1], 4.0, 5, 0), blocks=37, seq_tokens=768)
+    rows = vllm_memory.compare([stock, dict(skipped)])
+    table = vllm_memory.markdown({"rows": rows, "requests": 1, "prompt_tokens": 256, "output_tokens": 8,
+                                  "dtype": "float32", "kv_cache_bytes": 2**20, "stock_seqs": 1},
+                                 bench_vllm.markdown_table)
+    assert "| stock fp8 | - | - | - | - | - | - | - | skipped (vLLM: FP8" in table
+
+
+def test_a_merge_puts_stock_first_then_vllms_fp8_then_the_presets(tmp_path):
+    run = {"date": "2026-12-06", "machine": {"load_avg_1_5_15m": [1.0] * 3}, "versions": {}, "config": {}}
+    fp8 = {**serving_row("stock fp8", None, 183544), "kv_cache_dtype": "fp8"}
+    old = {**run, "serving": [serving_row("3bit", "3bit", 233856)]}
+    new = {**run, "serving": [fp8, serving_row("stock vLLM", None, 93184)]}
+    merged = bench_vllm.merge([("old", old), ("new", new)])
+    assert [r["config"] for r in merged["serving"]] == ["stock vLLM", "stock fp8", "3bit"]
+    assert merged["serving"][1]["capacity_vs_stock"] == pytest.approx(183544 / 93184)
