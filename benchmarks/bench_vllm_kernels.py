@@ -5,7 +5,8 @@
 
 SmolLM2-135M's attention layer (9 query heads, 3 KV heads, head_dim 64), fp32, 128-token pages (vLLM's CPU
 default), ``--threads`` (1). A *call* is what one vLLM forward hands a layer: requests given by ``(tokens in the
-call, history)``, their pages scattered over one cache. Per call and configuration, timed in interleaved rounds
+call, history)``, their pages scattered over one cache (``batch step k``: the prefill steps of ``bench_vllm.py``'s
+throughput batch, ``BATCH_STEPS``). Per call and configuration, timed in interleaved rounds
 (each round runs every configuration once), medians of the process's CPU time (steadier than wall time on a shared
 machine; both are kept):
 
@@ -48,6 +49,17 @@ CALLS = {
     "prefill 2048 (2k)": [(2048, 2048)],
     "mixed 4 x 1 (2k) + 1024 (1k)": [(1, 2048)] * 4 + [(1024, 1024)],
 }
+# The five prefill steps of bench_vllm.py's throughput batch (8 prompts of 1,024-4,096 tokens) as vLLM 0.32's
+# scheduler makes them (4,096 tokens a step: whole prompts, chunks of the next one over their history, and the
+# decodes of the prompts already done), as the engine hands them to every layer.
+BATCH_STEPS = [
+    [(1024, 0), (1462, 0), (1610, 0)],
+    [(1, 1024), (1, 1462), (291, 1610), (2340, 0), (1463, 0)],
+    [(1, 1025), (1, 1463), (1, 1901), (1, 2340), (1316, 1463), (2776, 0)],
+    [(1, 1026), (1, 1464), (1, 1902), (1, 2341), (1, 2779), (442, 2776), (3649, 0)],
+    [(1, 1027), (1, 1465), (1, 1903), (1, 2342), (1, 2780), (1, 3218), (8, 3649), (4082, 0)],
+]
+CALLS.update({f"batch step {i + 1}": step for i, step in enumerate(BATCH_STEPS)})
 QUICK = ("decode 8 x 1 (1k-4k)", "prefill 512 (0)", "prefill 512 (2k)", "mixed 4 x 1 (2k) + 1024 (1k)")
 
 

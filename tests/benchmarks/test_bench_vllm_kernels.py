@@ -31,3 +31,16 @@ def test_the_bench_fills_the_pages_as_the_reference_store_does():
                     "store")
     assert torch.equal(bench.filled_pages(call, fmt), ref)
     assert call.hist_starts.tolist() == [0, 200, 330] and call.query_start_loc.tolist() == [0, 1, 41]
+
+
+def test_the_batch_steps_are_the_throughput_batchs_prefill_as_vllm_schedules_it():
+    """Steps of 4,096 tokens (vLLM's budget); their prompt chunks are the batch's prompts but for the last prompt's
+    last 14 tokens (scheduled beside the next decodes), and a chunk's history is where its prompt stopped."""
+    batch = 8
+    lengths = [1024 + (4096 - 1024) * i // (batch - 1) for i in range(batch)]  # bench_vllm.throughput's prompts
+    assert [sum(t for t, _ in step) for step in bench.BATCH_STEPS] == [4096] * 5
+    chunks = [(t, c) for step in bench.BATCH_STEPS for t, c in step if t > 1]
+    assert sum(t for t, _ in chunks) + 14 == sum(lengths)
+    starts = {c + t for t, c in chunks}  # where each chunk leaves its prompt
+    assert all(c == 0 or c in starts for _, c in chunks)
+    assert all(bench.CALLS[f"batch step {i + 1}"] == step for i, step in enumerate(bench.BATCH_STEPS))
