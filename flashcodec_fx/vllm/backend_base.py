@@ -45,11 +45,19 @@ def servable_spec(spec: AttentionSpec) -> bool:
             and spec.state_content_bytes is None and spec.num_head_slots is None and spec.head_size == spec.head_size_v)
 
 
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a spec's dtype where vLLM's kv_cache_dtype is "auto"
+
+
 def customize_spec(spec: AttentionSpec) -> AttentionSpec:
     """A servable spec as uint8 pages of the configuration's ``state_content_bytes`` per (token, KV head); any
-    other spec unchanged (those layers keep vLLM's pages and attention)."""
+    other spec unchanged (those layers keep vLLM's pages and attention). ValueError for a quantized KV cache dtype
+    (``kv_cache_dtype="fp8"`` and kin: the spec's dtype is then vLLM's storage type, not the model's)."""
     if not servable_spec(spec):
         return spec
+    if spec.dtype not in MODEL_DTYPES:
+        raise ValueError(f"{ENV_PRESET} is set with a quantized KV cache dtype (vLLM's pages of {spec.dtype}): "
+                         f"flashcodec pages code the model's K and V themselves; leave kv_cache_dtype='auto' "
+                         f"(--kv-cache-dtype auto), or unset {ENV_PRESET} to run vLLM's own quantized cache")
     content = plugin_config().state_content_bytes(spec.head_size, spec.dtype, spec.block_size)
     return replace(spec, dtype=torch.uint8, state_content_bytes=content)
 

@@ -53,3 +53,17 @@ def test_unknown_preset_fails_at_registration(monkeypatch):
     monkeypatch.setattr(plugin, "_registered", False)
     with pytest.raises(ValueError, match=f"{ENV_PRESET} must be one of"):
         plugin.register()
+
+
+def test_a_quantized_kv_cache_dtype_is_refused_by_name(monkeypatch):
+    """kv_cache_dtype="fp8" gives the layers uint8 specs (vLLM's fp8 storage): the plugin's pages would be sized for
+    a model dtype they do not have, so the engine stops at the spec, naming both settings."""
+    monkeypatch.setenv(ENV_PRESET, "3bit")
+    from flashcodec_fx.vllm.backend_base import plugin_config
+    from flashcodec_fx.vllm.cpu_backend import FlashCodecCPUBackend
+
+    plugin_config.cache_clear()
+    fp8 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto'.*or unset FLASHCODEC_VLLM_PRESET"):
+        FlashCodecCPUBackend.customize_spec(fp8)
+    plugin_config.cache_clear()
