@@ -13,7 +13,7 @@ import torch
 from .base import Codec, Encoded, check_count
 from .dct import dct_basis
 from .pack import check_head_dim
-from .quant import AXES, SCALE_DTYPE, Quantizer
+from .quant import AXES, SCALE_DTYPE, SEARCHES, Quantizer, search_mode
 from .registry import SpecFields, register_codec
 
 MAX_BLOCK = 256
@@ -27,6 +27,14 @@ def _check_bool(name: str, value) -> bool:
 
 
 MAX_SEED = 2**63 - 1
+SEARCH_CODES = {False: 0, "trials": 1, "fit": 2}  # Quantizer.search as a spec's search= field
+
+
+def _search_of_code(code: int):
+    for mode, value in SEARCH_CODES.items():
+        if value == code:
+            return mode
+    raise ValueError(f"a jpeg spec's search field must be one of {sorted(SEARCH_CODES.values())}, got {code}")
 
 
 def _seed(rotate) -> int | None:
@@ -92,7 +100,9 @@ class JPEGCodec(Codec):
     quantization table) quantizes the coefficients: ``levels`` (``"int"``, ``"uniform"``, ``"midrise"``, ``"lloyd"``;
     see ``levels.py``), ``scale_axis`` ``"token"`` (an fp16 scale per (block, frequency) over head_dim) or
     ``"channel"`` (per channel over ``group`` tokens, DC and AC classes; ``levels`` may then be a ``(dc, ac)`` pair),
-    ``scale_search`` (least-squares clipping search). ``rotate`` (True or a seed) applies a fixed random-sign
+    ``scale_search`` (how each slice's scale is chosen: ``False`` no clipping, ``True`` / ``"trials"`` the least
+    squared error over a few clipping factors, ``"fit"`` a closed-form start and two least-squares passes;
+    ``quant.py``). ``rotate`` (True or a seed) applies a fixed random-sign
     Walsh-Hadamard rotation along head_dim, ``center`` subtracts a per-channel mean taken from the first append,
     ``normalize`` stores the stream divided by per-channel powers of two that bring outlier channels back towards the
     others (``channel_norm.py``). ``sinks`` / ``window``: raw first / newest tokens, stored as ``raw_dtype`` says
@@ -103,7 +113,7 @@ class JPEGCodec(Codec):
     name = "jpeg"
 
     def __init__(self, block_size: int = 8, keep_freqs: int | None = None, quant_bits=None, *, levels=None,
-                 scale_axis: str = "token", group: int | None = None, scale_search: bool = False, rotate=None,
+                 scale_axis: str = "token", group: int | None = None, scale_search: bool | str = False, rotate=None,
                  center: bool = False, normalize: bool = False, sinks: int = 0, window: int = 0,
                  raw_dtype: str = "auto"):
         block_size = check_count("block_size", block_size, least=1)
@@ -123,7 +133,10 @@ class JPEGCodec(Codec):
             raise TypeError(f"scale_axis must be one of {AXES}, got {type(scale_axis).__name__} {scale_axis!r}")
         if scale_axis not in AXES:
             raise ValueError(f"scale_axis must be one of {AXES}, got {scale_axis!r}")
-        _check_bool("scale_search", scale_search)
+        if not isinstance(scale_search, (bool, str)):
+            raise TypeError(f"scale_search must be False, True or one of {SEARCHES}, got "
+                            f"{type(scale_search).__name__} {scale_search!r}")
+        scale_search = search_mode(scale_search)
         if bits is None:
             if levels is not None or scale_axis != "token" or group is not None or scale_search:
                 raise ValueError("levels, scale_axis, group and scale_search apply to quantized coefficients: set "
@@ -151,7 +164,7 @@ class JPEGCodec(Codec):
         fields: dict[str, str | int] = {"r": self.block_size, "k": self.keep_freqs}
         if q is not None:
             fields.update(bits=".".join(map(str, q.bits)), levels=".".join(q.levels), axis=q.axis, blocks=q.blocks,
-                          search=int(q.search))
+                          search=SEARCH_CODES[q.search])
         fields.update(rotate="-" if self.rotate is None else self.rotate, center=int(self.center))
         if self.normalize:  # only when set: specs written before the option read back unchanged
             fields["norm"] = 1
@@ -167,7 +180,7 @@ class JPEGCodec(Codec):
         if fields.has("bits"):
             options.update(quant_bits=fields.ints("bits"), levels=tuple(fields.str("levels").split(".")),
                            scale_axis=fields.str("axis"), group=fields.int("blocks") * r,
-                           scale_search=bool(fields.int("search")))
+                           scale_search=_search_of_code(fields.int("search")))
         return cls(r, fields.int("k"), **options)
 
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codecs import JPEGCodec, codec_from_spec
+from ..codecs.jpeg import SEARCH_CODES
 from ..codecs.levels import LEVEL_SETS
 from ..codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 
@@ -24,6 +25,8 @@ CHANNEL_CODES = 3  # packed codes, fp16 scales per (group, class, channel) (scal
 # Level kinds (``StoredFormPlan.level_kind``, ``class_levels``): the index in ``codecs.levels.LEVEL_SETS`` (the scalar
 # ``LEVELS``, then ``tcq``: trellis codes, ``codecs/trellis.py``).
 LEVEL_KINDS = {name: i for i, name in enumerate(LEVEL_SETS)}
+# Scale searches (``StoredFormPlan.search``; ``quant.Quantizer.search``): none, the clipping trials, the fit.
+SEARCH_NONE, SEARCH_TRIALS, SEARCH_FIT = (SEARCH_CODES[m] for m in (False, "trials", "fit"))
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,9 @@ class StoredFormPlan:
     ``zero_classes`` scale and zero-point classes, ``row_bytes`` packed bytes per block; per stored row ``bits``,
     ``bit_offset`` (units of ``head_dim / 8`` bytes), ``byte_offset``, ``row_class``, ``zero_slot`` (of its class, -1:
     none) and ``level_kind``; per class ``class_levels`` (level kind), ``class_zero``, ``class_first`` /
-    ``class_last`` rows; ``slices`` the OR of the rows' bit widths, ``lloyd`` any Lloyd-Max row, ``search`` the
-    clipping search, ``level_width`` columns of ``levels``. Transform: ``rotate``, ``center``.
+    ``class_last`` rows, ``class_fit`` the ``(a, c)`` of "fit"'s start factor (``Quantizer.fit_line``); ``slices``
+    the OR of the rows' bit widths, ``lloyd`` any Lloyd-Max row, ``search`` the scale search (``SEARCH_NONE`` /
+    ``SEARCH_TRIALS`` / ``SEARCH_FIT``), ``level_width`` columns of ``levels``. Transform: ``rotate``, ``center``.
 
     Host tables (fp32, contiguous): ``synthesis`` ``A (r, dense)``; ``analysis`` ``M (K, r)`` of jpeg, else None;
     ``levels`` ``(K, level_width)`` each row's level table (``Quantizer.level_rows``), else None; ``rotation``
@@ -71,9 +75,10 @@ class StoredFormPlan:
     class_zero: tuple[int, ...]
     class_first: tuple[int, ...]
     class_last: tuple[int, ...]
+    class_fit: tuple[tuple[float, float], ...]
     slices: int
     lloyd: bool
-    search: bool
+    search: int
     level_width: int
     rotate: bool
     center: bool
@@ -106,8 +111,8 @@ def stored_form_plan(spec: str, head_dim: int) -> StoredFormPlan:
     if q is None:
         return StoredFormPlan(form=PRUNED_ROWS if codec.index_rows else FLOAT_ROWS, classes=0, zero_classes=0,
                               row_bytes=0, bits=(), bit_offset=(), byte_offset=(), row_class=(), zero_slot=(),
-                              level_kind=(), class_levels=(), class_zero=(), class_first=(), class_last=(), slices=0,
-                              lloyd=False, search=False, level_width=1, levels=None, **common)
+                              level_kind=(), class_levels=(), class_zero=(), class_first=(), class_last=(), class_fit=(),
+                              slices=0, lloyd=False, search=SEARCH_NONE, level_width=1, levels=None, **common)
     slices = 0
     for b in q.bits:
         slices |= b
@@ -119,5 +124,7 @@ def stored_form_plan(spec: str, head_dim: int) -> StoredFormPlan:
         byte_offset=tuple(o * head_dim // 8 for o in q.row_offsets), row_class=q.row_class,
         zero_slot=tuple(q.zero_slot[c] for c in q.row_class), level_kind=tuple(kinds[c] for c in q.row_class),
         class_levels=kinds, class_zero=q.zero_slot, class_first=tuple(rows[0] for rows in q.classes),
-        class_last=tuple(rows[-1] for rows in q.classes), slices=slices, lloyd="lloyd" in q.levels, search=q.search,
+        class_last=tuple(rows[-1] for rows in q.classes),
+        class_fit=tuple(q.fit_line(c, head_dim) for c in range(len(q.classes))), slices=slices,
+        lloyd="lloyd" in q.levels, search=SEARCH_CODES[q.search],
         level_width=levels.shape[1], levels=levels, **common)

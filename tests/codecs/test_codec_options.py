@@ -51,7 +51,8 @@ BAD_OPTIONS = [
     ("jpeg", {"quant_bits": 8, "scale_axis": "channel", "group": 128.0}, TypeError, "group"),
     ("jpeg", {"quant_bits": 8, "group": 16}, ValueError, "group"),  # token-axis scales are per block
     ("jpeg", {"quant_bits": 8, "scale_search": 1}, TypeError, "scale_search"),
-    ("jpeg", {"quant_bits": 8, "scale_search": "yes"}, TypeError, "scale_search"),
+    ("jpeg", {"quant_bits": 8, "scale_search": "yes"}, ValueError, "scale_search"),
+    ("jpeg", {"quant_bits": 8, "scale_search": None}, TypeError, "scale_search"),
     ("jpeg", {"levels": "int"}, ValueError, "quant_bits"),  # quantizer options without quant_bits
     ("jpeg", {"scale_axis": "channel"}, ValueError, "quant_bits"),
     ("jpeg", {"group": 16}, ValueError, "quant_bits"),
@@ -166,7 +167,7 @@ def codec_options(draw) -> tuple[str, dict]:
     opts["quant_bits"] = bits[0] if len(set(bits)) == 1 and draw(st.booleans()) else tuple(bits)
     opts["levels"] = levels[0] if len(set(levels)) == 1 and draw(st.booleans()) else tuple(levels)
     opts["scale_axis"] = axis
-    opts["scale_search"] = draw(st.booleans())
+    opts["scale_search"] = draw(st.sampled_from([False, True, "trials", "fit"]))
     if axis == "channel":
         opts["group"] = r * draw(st.integers(1, 16))
     return "jpeg", opts
@@ -195,6 +196,8 @@ def test_spec_format():
                       scale_axis="channel", group=32, scale_search=True, center=True, sinks=4).spec == (
         "jpeg;r=4;k=4;bits=5.3.2.2;levels=uniform.midrise;axis=channel;blocks=8;search=1;rotate=-;center=1;sinks=4;"
         "window=0")
+    assert make_codec("jpeg", block_size=1, quant_bits=3, levels="lloyd", scale_search="fit").spec == (
+        "jpeg;r=1;k=1;bits=3;levels=lloyd;axis=token;blocks=1;search=2;rotate=-;center=0;sinks=0;window=0")
     # raw_dtype: only when not "auto" (specs written before the option read back unchanged), after the residual policy
     assert make_codec("jpeg", block_size=1, quant_bits=2, window=3, raw_dtype="bfloat16").spec == (
         "jpeg;r=1;k=1;bits=2;levels=int;axis=token;blocks=1;search=0;rotate=-;center=0;sinks=0;window=3;raw=bfloat16")
@@ -222,8 +225,9 @@ CANONICAL = "jpeg;r=8;k=8;bits=8.8.8.8.8.8.8.8;levels=int.int.int.int.int.int.in
     (CANONICAL.replace("rotate=-", "rotate=x"), "rotate"),
     (CANONICAL.replace("rotate=-", "rotate=-1"), "rotate"),
     (CANONICAL.replace("blocks=1", "blocks=2"), "group"),
+    (CANONICAL.replace("search=0", "search=3"), "search"),
     # not canonical: parses, but reads back differently
-    (CANONICAL.replace("search=0", "search=2"), "not canonical"),
+    (CANONICAL.replace("search=0", "search=02"), "not canonical"),
     (CANONICAL.replace("center=0", "center=2"), "not canonical"),
     (CANONICAL.replace("r=8", "r=08"), "not canonical"),
     (CANONICAL + ";x=1", "not canonical"),

@@ -171,7 +171,7 @@ def test_rotation_lets_one_scale_per_token_fit_outlier_channels():
 @FAST
 @given(shape=quant_shapes, r=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31), keep=st.integers(1, 8),
        levels=st.sampled_from(LEVELS), bits=st.integers(2, 8), axis=st.sampled_from(["token", "channel"]),
-       rotate=st.booleans(), center=st.booleans(), search=st.booleans())
+       rotate=st.booleans(), center=st.booleans(), search=st.sampled_from([False, "trials", "fit"]))
 def test_decode_is_synthesis_times_stored_rows(shape, r, seed, keep, levels, bits, axis, rotate, center, search):
     """The linear-map contract every attention path relies on: decode == restore(A @ S) per block, S the dense
     stored rows (dequantized), for every jpeg variant."""

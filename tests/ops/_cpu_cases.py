@@ -12,7 +12,7 @@ from flashcodec_fx.ops.state import empty_state
 
 # Every stored form: raw / truncated DCT, png exact and pruned, each level set on each scale axis, bit tables,
 # sub-byte widths 1..8, sinks, windows, centers and rotations, trellis codes (levels="tcq") per token and per DCT row
-# (small blocks keep the reference fast).
+# the "fit" scale search (small blocks keep the reference fast).
 CODECS = {
     "jpeg": ("jpeg", {"block_size": 4}),
     "jpeg-k2-residual": ("jpeg", {"block_size": 4, "keep_freqs": 2, "sinks": 1, "window": 3}),
@@ -38,6 +38,18 @@ CODECS = {
     "token-tcq1": ("jpeg", {"block_size": 1, "quant_bits": 1, "levels": "tcq", "rotate": 1}),
     "token-tcq4": ("jpeg", {"block_size": 1, "quant_bits": 4, "levels": "tcq", "scale_search": True, "window": 2}),
     "jpeg-tcq-table": ("jpeg", {"block_size": 4, "quant_bits": (4, 3, 2, 1), "levels": "tcq", "scale_search": True}),
+    # scale_search="fit": every level set on both axes, Lloyd-Max rows of 1 and 4 bits
+    "token-table-fit": ("jpeg", {"block_size": 4, "quant_bits": (6, 4, 3, 2), "levels": ("int", "uniform", "midrise",
+                                 "lloyd"), "scale_search": "fit", "window": 2}),
+    "channel-key-fit": ("jpeg", {"block_size": 4, "quant_bits": (5, 3, 3, 2), "levels": ("uniform", "midrise"),
+                                 "scale_axis": "channel", "group": 8, "scale_search": "fit", "rotate": 1, "center": True,
+                                 "sinks": 2}),
+    "channel-lloyd-fit": ("jpeg", {"block_size": 2, "quant_bits": 3, "levels": "lloyd", "scale_axis": "channel",
+                                   "group": 4, "scale_search": "fit"}),
+    "token-lloyd4-fit": ("jpeg", {"block_size": 1, "quant_bits": 4, "levels": "lloyd", "rotate": 2, "center": True,
+                                  "scale_search": "fit", "sinks": 3, "window": 5}),
+    "token-lloyd1-fit": ("jpeg", {"block_size": 1, "quant_bits": 1, "levels": "lloyd", "rotate": 1,
+                                  "scale_search": "fit"}),
     "png": ("png", {"block_size": 4}),
     "png-pruned": ("png", {"block_size": 4, "keep_ratio": 0.5, "sinks": 1, "window": 2}),
 }

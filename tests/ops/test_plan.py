@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcodec_fx.codecs import LEVELS, Codec, JPEGCodec, make_codec
+from flashcodec_fx.codecs.jpeg import SEARCH_CODES
 from flashcodec_fx.codecs.levels import LEVEL_SETS
-from flashcodec_fx.codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
+from flashcodec_fx.codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS, fit_start
 from flashcodec_fx.ops.cpu.plan import CLASS_FIELDS, LEVEL_WIDTH, META_FIELDS, ROW_FIELDS, codec_plan
 from flashcodec_fx.ops.plan import CHANNEL_CODES, FLOAT_ROWS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
 from flashcodec_fx.presets import PRESETS, preset_codecs
@@ -63,7 +64,10 @@ def _check_against_codec(plan: StoredFormPlan, codec: Codec, d: int) -> None:
         assert (plan.classes, plan.zero_classes, plan.row_bytes, plan.slices, plan.level_width) == (0, 0, 0, 0, 1)
         return
     assert plan.form == (TOKEN_CODES if q.axis == "token" else CHANNEL_CODES) and plan.quantized
-    assert plan.bits == q.bits and plan.search == q.search and plan.row_bytes == sum(q.bits) * d // 8
+    assert plan.bits == q.bits and plan.search == SEARCH_CODES[q.search] and plan.row_bytes == sum(q.bits) * d // 8
+    sizes = [d if q.axis == "token" else q.blocks * len(rows) for rows in q.classes]
+    assert plan.class_fit == tuple(fit_start(lv, q.bits[rows[0]], n) for lv, rows, n in zip(q.levels, q.classes, sizes,
+                                                                                           strict=True))
     offset = 0
     for j, bits in enumerate(q.bits):
         assert plan.bit_offset[j] == offset and plan.byte_offset[j] == offset * d // 8
@@ -110,7 +114,8 @@ def _check_meta(plan: StoredFormPlan) -> None:
     assert cpu.levels.shape == (len(plan.bits), LEVEL_WIDTH)
     if plan.levels is not None:
         assert torch.equal(cpu.levels[:, : plan.level_width], plan.levels) and not cpu.levels[:, plan.level_width:].any()
-    assert cpu.factors.tolist() == pytest.approx(list(plan.shrink_factors + plan.lloyd_factors))
+    assert cpu.factors.tolist() == pytest.approx(list(plan.shrink_factors + plan.lloyd_factors + sum(plan.class_fit,
+                                                                                                       ())))
 
 
 def _check_triton(plan: StoredFormPlan, codec: Codec) -> None:
@@ -144,8 +149,12 @@ def _check_triton(plan: StoredFormPlan, codec: Codec) -> None:
         assert torch.equal(tables.rotation, plan.rotation)
     if plan.analysis is not None:
         assert torch.equal(tables.analysis, plan.analysis)
-    assert tables.factors[0, : len(plan.shrink_factors)].tolist() == pytest.approx(list(plan.shrink_factors))
-    assert tables.factors[1, : len(plan.lloyd_factors)].tolist() == pytest.approx(list(plan.lloyd_factors))
+    slots, k = common.FACTOR_SLOTS.value, len(plan.bits)
+    assert tables.factors.shape == (2 * slots + 2 * k,)
+    assert tables.factors[: len(plan.shrink_factors)].tolist() == pytest.approx(list(plan.shrink_factors))
+    assert tables.factors[slots: slots + len(plan.lloyd_factors)].tolist() == pytest.approx(list(plan.lloyd_factors))
+    lines = [plan.class_fit[c] for c in plan.row_class]  # "fit"'s start line of each row's class
+    assert tables.factors[2 * slots:].tolist() == [a for a, _ in lines] + [c for _, c in lines]
 
 
 def test_cases_cover_every_stored_form():
@@ -183,7 +192,8 @@ def _quantized(draw) -> Codec:
             bits[1:] = [bits[-1]] * (keep - 1)
         group = r * draw(st.integers(1, 4))
     return make_codec("jpeg", block_size=r, keep_freqs=keep, quant_bits=tuple(bits), levels=levels, scale_axis=axis,
-                      group=group, scale_search=draw(st.booleans()), rotate=draw(st.sampled_from([None, 1])),
+                      group=group, scale_search=draw(st.sampled_from([False, "trials", "fit"])),
+                      rotate=draw(st.sampled_from([None, 1])),
                       center=draw(st.booleans()), sinks=draw(st.integers(0, 3)), window=draw(st.integers(0, 5)))
 
 

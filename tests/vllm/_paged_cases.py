@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from flashcodec_fx.codecs import JPEGCodec
 from flashcodec_fx.vllm.config import VLLM_PRESETS
 from flashcodec_fx.vllm.page import RAW, PageFormat, page_format
 from flashcodec_fx.vllm.reference import store_reference
@@ -93,14 +94,24 @@ def batch_cases(draw) -> dict:
         "contexts": draw(st.lists(st.integers(0, 90), min_size=requests, max_size=requests)),
         "queries": draw(st.lists(st.sampled_from([1, 1, 2, 5, 16, 23, 33, 70]), min_size=requests, max_size=requests)),
         "padding": draw(st.integers(0, 3)), "seed": draw(st.integers(0, 10**6)),
+        "search": draw(st.sampled_from([None, "trials", "fit"])),
     }
+
+
+def with_search(fmt: PageFormat, search) -> PageFormat:
+    """``fmt`` with both streams' scale search set to ``search`` (None: the preset's own)."""
+    if search is None or fmt.key is None:
+        return fmt
+    k, v = (JPEGCodec(block_size=1, quant_bits=c.quantizer.bits, levels=c.quantizer.levels, scale_axis="token",
+                      scale_search=search, rotate=c.rotate, center=c.center) for c in (fmt.key, fmt.value))
+    return PageFormat(fmt.name, k, v, fmt.anchors, fmt.head_dim, fmt.dtype)
 
 
 def make_batch(case: dict) -> Batch:
     """The batch of ``case`` (see :func:`batch_cases`); layer index from the seed (the rotation's seed)."""
     gen = torch.Generator().manual_seed(case["seed"])
     h, d, bs, dtype = case["heads"], case["head_dim"], case["block_size"], case["dtype"]
-    fmt = page_format(case["format"], case["seed"] % 30, d, dtype, case["anchors"])
+    fmt = with_search(page_format(case["format"], case["seed"] % 30, d, dtype, case["anchors"]), case.get("search"))
     lengths = [c + t for c, t in zip(case["contexts"], case["queries"], strict=True)]
     need = [-(-n // bs) for n in lengths]
     num_blocks = sum(need) + 3

@@ -132,9 +132,11 @@ inline void for_heads(int64_t heads, int64_t work_per_head, F&& fn) {
   Pool::get().run(heads, static_cast<int>(threads_for(heads * work_per_head, kMinAppendWorkPerThread) - 1), fn);
 }
 
-// Passes of the quantizer over a group's values: one per clipping factor it tries, plus the final one.
+// Passes of the quantizer over a group's values: one per clipping factor it tries, plus the final one ("fit": two
+// code passes and their sums).
 inline int64_t quant_passes(const Codec& c) {
-  return c.quant == kNone ? 1 : 1 + (c.search ? std::max(c.n_shrink, c.n_lloyd) : 1);
+  if (c.quant == kNone) return 1;
+  return 1 + (c.search == kSearchTrials ? std::max(c.n_shrink, c.n_lloyd) : c.search == kSearchFit ? 3 : 1);
 }
 
 // Groups k < `written` of the work buffer (row p = position start + p) -> what the codec's transform produces for

@@ -29,6 +29,7 @@ constexpr float kFp16Max = 65504.0f;
 
 enum Quant { kNone = 0, kToken = 1, kChannel = 2 };
 enum Levels { kInt = 0, kUniform = 1, kMidrise = 2, kLloyd = 3, kTcq = 4 };  // ops/plan.py LEVEL_KINDS
+enum Search { kSearchNone = 0, kSearchTrials = 1, kSearchFit = 2 };  // ops/plan.py SEARCH_*
 
 // One codec, parsed from plan.Plan: the meta fields by name (CodecMeta, generated), the tables, and what follows.
 struct Codec : CodecMeta {
@@ -40,7 +41,7 @@ struct Codec : CodecMeta {
   const float* levels;    // (rows, kLevelWidth)
   const float* rot;       // (D, D) or nullptr
   const float* rot_t = nullptr;  // rot transposed ((D, D): rot_t[k * D + d] = rot[d][k]), where registered (PlanEntry)
-  const float* factors;   // shrink factors, then lloyd factors
+  const float* factors;   // shrink factors, then lloyd factors, then (a, c) of "fit"'s start per class
 
   static Codec parse(const std::vector<at::Tensor>& plan) {
     TORCH_CHECK(plan.size() == kPlanFields, "codec plan: expected the tensors of plan.Plan");

@@ -43,7 +43,7 @@ META_FIELDS: dict[str, tuple[str, Callable[[StoredFormPlan, int], int]]] = {
     "zero_classes": ("int", lambda p, w: p.zero_classes),
     "head_dim": ("int", lambda p, w: p.head_dim),
     "row_bytes": ("int", lambda p, w: p.row_bytes),
-    "search": ("bool", lambda p, w: p.search),
+    "search": ("int", lambda p, w: p.search),  # ops.plan SEARCH_NONE / SEARCH_TRIALS / SEARCH_FIT
     "n_shrink": ("int", lambda p, w: len(p.shrink_factors)),
     "n_lloyd": ("int", lambda p, w: len(p.lloyd_factors)),
     "sum_width": ("int", lambda p, w: w),
@@ -60,7 +60,7 @@ class Plan(NamedTuple):
     analysis: torch.Tensor  # (rows, r) fp32 jpeg DCT rows kept, (0, r) for png
     levels: torch.Tensor  # (rows, LEVEL_WIDTH) fp32 level value of each code (quantized), else (0, LEVEL_WIDTH)
     rot: torch.Tensor  # (D, D) fp32 rotation, or (0, 0)
-    factors: torch.Tensor  # fp32 clipping factors of the scale search: shrink then lloyd
+    factors: torch.Tensor  # fp32: the trials' clipping factors (shrink, then lloyd), then (a, c) of "fit" per class
 
 
 def meta(plan: StoredFormPlan, sum_width: int) -> list[int]:
@@ -83,4 +83,4 @@ def codec_plan(spec: str, head_dim: int, sum_width: int = 8) -> Plan:
     return Plan(torch.tensor(meta(plan, sum_width), dtype=torch.int64), plan.synthesis,
                 torch.zeros(0, plan.block_size) if plan.analysis is None else plan.analysis, levels,
                 torch.zeros(0, 0) if plan.rotation is None else plan.rotation,
-                torch.tensor(plan.shrink_factors + plan.lloyd_factors, dtype=torch.float32))
+                torch.tensor(plan.shrink_factors + plan.lloyd_factors + sum(plan.class_fit, ()), dtype=torch.float32))

@@ -183,12 +183,14 @@ inline int nearest_code(const Codec& c, int j, int kind, float x, float scale, f
 }
 
 // A token-axis slice of Lloyd row j (every value on the same N = 2**bits levels, in increasing order): the codes
-// nearest_code gives and the squared errors of level * scale + zero against x. A loop over the row that vectorizes:
-// one compare per midpoint, counted for the code and selecting the level (the midpoints increase, so the ones below y
-// are a prefix and the last one selected is the code's level); the same float operations as nearest_code, so bitwise
-// its results.
-template <int N>
-inline void lloyd_row(const float* table, const float* x, int n, float scale, float zero, int32_t* codes, float* sq) {
+// nearest_code gives and the squared errors of level * scale + zero against x (`out`); for scale_search="fit" (Fit:
+// fit_slice) instead each level's products with x (`out`) and with itself (`ll`), and the level (`lv`). A loop over
+// the row that vectorizes: one compare per midpoint, counted for the code and selecting the level (the midpoints
+// increase, so the ones below y are a prefix and the last one selected is the code's level); the same float
+// operations as nearest_code, so bitwise its results.
+template <int N, bool Fit>
+inline void lloyd_row(const float* table, const float* x, int n, float scale, float zero, int32_t* codes, float* out,
+                      float* ll, float* lv) {
   float t[N], mid[N];
   for (int e = 0; e < N; ++e) t[e] = table[e];
   for (int e = 0; e + 1 < N; ++e) mid[e] = (table[e + 1] + table[e]) / 2.0f;
@@ -197,39 +199,48 @@ inline void lloyd_row(const float* table, const float* x, int n, float scale, fl
   for (int i = 0; i < n; ++i) {
     const float y = (x[i] - zero) / safe;
     int code = 0;
-    float lv = t[0];
+    float level = t[0];
 #pragma GCC unroll 16
     for (int e = 0; e + 1 < N; ++e) {
       const bool below = mid[e] < y;
       code += below ? 1 : 0;
-      lv = below ? t[e + 1] : lv;
+      level = below ? t[e + 1] : level;
     }
     codes[i] = code;
-    const float diff = lv * scale + zero - x[i];
-    sq[i] = diff * diff;
+    if constexpr (Fit) {
+      out[i] = x[i] * level;
+      ll[i] = level * level;
+      lv[i] = level;
+    } else {
+      const float diff = level * scale + zero - x[i];
+      out[i] = diff * diff;
+    }
   }
 }
 
 // lloyd_row for a row of 1..4 bits whose levels increase (Lloyd-Max tables do); false otherwise (nearest_code then).
+template <bool Fit = false>
 inline bool lloyd_row_any(int bits, const float* table, const float* x, int n, float scale, float zero, int32_t* codes,
-                          float* sq) {
+                          float* out, float* ll = nullptr, float* lv = nullptr) {
   if (bits > 4) return false;
   for (int e = 0; e + 1 < (1 << bits); ++e)
     if (!(table[e] < table[e + 1])) return false;
   switch (bits) {
-    case 1: lloyd_row<2>(table, x, n, scale, zero, codes, sq); break;
-    case 2: lloyd_row<4>(table, x, n, scale, zero, codes, sq); break;
-    case 3: lloyd_row<8>(table, x, n, scale, zero, codes, sq); break;
-    default: lloyd_row<16>(table, x, n, scale, zero, codes, sq); break;
+    case 1: lloyd_row<2, Fit>(table, x, n, scale, zero, codes, out, ll, lv); break;
+    case 2: lloyd_row<4, Fit>(table, x, n, scale, zero, codes, out, ll, lv); break;
+    case 3: lloyd_row<8, Fit>(table, x, n, scale, zero, codes, out, ll, lv); break;
+    default: lloyd_row<16, Fit>(table, x, n, scale, zero, codes, out, ll, lv); break;
   }
   return true;
 }
 
 // A token-axis slice of an int / midrise / uniform row j: nearest_code's codes (rounded by the 1.5 * 2**23 trick,
 // round-half-even as nearbyint: exact below 2**22, and larger values clamp to lo / hi either way; finite x) and,
-// where `sq` is set, the squared errors. Loops over the row that vectorize; bitwise nearest_code's results.
+// where `sq` is set, the squared errors; where `xl` is set (fit_slice), the products of each level with x and with
+// itself and the level, `level == code + table[0]` (exact: the affine tables hold small integers or half-integers).
+// Loops over the row that vectorize; bitwise nearest_code's results.
 inline void rounded_row(const float* table, int lo, int hi, const float* x, int n, float scale, float zero,
-                        int32_t* codes, float* sq) {
+                        int32_t* codes, float* sq, float* xl = nullptr, float* ll = nullptr, float* lv = nullptr) {
   const float safe = scale > 0.0f ? scale : 1.0f, t0 = table[0];
   const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
 #pragma omp simd
@@ -242,6 +253,14 @@ inline void rounded_row(const float* table, int lo, int hi, const float* x, int 
   for (int i = 0; sq != nullptr && i < n; ++i) {
     const float diff = table[codes[i]] * scale + zero - x[i];
     sq[i] = diff * diff;
+  }
+  if (xl == nullptr) return;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    const float level = static_cast<float>(codes[i]) + t0;
+    xl[i] = x[i] * level;
+    ll[i] = level * level;
+    lv[i] = level;
   }
 }
 
@@ -277,30 +296,95 @@ inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, 
   }
 }
 
-// Scale and zero of one slice (with the clipping search) and its codes.
-inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq,
-                           float& scale, float& zero, int32_t* codes) {
+// The fp16-rounded candidate scale and zero point of factor f over the no-clipping (base, zero0) (quant._candidates).
+inline void candidate(int kind, int bits, float base, float zero0, float f, float& scale, float& zero) {
+  const float sf = base * f;
+  if (kind != kUniform) {
+    scale = fp16_toward(sf, true);
+    zero = 0.0f;
+    return;
+  }
+  const float span = static_cast<float>((1 << bits) - 1);
+  const float mid = zero0 + base * span / 2.0f;
+  const float low = fp16_toward(mid - sf * span / 2.0f, false);
+  scale = fp16_toward((mid + sf * span / 2.0f - low) / span, true);
+  zero = low;
+}
+
+// The nearest fp16 value of x (ties to even), clamped to the fp16 range (quant.fp16_nearest).
+inline float fp16_nearest(float x) { return static_cast<float>(at::Half(std::min(std::max(x, -kFp16Max), kFp16Max))); }
+
+constexpr int kFitRounds = 2;  // quant.FIT_ROUNDS
+constexpr float kFitLo = 0.5f, kFitHi = 1.6f;  // quant.FIT_RANGE
+
+// scale_search="fit" (quant.Quantizer._fit): the start factor clamp(a * amax / base + c) of the class's line, then
+// kFitRounds times nearest codes and their least-squares scale (uniform: scale and zero point), rounded to the
+// nearest fp16, kept only where positive and finite. Sums in torch's order (Slice::sum), so bitwise the reference.
+// `sq` holds 4 * s.n floats.
+inline void fit_slice(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq, float& scale,
+                      float& zero, int32_t* codes) {
   const int kind = c.class_levels[k], bits = c.bits[c.class_first[k]];
   float base, zero0;
   base_scale(c, k, s, shared_step, blocks, sq, base, zero0);
-  const float* factors = kind == kLloyd ? c.factors + c.n_shrink : c.factors;
-  const int nf = c.search ? (kind == kLloyd ? c.n_lloyd : c.n_shrink) : 1;
-  const float one = 1.0f;
-  if (!c.search) factors = &one;
-  float cand_s[kMaxFactors], cand_z[kMaxFactors];
-  const float span = static_cast<float>((1 << bits) - 1);
-  for (int f = 0; f < nf; ++f) {  // quant._candidates
-    const float sf = base * factors[f];
+  const float* line = c.factors + c.n_shrink + c.n_lloyd + 2 * k;
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int i = 0; i < s.n; ++i) amax = std::max(amax, std::fabs(s.x[i]));
+  const float ratio = amax / (base > 0.0f ? base : 1.0f);
+  const float f = std::min(std::max(ratio * line[0] + line[1], kFitLo), kFitHi);
+  candidate(kind, bits, base, zero0, f, scale, zero);
+  float* xl = sq;
+  float* ll = sq + s.n;
+  float* lv = sq + 2 * s.n;
+  const int j0 = s.row[0], lo = kind == kInt ? 1 : 0, hi = (1 << c.bits[j0]) - 1;
+  const float* table = c.levels + j0 * kLevelWidth;
+  const bool token = s.channel < 0;
+  for (int round = 0; round < kFitRounds; ++round) {
+    if (token && kind == kLloyd && lloyd_row_any<true>(c.bits[j0], table, s.x, s.n, scale, zero, codes, xl, ll, lv)) {
+    } else if (token && kind != kLloyd) {
+      rounded_row(table, lo, hi, s.x, s.n, scale, zero, codes, nullptr, xl, ll, lv);
+    } else {
+      for (int i = 0; i < s.n; ++i) {
+        codes[i] = nearest_code(c, s.row[i], kind, s.x[i], scale, zero);
+        lv[i] = c.levels[s.row[i] * kLevelWidth + codes[i]];
+        xl[i] = s.x[i] * lv[i];
+        ll[i] = lv[i] * lv[i];
+      }
+    }
+    const float sxl = s.sum(c, xl), sll = s.sum(c, ll);
     if (kind != kUniform) {
-      cand_s[f] = fp16_toward(sf, true);
-      cand_z[f] = 0.0f;
+      const float fit = sxl / (sll > 0.0f ? sll : 1.0f);
+      if (sll > 0.0f && fit > 0.0f && fit <= kFp16Max) scale = fp16_nearest(fit);
       continue;
     }
-    const float mid = zero0 + base * span / 2.0f;
-    const float low = fp16_toward(mid - sf * span / 2.0f, false);
-    cand_s[f] = fp16_toward((mid + sf * span / 2.0f - low) / span, true);
-    cand_z[f] = low;
+    const float n = static_cast<float>(s.n);
+    const float sx = s.sum(c, s.x), sl = s.sum(c, lv);
+    const float det = n * sll - sl * sl;
+    const float fit = (n * sxl - sx * sl) / (det > 0.0f ? det : 1.0f);
+    if (det > 0.0f && fit > 0.0f && fit <= kFp16Max) {
+      scale = fp16_nearest(fit);
+      zero = fp16_nearest((sx - scale * sl) / n);
+    }
   }
+}
+
+// Scale and zero of one slice (with the clipping search) and its codes.
+inline void quantize_slice(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq,
+                           float& scale, float& zero, int32_t* codes) {
+  if (c.search == kSearchFit) {
+    fit_slice(c, k, s, shared_step, blocks, sq, scale, zero, codes);
+    return;
+  }
+  const int kind = c.class_levels[k], bits = c.bits[c.class_first[k]];
+  float base, zero0;
+  base_scale(c, k, s, shared_step, blocks, sq, base, zero0);
+  const bool trials = c.search == kSearchTrials;
+  const float* factors = kind == kLloyd ? c.factors + c.n_shrink : c.factors;
+  const int nf = trials ? (kind == kLloyd ? c.n_lloyd : c.n_shrink) : 1;
+  const float one = 1.0f;
+  if (!trials) factors = &one;
+  float cand_s[kMaxFactors], cand_z[kMaxFactors];
+  for (int f = 0; f < nf; ++f) candidate(kind, bits, base, zero0, factors[f], cand_s[f], cand_z[f]);
   // A token row (one level table): vectorized passes. The search's codes land in `codes`; the final pass (the best
   // candidate's codes) overwrites them unless the last candidate was the best.
   const int j0 = s.row[0], lo = kind == kInt ? 1 : 0, hi = (1 << c.bits[j0]) - 1;
@@ -379,7 +463,7 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
                     std::vector<float>& sq) {
   const int D = c.head_dim, K = c.rows, g = c.blocks;
   codes.assign(static_cast<size_t>(g) * K * D, 0);
-  sq.resize(static_cast<size_t>(std::max(D, g * K)));
+  sq.resize(4 * static_cast<size_t>(std::max(D, g * K)));  // fit_slice: 4 slices' worth
   for (int k = 0; k < c.classes; ++k) {
     const int first = c.class_first[k], nrows = c.class_last[k] - first + 1;
     const int zslot = c.class_zero[k];

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...codecs import Codec
+from ...codecs.quant import FIT_RANGE, FIT_ROUNDS
 from ..plan import CHANNEL_CODES, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
 from ..reference.append import append_stored, check_append_args, completable_groups
 from ..state import StreamState
@@ -73,6 +74,9 @@ from .common import (
 _CHANNEL_CODES: tl.constexpr = tl.constexpr(CHANNEL_CODES)
 _PRUNED_ROWS: tl.constexpr = tl.constexpr(PRUNED_ROWS)
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+_FIT_ROUNDS: tl.constexpr = tl.constexpr(FIT_ROUNDS)
+_FIT_LO: tl.constexpr = tl.constexpr(FIT_RANGE[0])
+_FIT_HI: tl.constexpr = tl.constexpr(FIT_RANGE[1])
 _CHUNK = 16  # token rows per step of the intake and tail loops
 # The fields of the append kernels' shape tuple (:class:`EncodeTiles`), in tuple order (kernels: ``E[E_D]``):
 _ENCODE = TupleFields("EncodeTiles")
@@ -84,7 +88,7 @@ E_RC = _ENCODE("rc")  # the rotation's column chunk
 E_WINDOW = _ENCODE("window")
 E_IS_JPEG = _ENCODE("is_jpeg")
 E_QUANT = _ENCODE("quant")
-E_SEARCH = _ENCODE("search")  # the clipping search
+E_SEARCH = _ENCODE("search")  # the scale search: ops.plan SEARCH_NONE / SEARCH_TRIALS / SEARCH_FIT
 E_HAS_MEMO = _ENCODE("has_memo")
 E_CHUNK = _ENCODE("chunk")  # token rows per loop step of the intake and tail kernels
 E_DC = _ENCODE("dc")  # channels per encode program: head_dim for token-axis codes (their scales span it), else rc
@@ -231,15 +235,54 @@ def base_scales(x, ok, bits, kind, axis: tl.constexpr, count):
 
 
 @triton.jit
-def search_scales(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s, bits_s, axis: tl.constexpr,
-            F: tl.constexpr, SEARCH: tl.constexpr):
-    """The fp16 ``(scale, zero)`` of each slice with the least squared error over the clipping factors
-    (``Quantizer._candidates`` then the argmin; the first of equal errors), given the slice's kind / bits."""
+def _fp16_nearest(x):
+    """``quant.fp16_nearest``: the nearest fp16 value (ties to even) of fp32 ``x``, clamped to the fp16 range."""
+    return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def search_scales(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, kind_s, bits_s, j_s,
+                  axis: tl.constexpr, F: tl.constexpr, SEARCH: tl.constexpr):
+    """The fp16 ``(scale, zero, codes)`` of each slice (``Quantizer.quantize``): ``SEARCH`` 0 the no-clipping scale,
+    1 the least squared error over the clipping factors (``Quantizer._candidates`` then the argmin; the first of
+    equal errors), 2 "fit" (``Quantizer._fit``: the start line of row ``j_s``'s class, then ``FIT_ROUNDS`` times
+    nearest codes and their least-squares scale; ``codes`` are the last pass's, zeros for the other searches:
+    their callers take the nearest codes of the scale), given the slice's kind / bits."""
     n1 = ((1 << bits_s) - 1).to(tl.float32)
     base = tl.where(kind_s == KIND_UNIFORM, tl.math.div_rn(high - low, n1), tl.where(kind_s == KIND_LLOYD, rms, amax))
     zero0 = tl.where(kind_s == KIND_UNIFORM, low, 0.0)
-    best_s, best_z = _candidate(base, zero0, 1.0, n1, kind_s)
-    if SEARCH:
+    code = tl.zeros(x.shape, tl.int32)
+    if SEARCH == 2:
+        K: tl.constexpr = F[F_ROWS]
+        line_a = tl.load(factors + 2 * FACTOR_SLOTS + j_s)
+        line_c = tl.load(factors + 2 * FACTOR_SLOTS + K + j_s)
+        ratio = tl.math.div_rn(tl.max(tl.where(ok, tl.abs(x), 0.0), axis), tl.where(base > 0, base, 1.0))
+        start = tl.minimum(tl.maximum(ratio * line_a + line_c, _FIT_LO), _FIT_HI)
+        best_s, best_z = _candidate(base, zero0, start, n1, kind_s)
+        count = tl.sum(ok.to(tl.float32), axis)
+        for _round in tl.static_range(_FIT_ROUNDS):
+            if axis == 1:
+                sb, zb = best_s[:, None], best_z[:, None]
+            else:
+                sb, zb = best_s[None, :], best_z[None, :]
+            code = nearest_codes(x, sb, zb, bits, kind, j, levels, F)
+            lv = tl.where(ok, _level(code, bits, kind, j, levels, ok, F), 0.0)
+            sxl = tl.sum(tl.where(ok, x * lv, 0.0), axis)
+            sll = tl.sum(lv * lv, axis)
+            fit = tl.math.div_rn(sxl, tl.where(sll > 0, sll, 1.0))
+            sx = tl.sum(tl.where(ok, x, 0.0), axis)
+            sl = tl.sum(lv, axis)
+            det = count * sll - sl * sl
+            fit_u = tl.math.div_rn(count * sxl - sx * sl, tl.where(det > 0, det, 1.0))
+            uniform = kind_s == KIND_UNIFORM
+            fit = tl.where(uniform, fit_u, fit)
+            good = tl.where(uniform, det > 0, sll > 0) & (fit > 0) & (fit <= _FP16_MAX)
+            best_s = tl.where(good, _fp16_nearest(fit), best_s)
+            zfit = _fp16_nearest(tl.math.div_rn(sx - best_s * sl, tl.where(count > 0, count, 1.0)))
+            best_z = tl.where(uniform & good, zfit, best_z)
+    else:
+        best_s, best_z = _candidate(base, zero0, 1.0, n1, kind_s)
+    if SEARCH == 1:
         best_err = tl.full(base.shape, float("inf"), tl.float32)
         lloyd = kind_s == KIND_LLOYD
         for f in tl.static_range(FACTOR_SLOTS):
@@ -257,7 +300,7 @@ def search_scales(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, k
             best_err = tl.where(better, err, best_err)
             best_s = tl.where(better, s, best_s)
             best_z = tl.where(better, z, best_z)
-    return best_s, best_z
+    return best_s, best_z, code
 
 
 @triton.jit
@@ -323,14 +366,15 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
         # one scale (and zero point) per (class, channel) over the group's rows of that class
         s_rows = tl.zeros((RP, DC), tl.float32)
         z_rows = tl.zeros((RP, DC), tl.float32)
+        code_rows = tl.zeros((RP, DC), tl.int32)
         for k in tl.static_range(C):
             in_k = ok & (cls == k)[:, None]
             count = tl.sum(in_k.to(tl.float32), 0)
             kind_k = tl.load(rows_t + ROW_KIND * K + k + tl.zeros_like(dd))  # class k's level kind: row k's (DC 0, AC 1)
             bits_k = tl.load(rows_t + k + tl.zeros_like(dd))
             amax, low, high, rms = base_scales(x, in_k, bits2, kind2, 0, tl.where(count > 0, count, 1.0))
-            s, z = search_scales(x, in_k, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind_k, bits_k, 0, F,
-                           SEARCH)
+            s, z, fit_code = search_scales(x, in_k, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind_k,
+                                           bits_k, k + tl.zeros_like(dd), 0, F, SEARCH)
             d_ok = dd < D
             tl.store(scale + (grp * C + k) * D + dd, s.to(tl.float16), mask=d_ok)
             if Z > 0:
@@ -338,16 +382,21 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
                 tl.store(zero + (grp * Z + slot) * D + dd, z.to(tl.float16), mask=d_ok & (slot >= 0))
             s_rows = tl.where(in_k, s[None, :], s_rows)
             z_rows = tl.where(in_k, z[None, :], z_rows)
+            code_rows = tl.where(in_k, fit_code, code_rows)
     else:
         # token axis: every row its own class, one scale over head_dim (the chunk is the whole head_dim)
         amax, low, high, rms = base_scales(x, ok, bits2, kind2, 1, D * 1.0)
-        s, z = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, SEARCH)
+        s, z, code_rows = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, j,
+                                        1, F, SEARCH)
         tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
         if Z > 0:
             tl.store(zero + grp * Z + zslot, z.to(tl.float16), mask=row_ok & (zslot >= 0))
         s_rows = s[:, None] + tl.zeros((RP, DC), tl.float32)
         z_rows = z[:, None] + tl.zeros((RP, DC), tl.float32)
-    code = tl.where(ok, nearest_codes(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
+    if SEARCH == 2:  # "fit": the codes of its last pass
+        code = tl.where(ok, code_rows, 0)
+    else:
+        code = tl.where(ok, nearest_codes(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
     _store_codes(data, code, grp * GB + n, bits, bit_off, row_ok, c0, F, D, DC)
 
 

@@ -158,9 +158,10 @@ class StreamTables:
     ``synthesis`` ``A (r, R_dense)``; ``rotation`` ``(D, D)`` (a 1-element placeholder without rotation); ``rows``
     int32 ``(5, K)``: per quantized row its bits, bit offset (units of ``D / 8`` bytes), scale class, zero-point slot
     (-1: none) and level kind (``LEVEL_KINDS``); ``levels`` ``(K, 2**max_bits)``: each row's level table
-    (``Quantizer.level_rows``); ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(2, 8)``:
-    the scale search's clipping factors (row 0: ``quant.SHRINK_FACTORS``, row 1: ``quant.LLOYD_FACTORS``,
-    zero-padded). Placeholders (one element) where a codec has no such table."""
+    (``Quantizer.level_rows``); ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(16 + 2 K,)``:
+    the trials' clipping factors (``quant.SHRINK_FACTORS`` then ``quant.LLOYD_FACTORS``, 8 slots each, zero-padded),
+    then "fit"'s start line of each row's class: ``K`` slopes ``a``, then ``K`` intercepts ``c``. Placeholders (one
+    element) where a codec has no such table."""
 
     synthesis: torch.Tensor
     rotation: torch.Tensor
@@ -184,9 +185,14 @@ def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
     rows = torch.zeros(1, dtype=torch.int32)
     if plan.bits:
         rows = torch.tensor([getattr(plan, name) for name in _ROWS.names], dtype=torch.int32)
-    factors = torch.zeros(2, FACTOR_SLOTS.value, dtype=torch.float32)
-    factors[0, : len(plan.shrink_factors)] = torch.tensor(plan.shrink_factors)
-    factors[1, : len(plan.lloyd_factors)] = torch.tensor(plan.lloyd_factors)
+    slots, k = FACTOR_SLOTS.value, len(plan.bits)
+    factors = torch.zeros(2 * slots + 2 * k, dtype=torch.float32)
+    factors[: len(plan.shrink_factors)] = torch.tensor(plan.shrink_factors)
+    factors[slots: slots + len(plan.lloyd_factors)] = torch.tensor(plan.lloyd_factors)
+    if k:  # "fit"'s start line (a, c) of each row's class
+        lines = torch.tensor([plan.class_fit[c] for c in plan.row_class], dtype=torch.float32)
+        factors[2 * slots: 2 * slots + k] = lines[:, 0]
+        factors[2 * slots + k:] = lines[:, 1]
     return StreamTables(*((placeholder if t is None else t).to(device) for t in (
         plan.synthesis, plan.rotation, rows, plan.levels, plan.analysis, factors)))
 

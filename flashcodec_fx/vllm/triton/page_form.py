@@ -29,7 +29,7 @@ P_CENTER = _PAGE("center")  # keys coded minus a page mean
 _SLOT = TupleFields("SlotConsts")
 S_BITS = _SLOT("bits")
 S_KIND = _SLOT("kind")  # ops.plan.LEVEL_KINDS
-S_SEARCH = _SLOT("search")  # the clipping search
+S_SEARCH = _SLOT("search")  # the scale search (ops.plan SEARCH_*)
 S_ROTATE = _SLOT("rotate")
 S_SCALE = _SLOT("scale")  # byte offset of the fp16 scale in a slot
 S_CODE = _SLOT("code")  # byte offset of the packed codes in a slot
@@ -79,7 +79,7 @@ def stream_args(fmt: PageFormat, device: torch.device) -> list[tuple]:
     if fmt.raw:
         dummy = torch.zeros(1, dtype=torch.float32, device=device)
         form = StreamForm._make((0,) * len(StreamForm._fields)).constexpr()
-        slot = SlotConsts(bits=1, kind=0, search=False, rotate=False, scale=0, code=0).constexpr()
+        slot = SlotConsts(bits=1, kind=0, search=0, rotate=False, scale=0, code=0).constexpr()
         return [(form, slot, (dummy, dummy, dummy))] * 2
     out = []
     for slot in fmt.slots:

@@ -58,8 +58,12 @@ def _encode_slots(x, row_ok, slot, rot, levels, factors, F: tl.constexpr, S: tl.
     j = tl.zeros((BT,), tl.int32)
     bits2, kind2, j2 = bits[:, None], kind[:, None], j[:, None]
     amax, low, high, rms = base_scales(x, ok, bits2, kind2, 1, D * 1.0)
-    s, z = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, 1, F, S[S_SEARCH])
-    code = tl.where(ok, nearest_codes(x, s[:, None], z[:, None], bits2, kind2, j2, levels, F), 0)
+    s, z, fit_code = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, j, 1, F,
+                                   S[S_SEARCH])
+    if S[S_SEARCH] == 2:  # "fit": the codes of its last pass
+        code = tl.where(ok, fit_code, 0)
+    else:
+        code = tl.where(ok, nearest_codes(x, s[:, None], z[:, None], bits2, kind2, j2, levels, F), 0)
     tl.store((slot + S[S_SCALE]).to(tl.pointer_type(tl.float16)), s.to(tl.float16), mask=row_ok)
     base = slot + S[S_CODE]  # codecs/pack.py: power-of-two slices, widest first (it holds the low bits)
     _store_slice(base, code, row_ok, BITS, 8, D, DP)
