@@ -25,7 +25,9 @@ Parts:
   ``--throughput-rounds`` rounds, each round every configuration once (every other round in reverse order, so
   stock runs first and last); the load average before each engine. Per mode and configuration: the median
   tokens/s over the rounds, and ``vs_stock``, the median of its rounds' ratios to the same round's stock run
-  (pairs close in time: this machine drifts by tens of percent over minutes).
+  (pairs close in time: this machine drifts by tens of percent over minutes); ``vs_stock_cpu``, the same ratio on
+  tokens per CPU second of the engine's processes (``vllm_engine.tree_cpu_seconds``: on a machine shared with other
+  jobs the engine's wall time includes waiting for a core, its CPU time does not).
 - ``quality``: fp32, chunked prefill of 16 tokens (``max_num_batched_tokens=16``, one sequence at a time, no prefix
   caching), so every chunk reads the history from the pages: perplexity over the tokens from position 16 on of
   ``--windows`` windows of ``--window-tokens`` tokens of real text (bench_ppl's corpus), per configuration,
@@ -226,28 +228,39 @@ def throughput(args, tokenizer, texts) -> dict[str, Any]:
                 runs.append({"mode": mode, "round": round_, "config": config["name"], "preset": config["preset"],
                              "kv_cache_dtype": config.get("kv_cache_dtype"), **tput,
                              "tokens_per_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["seconds"],
+                             "tokens_per_cpu_s": (tput["prompt_tokens"] + tput["generated_tokens"]) / tput["cpu_seconds"]
+                             if tput.get("cpu_seconds") else None,
                              "load_avg_before": list(load), "start_seconds": out["start_seconds"]})
     return {"dtype": args.throughput_dtype, "prompt_lengths": lengths, "gen_tokens": args.gen_tokens,
             "kv_gib": args.kv_gib, "rounds": args.throughput_rounds, "modes": args.throughput_modes, "runs": runs,
             "rows": throughput_rows(runs), "skipped": skipped}
 
 
+def paired_ratios(runs: list[dict[str, Any]], mine: list[dict[str, Any]], key: str) -> list[float]:
+    """``mine``'s ``key`` over the same round's stock run's, per round that has both."""
+    stock = {r["round"]: r[key] for r in runs if is_stock(r) and r.get(key)}
+    return [r[key] / stock[r["round"]] for r in mine if r.get(key) and r["round"] in stock]
+
+
 def throughput_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (mode, configuration): the median tokens/s of its rounds and ``vs_stock``, the median of its rounds'
-    ratios to the same round's stock run (None without stock), with their range."""
+    ratios to the same round's stock run (None without stock), with their range; ``vs_stock_cpu``: the same on
+    tokens per CPU second of the engine's processes (runs that measured it)."""
     rows = []
     for mode in dict.fromkeys(r["mode"] for r in runs):
         of_mode = [r for r in runs if r["mode"] == mode]
-        stock = {r["round"]: r["tokens_per_s"] for r in of_mode if is_stock(r)}
         for config in dict.fromkeys(r["config"] for r in of_mode):
             mine = [r for r in of_mode if r["config"] == config]
-            ratios = [r["tokens_per_s"] / stock[r["round"]] for r in mine if r["round"] in stock]
+            ratios = paired_ratios(of_mode, mine, "tokens_per_s")
+            cpu = paired_ratios(of_mode, mine, "tokens_per_cpu_s")
             rows.append({"mode": mode, "config": config, "preset": mine[0]["preset"],
                          "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
                          "tokens_per_s_range": [min(r["tokens_per_s"] for r in mine),
                                                 max(r["tokens_per_s"] for r in mine)],
                          "vs_stock": statistics.median(ratios) if ratios else None,
-                         "vs_stock_range": [min(ratios), max(ratios)] if ratios else None})
+                         "vs_stock_range": [min(ratios), max(ratios)] if ratios else None,
+                         "vs_stock_cpu": statistics.median(cpu) if cpu else None,
+                         "vs_stock_cpu_range": [min(cpu), max(cpu)] if cpu else None})
     return rows
 
 
@@ -392,7 +405,7 @@ def compare_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 SERVING_COLUMNS = [("config", "config", "s"), ("bits/value", "bits_per_value", ".2f"), ("KV tokens", "kv_tokens", ",d"),
                    ("vs stock", "capacity_vs_stock", ".2f"), ("sequences of 4k", "seqs_4k", ",d"),
                    ("tok/s", "tokens_per_s", "s"), ("vs stock ", "throughput_vs_stock", "s"),
-                   ("greedy = stock", "greedy", "s")]
+                   ("vs stock (CPU time)", "throughput_vs_stock_cpu", "s"), ("greedy = stock", "greedy", "s")]
 QUALITY_COLUMNS = [("config", "config", "s"), ("bits/value", "bits", ".2f"), ("ppl", "ppl", ".3f"),
                    ("Δppl", "delta_ppl", "+.3f"), ("twin Δppl", "twin_delta_ppl", "+.3f"),
                    ("target", "target_delta_ppl", "+.3f"), ("within", "within", "s")]
@@ -400,31 +413,31 @@ TWIN_COLUMNS = [("FlashCodecCache tier", "tier", "s"), ("bits end", "bits_end", 
                 ("ppl", "ppl", ".3f"), ("Δppl", "delta_ppl", "+.3f")]
 
 
-def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str]:
-    """``(tok/s, vs stock)`` of ``config`` in the throughput part, one value per engine mode (eager / compiled:
-    the medians over rounds), dashes without one."""
+def throughput_cells(result: dict[str, Any], config: str) -> tuple[str, str, str]:
+    """``(tok/s, vs stock, vs stock on CPU time)`` of ``config`` in the throughput part, one value per engine mode
+    (eager / compiled: the medians over rounds), dashes without one."""
     part = result.get("throughput", {})
     if config in part.get("skipped", {}):
-        return "skipped", "-"
+        return "skipped", "-", "-"
     rows = [r for r in part.get("rows", []) if r["config"] == config]
     if not rows:
-        return "-", "-"
-    ratios = " / ".join("-" if r["vs_stock"] is None else f"{r['vs_stock']:.2f}" for r in rows)
-    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in rows), ratios
+        return "-", "-", "-"
+    ratios = {key: " / ".join("-" if r.get(key) is None else f"{r[key]:.2f}" for r in rows)
+              for key in ("vs_stock", "vs_stock_cpu")}
+    return " / ".join(f"{r['tokens_per_s']:.0f}" for r in rows), ratios["vs_stock"], ratios["vs_stock_cpu"]
 
 
 def serving_markdown(result: dict[str, Any], table: Any = markdown_table) -> str:
     rows = []
     for row in result["serving"]:
-        tokens_per_s, vs_stock = throughput_cells(result, row["config"])
+        tokens_per_s, vs_stock, vs_stock_cpu = throughput_cells(result, row["config"])
+        cells = {"tokens_per_s": tokens_per_s, "throughput_vs_stock": vs_stock, "throughput_vs_stock_cpu": vs_stock_cpu}
         if "skipped" in row:
-            rows.append({"config": row["config"], "tokens_per_s": tokens_per_s, "throughput_vs_stock": vs_stock,
-                         "greedy": skip_note(row["skipped"])})
+            rows.append({"config": row["config"], **cells, "greedy": skip_note(row["skipped"])})
             continue
         longest = max(row["concurrent"], key=int)
         same = ", ".join(f"{g['same_tokens']}/{g['of']}" for g in row["greedy_vs_stock"])
-        rows.append({**row, "seqs_4k": row["concurrent"][longest], "tokens_per_s": tokens_per_s,
-                     "throughput_vs_stock": vs_stock, "greedy": same})
+        rows.append({**row, "seqs_4k": row["concurrent"][longest], **cells, "greedy": same})
     return table(rows, SERVING_COLUMNS)
 
 

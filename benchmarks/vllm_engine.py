@@ -14,7 +14,7 @@ process of its own; vLLM spawns its engine and worker processes (hence the ``__m
 - ``ppl``: ``{"windows": [[ids]], "score_from": k}``: each window's prompt logprobs at positions >= k, and their
   sums;
 - ``throughput``: ``{"prompts": [[ids]], "tokens": n, "warmup": [ids]}``: one offline batch (after the untimed
-  warm-up request, when given), its wall time and token counts;
+  warm-up request, when given), its wall time, the engine processes' CPU time and token counts;
 - ``load``: ``{"prompts": [[ids]], "tokens": n}``: the same, every request's time to first token and time per
   output token (vLLM's own per-request stats), the most requests running in one step and the preemptions.
 
@@ -76,18 +76,54 @@ def prompt_nll(llm: Any, windows: list[list[int]], score_from: int) -> dict:
             "logprobs": logprobs}
 
 
+def tree_cpu_seconds(root: int | None = None) -> float | None:
+    """User + system CPU seconds of process ``root`` (default: this one) and every live descendant (vLLM's engine
+    core and workers), from ``/proc``; None where there is no ``/proc``."""
+    import os
+
+    root = os.getpid() if root is None else root
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(name)] = int(fields[1])
+        ticks[int(name)] = int(fields[11]) + int(fields[12])  # utime, stime
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
 def throughput(llm: Any, prompts: list[list[int]], tokens: int, warmup: list[int] | None = None) -> dict:
-    """One offline batch (after an untimed ``warmup`` request, 2 tokens, when given): its wall time and tokens."""
+    """One offline batch (after an untimed ``warmup`` request, 2 tokens, when given): its wall time, the CPU time
+    of the engine's processes meanwhile (``cpu_seconds``: steadier than wall time on a shared machine, where the
+    engine waits for a core), and its tokens."""
     from vllm import SamplingParams
 
     if warmup:
         llm.generate([{"prompt_token_ids": warmup}], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    cpu = tree_cpu_seconds()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
     seconds = time.perf_counter() - start
+    cpu_after = tree_cpu_seconds()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": seconds, "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated}
+    return {"seconds": seconds, "cpu_seconds": None if cpu is None or cpu_after is None else cpu_after - cpu,
+            "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated}
 
 
 class SchedulerWatch:

@@ -291,3 +291,38 @@ def test_a_merge_puts_stock_first_then_vllms_fp8_then_the_presets(tmp_path):
     merged = bench_vllm.merge([("old", old), ("new", new)])
     assert [r["config"] for r in merged["serving"]] == ["stock vLLM", "stock fp8", "3bit"]
     assert merged["serving"][1]["capacity_vs_stock"] == pytest.approx(183544 / 93184)
+
+
+def test_cpu_time_ratios_pair_rounds_as_the_wall_time_ones_and_show_beside_them():
+    runs = [{"mode": "eager", "config": c, "preset": p, "round": r, "tokens_per_s": t, "tokens_per_cpu_s": u}
+            for c, p, r, t, u in [("stock vLLM", None, 0, 100.0, 200.0), ("3bit", "3bit", 0, 80.0, 190.0),
+                                  ("3bit", "3bit", 1, 99.0, 210.0), ("stock vLLM", None, 1, 90.0, 200.0)]]
+    rows = {r["config"]: r for r in bench_vllm.throughput_rows(runs)}
+    assert rows["3bit"]["vs_stock_cpu"] == pytest.approx(1.0) and rows["3bit"]["vs_stock_cpu_range"] == [0.95, 1.05]
+    assert rows["3bit"]["vs_stock"] == pytest.approx((0.8 + 1.1) / 2)
+    old = [{k: v for k, v in r.items() if k != "tokens_per_cpu_s"} for r in runs]  # runs from before CPU time
+    assert all(r["vs_stock_cpu"] is None for r in bench_vllm.throughput_rows(old))
+    serving = bench_vllm.compare_serving([serving_row("stock vLLM", None, 46592), serving_row("3bit", "3bit", 1)])
+    table = bench_vllm.serving_markdown({"serving": serving, "throughput": {"rows": list(rows.values())}})
+    assert "| 90 | 0.95 | 1.00 |" in table.splitlines()[3]
+
+
+def test_the_engines_cpu_time_counts_this_process_and_its_children():
+    import subprocess
+    import sys
+    import time
+
+    import vllm_engine
+
+    before = vllm_engine.tree_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.3: pass\ntime.sleep(5)"])
+    try:
+        for _ in range(50):  # the child's busy 0.3 s, counted while it lives
+            if vllm_engine.tree_cpu_seconds() - before >= 0.25:
+                break
+            time.sleep(0.1)
+        assert vllm_engine.tree_cpu_seconds() - before >= 0.25
+    finally:
+        child.kill()
+        child.wait()
