@@ -13,7 +13,7 @@
 //   history's value sum rotated back once (R_v), the sum normalized, the row written in the output's dtype.
 //
 // Rows of a (request, KV head): token-major, the GQA heads side by side (row t * G + g is query head h * G + g of
-// token t). Everything is fp32 (`scale` folded into q, exp by exp_row); per-thread scratch is bounded by the tile
+// token t). Everything is fp32 (`scale` folded into q, exp by exp2_16 and exp_one); per-thread scratch is bounded by the tile
 // sizes, the call's buffers by its tokens (never by the history) and kept between calls (a workspace: a fresh
 // buffer past the allocator's mmap threshold page-faulted on every call, ~6,000 faults for a 4k-token step). Needs
 // head_dim % 16 == 0 (the launcher sends other head dims to the per-token kernel).
@@ -141,24 +141,27 @@ inline vf16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+// The 16 lanes folded in halves in registers (lane l with lane l + w, w = 8, 4, 2, 1); through a stack array the
+// stores and reloads cost as much as a row's exp work at 128 keys.
+#define FC_HALVES(v, w) __builtin_shufflevector(v, v, (w) + 0, (w) + 1, (w) + 2, (w) + 3, (w) + 4, (w) + 5, (w) + 6, \
+    (w) + 7, (w) + 8 & 15, (w) + 9 & 15, (w) + 10 & 15, (w) + 11 & 15, (w) + 12 & 15, (w) + 13 & 15, (w) + 14 & 15, \
+    (w) + 15 & 15)
 inline float lanes_max(vf16 v) {
-  float a[16];
-  store16(a, v);
-  for (int w = 8; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) a[l] = std::max(a[l], a[l + w]);
-  return a[0];
+  v = FC_HALVES(v, 8) > v ? FC_HALVES(v, 8) : v;
+  v = FC_HALVES(v, 4) > v ? FC_HALVES(v, 4) : v;
+  v = FC_HALVES(v, 2) > v ? FC_HALVES(v, 2) : v;
+  v = FC_HALVES(v, 1) > v ? FC_HALVES(v, 1) : v;
+  return v[0];
 }
 inline float lanes_sum(vf16 v) {
-  float a[16];
-  store16(a, v);
-  for (int w = 8; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) a[l] += a[l + w];
-  return a[0];
+  v += FC_HALVES(v, 8);
+  v += FC_HALVES(v, 4);
+  v += FC_HALVES(v, 2);
+  v += FC_HALVES(v, 1);
+  return v[0];
 }
 
-// exp(x) on 16 lanes for x <= 88 (scores minus a running max that may lag by up to kLazyRescale): exp_row's Cephes
-// polynomial (about 1 ulp), 0 below -87.3 and for -inf. Contracted to FMAs here (the build turns contraction off for
-// the store's bitwise sums; nothing here is bitwise).
+// Contracted to FMAs here (the build turns contraction off for the store's bitwise sums; nothing here is bitwise).
 #if defined(__clang__)
 #define FC_CONTRACT_FN
 #define FC_CONTRACT _Pragma("clang fp contract(fast)")
@@ -166,24 +169,31 @@ inline float lanes_sum(vf16 v) {
 #define FC_CONTRACT_FN __attribute__((optimize("fp-contract=fast")))
 #define FC_CONTRACT
 #endif
-FC_CONTRACT_FN inline vf16 exp16(vf16 x) {
+
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2**t on 16 lanes for t <= 127: t = n + f with n = round(t) (the 1.5 * 2**23 trick, n read back from the sum's
+// bits), 2**f for |f| <= 1/2 by Cephes exp2f's polynomial (relative error 1.7e-7), 2**n built in the exponent bits.
+// t is clamped at -127, where those bits are 0: 2**t is exactly 0 there, and for -inf (masked keys). 13 vector
+// operations; exp(x) as 2**(x log2 e) (one FMA from the scores) took 20.
+FC_CONTRACT_FN inline vf16 exp2_16(vf16 t) {
   FC_CONTRACT
-  const vf16 v = x < -87.33654f ? vf16{} - 87.33654f : x;
-  const vf16 fx = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vf16 r = v - fx * 0.693359375f;
-  r = r + fx * 2.12194440e-4f;
-  const vf16 z = r * r;
-  vf16 p = vf16{} + 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * z + (r + 1.0f);
-  const vi16 bits = (__builtin_convertvector(fx, vi16) + 127) << 23;
+  t = t > -127.0f ? t : vf16{} - 127.0f;
+  const vf16 y = t + 12582912.0f;  // 1.5 * 2**23: y's low mantissa bits hold n
+  const vf16 f = t - (y - 12582912.0f);
+  vf16 p = vf16{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  vi16 bits;
+  std::memcpy(&bits, &y, sizeof(bits));
+  bits = (bits - (0x4B400000 - 127)) << 23;  // (n + 127) << 23: y's bits minus 12582912's are n
   vf16 pow2;
   std::memcpy(&pow2, &bits, sizeof(pow2));
-  return x < -87.33654f ? vf16{} : p * pow2;
+  return p * pow2;
 }
 
 // The running max is moved only when a tile's max exceeds it by more than this (natural log units; FA4's rule):
@@ -215,10 +225,10 @@ FC_CONTRACT_FN inline void softmax_step(float* s, int64_t lds, int64_t m, int64_
       if (old != kNegInf) scale_row(st.acc + i * D, alpha, D);
       st.mx[i] = mx;
     }
-    const float ref = st.mx[i];
+    const float shift = -st.mx[i] * kLog2e;  // exp(x - max) = 2**(x log2 e - max log2 e)
     vf16 total = {};
     for (int64_t j = 0; j < cols; j += 16) {
-      const vf16 y = exp16(load16(row + j) - ref);
+      const vf16 y = exp2_16(load16(row + j) * kLog2e + shift);
       store16(row + j, y);
       total += y;
     }
