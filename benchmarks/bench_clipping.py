@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,17 +50,23 @@ import torch
 from common import RESULTS_DIR, write_result
 
 from flashcodec_fx.codecs.levels import LEVELS, LLOYD_MAX_BITS, MAX_BITS
-from flashcodec_fx.codecs.quant import FIT_RANGE, FIT_SIZES, Quantizer, fp16_toward
+from flashcodec_fx.codecs.quant import Quantizer, fp16_toward
 from flashcodec_fx.ops.state import StreamState
 from flashcodec_fx.presets import preset_options
 
 LOSSY = ("4bit", "3bit", "2.5bit", "2bit")  # the presets that search (int8: mid-rise, no search)
 MODES = (False, "trials", "fit")
 FIT_VALUES = 1 << 18  # values per (level set, bits, size) in ``fit``
-GRID = tuple(round(FIT_RANGE[0] + 0.01 * i, 2) for i in range(round((FIT_RANGE[1] - FIT_RANGE[0]) / 0.01) + 1))
 OTHER_SEED = 1000  # the second rotation of ``kl``
 OUT = RESULTS_DIR / "clipping.json"
-LENGTH, START = (StreamState._fields.index(f) for f in ("length", "start"))
+LENGTH, START, TAIL = (StreamState._fields.index(f) for f in ("length", "start", "tail"))
+
+
+def grid() -> tuple[float, ...]:
+    """The clipping factors ``fit`` tries: 0.01 apart over ``quant.FIT_RANGE``."""
+    from flashcodec_fx.codecs.quant import FIT_RANGE
+
+    return tuple(round(FIT_RANGE[0] + 0.01 * i, 2) for i in range(round((FIT_RANGE[1] - FIT_RANGE[0]) / 0.01) + 1))
 
 
 def level_bits(levels: str) -> range:
@@ -76,14 +85,14 @@ def gaussian(n: int, d: int, seed: int) -> torch.Tensor:
 
 
 def lloyd_line(bits: int, x: torch.Tensor) -> tuple[float, float]:
-    """Least-squares line of the best clipping factor (``GRID``, fp16 scales rounded up) against amax / RMS."""
+    """Least-squares line of the best clipping factor (:func:`grid`, fp16 scales rounded up) against amax / RMS."""
     from flashcodec_fx.codecs.levels import level_table, rms_sqrt
 
     table = level_table("lloyd", bits)
     mids = (table[1:] + table[:-1]) / 2
     rms = rms_sqrt(x.square().mean(-1, keepdim=True))
     best_err, best_f = None, None
-    for f in GRID:
+    for f in grid():
         s = fp16_toward(rms * f, up=True)
         err = (table[torch.bucketize((x / s).contiguous(), mids)] * s - x).square().sum(-1)
         if best_err is None:
@@ -97,20 +106,20 @@ def lloyd_line(bits: int, x: torch.Tensor) -> tuple[float, float]:
 
 
 def constant_start(levels: str, bits: int, x: torch.Tensor) -> float:
-    """The constant start factor whose "fit" errs least in total (``GRID``), for a level set other than lloyd."""
+    """The constant start factor whose "fit" errs least in total (:func:`grid`), for a level set other than lloyd."""
     import flashcodec_fx.codecs.quant as quant
 
     q = Quantizer((bits,), (levels,), "token", 1, "fit")
     best = None
     saved = quant.FIT_LINES.get((levels, bits))
     try:
-        for f in GRID[::5]:  # 0.05 steps, then 0.01 around the best
-            quant.FIT_LINES[(levels, bits)] = ((0.0, f),) * len(FIT_SIZES)
+        for f in grid()[::5]:  # 0.05 steps, then 0.01 around the best
+            quant.FIT_LINES[(levels, bits)] = ((0.0, f),) * len(quant.FIT_SIZES)
             quant.fit_start.cache_clear()
             err = float(squared_error(q, x).sum())
             best = (err, f) if best is None or err < best[0] else best
-        for f in [g for g in GRID if abs(g - best[1]) < 0.05]:
-            quant.FIT_LINES[(levels, bits)] = ((0.0, f),) * len(FIT_SIZES)
+        for f in [g for g in grid() if abs(g - best[1]) < 0.05]:
+            quant.FIT_LINES[(levels, bits)] = ((0.0, f),) * len(quant.FIT_SIZES)
             quant.fit_start.cache_clear()
             err = float(squared_error(q, x).sum())
             best = (err, f) if err < best[0] else best
@@ -124,6 +133,8 @@ def constant_start(levels: str, bits: int, x: torch.Tensor) -> float:
 
 
 def fit_table() -> dict[tuple[str, int], tuple[tuple[float, float], ...]]:
+    from flashcodec_fx.codecs.quant import FIT_SIZES
+
     table = {}
     for levels in LEVELS:
         for bits in level_bits(levels):
@@ -166,12 +177,12 @@ def preset_rows(windows: int = 1) -> dict[str, dict[str, torch.Tensor]]:
     ids = make_windows(load_tokens(tokenizer, kind_texts(["prose"])), windows, 1024, leading_tokens(tokenizer))
     original = quant.Quantizer.quantize
     out: dict[str, dict[str, list[torch.Tensor]]] = {}
-    current: list[str] = []
+    current: list = []
 
     def hooked(self: Quantizer, rows: torch.Tensor):
-        key, value = current[1], current[2]
-        stream = "keys" if self == key else "values" if self == value else None
-        if stream is not None and rows.shape[-3:-1] == (1, 1):
+        stream = ("keys", "values")[current[1] % 2]  # each layer codes its keys, then its values (FakeQuant)
+        current[1] += 1
+        if rows.shape[-3:-1] == (1, 1):
             flat = rows.float().reshape(-1, rows.shape[-1])
             pick = torch.randperm(flat.shape[0], generator=torch.Generator().manual_seed(flat.shape[0]))[:4096]
             out.setdefault(current[0], {}).setdefault(stream, []).append(flat[pick])
@@ -180,10 +191,8 @@ def preset_rows(windows: int = 1) -> dict[str, dict[str, torch.Tensor]]:
     quant.Quantizer.quantize = hooked
     try:
         for preset in LOSSY:
-            config = cache_config(preset=preset)
-            key, value = (c.quantizer for c in config.layers.build(0))
-            current[:] = [preset, key, value]
-            bench_fakequant.logprobs(model, ids, config, 128, 16)
+            current[:] = [preset, 0]
+            bench_fakequant.logprobs(model, ids, cache_config(preset=preset), 128, 16)
     finally:
         quant.Quantizer.quantize = original
     return {p: {s: torch.cat(v) for s, v in streams.items()} for p, streams in out.items()}
@@ -239,29 +248,35 @@ def tiers() -> list[dict[str, Any]]:
 
 
 def kl_summary(ppl: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per preset: KL of trials and fit at both rotations, per window; the paired differences and the rotation
-    spread (noise)."""
+    """Per preset: KL of trials and fit at both rotations (mean and per window); ``fit_vs_trials``: fit's KL over the
+    trials' at each rotation; ``paired_change``: fit's per-window change over the trials' (both rotations' windows),
+    its mean; ``rotation_noise``: the per-window change between the trials at the two rotations (two equally good
+    quantizers), its spread ``noise_sd`` and the standard error of a mean over as many windows (``noise_se``); the
+    verdict ``fit``: "better" (mean change below -2 SE), "within noise" (within +-2 SE), "worse"."""
     (model, data), = ppl["models"].items()
     by_name = {r["tier"]: r for r in data["rows"]}
     out = []
     for preset in LOSSY:
-        get = {(mode, seed): by_name.get(f"flashcodec (--tier-json) {preset} {mode}{seed}") or
-               by_name.get(f"{preset} {mode}{seed}") for mode in ("trials", "fit") for seed in ("", f" seed {OTHER_SEED}")}
-        if any(v is None for v in get.values()):
+        runs = {(mode, seed): by_name.get(f"{preset} {mode}{seed}") for mode in ("trials", "fit")
+                for seed in ("", f" seed {OTHER_SEED}")}
+        if any(v is None for v in runs.values()):
             continue
         row: dict[str, Any] = {"preset": preset, "model": model}
-        for (mode, seed), r in get.items():
+        for (mode, seed), r in runs.items():
             key = mode + ("_seed" if seed else "")
             row[f"kl_{key}"] = r["kl"]
             row[f"kl_per_window_{key}"] = r["kl_per_window"]
-            row[f"bits_end_{key}"] = r["bits_end"]
-        fit_vs = [row["kl_fit"] / row["kl_trials"], row["kl_fit_seed"] / row["kl_trials_seed"]]
-        noise = abs(row["kl_trials_seed"] / row["kl_trials"] - 1)
-        row.update(fit_vs_trials=fit_vs, rotation_spread=noise,
-                   windows_fit_better=[sum(f < t for f, t in zip(row[f"kl_per_window_fit{s}"],
-                                                                   row[f"kl_per_window_trials{s}"], strict=True))
-                                       for s in ("", "_seed")],
-                   within_noise=all(r - 1 <= max(noise, 0.0) for r in fit_vs))
+            row[f"bits_end_{key}"], row[f"bits_worst_{key}"] = r["bits_end"], r["bits_worst"]
+        paired = [f / t - 1 for s in ("", "_seed") for f, t in zip(row[f"kl_per_window_fit{s}"],
+                                                                     row[f"kl_per_window_trials{s}"], strict=True)]
+        noise = [u / t - 1 for u, t in zip(row["kl_per_window_trials_seed"], row["kl_per_window_trials"], strict=True)]
+        sd = statistics.stdev(noise)
+        se = sd / math.sqrt(len(paired))
+        mean = statistics.fmean(paired)
+        row.update(fit_vs_trials=[row["kl_fit"] / row["kl_trials"], row["kl_fit_seed"] / row["kl_trials_seed"]],
+                   paired_change=paired, paired_change_mean=mean, windows_fit_lower=sum(c < 0 for c in paired),
+                   rotation_noise=noise, noise_sd=sd, noise_se=se,
+                   fit="better" if mean < -2 * se else "within noise" if mean <= 2 * se else "worse")
         out.append(row)
     return out
 
@@ -279,8 +294,8 @@ def with_search(codec, mode):
 
 class AppendCase:
     """The C++ ``flashcodec::append`` of ``tokens`` new tokens into a layer's K and V streams (SmolLM2's 3 KV heads
-    of 64) holding ``length`` tokens, put back to ``length`` before each call (only ``length`` and ``start`` move: the
-    same tokens are encoded again). A decode token past the raw window encodes one token per stream."""
+    of 64) holding ``length`` tokens, put back before each call (``length``, ``start`` and the raw tail: the same
+    tokens are encoded into the same slots again). A decode token past the raw window encodes one token per stream."""
 
     def __init__(self, k_codec, v_codec, length: int, tokens: int, seed: int = 0):
         from flashcodec_fx.ops import empty_state
@@ -294,13 +309,14 @@ class AppendCase:
             if length:
                 torch.ops.flashcodec.append(state, torch.randn(1, 3, length, 64, generator=gen), spec, None)
             self.states.append(state)
-        self.saved = [[t.clone() for t in (s[LENGTH], s[START])] for s in self.states]
+        self.saved = [[t.clone() for t in (s[LENGTH], s[START], s[TAIL])] for s in self.states]
         self.new = [torch.randn(1, 3, tokens, 64, generator=gen) for _ in range(2)]
 
     def __call__(self) -> None:
         for state, saved in zip(self.states, self.saved, strict=True):
             state[LENGTH].copy_(saved[0])
             state[START].copy_(saved[1])
+            state[TAIL].copy_(saved[2])
         for state, new, spec in zip(self.states, self.new, self.specs, strict=True):
             torch.ops.flashcodec.append(state, new, spec, None)
 
@@ -313,9 +329,10 @@ def store_case(preset: str, mode):
     from flashcodec_fx.vllm.page import PHASES, PageFormat, page_format, store_plan
 
     call = vk.Call([(2048, 0)])
-    base = page_format(preset, vk.LAYER, vk.HEAD_DIM, torch.float32)
-    fmt = PageFormat(base.name, with_search(base.key, mode), with_search(base.value, mode), base.anchors,
-                     base.head_dim, base.dtype)
+    fmt = page_format(preset, vk.LAYER, vk.HEAD_DIM, torch.float32)
+    if mode is not None:
+        fmt = PageFormat(fmt.name, with_search(fmt.key, mode), with_search(fmt.value, mode), fmt.anchors,
+                         fmt.head_dim, fmt.dtype)
     cache = vk.filled_pages(call, fmt)
     meta = (call.block_table, call.seq_lens, call.query_start_loc)
     plans = {phase: store_plan(fmt, vk.BLOCK, call.slots, *meta, phase) for phase in PHASES}
@@ -327,35 +344,69 @@ def store_case(preset: str, mode):
     return run
 
 
-def speed_rows(rounds: int, repeats: int) -> tuple[list[dict[str, Any]], list[float]]:
-    """Encode timings (module docstring): every case in each round (the order reversed every other round), medians
-    of the process's CPU ms per call."""
+def speed_cases(modes) -> dict[tuple[str, str, str], Any]:
+    """``{(what, preset, search): fn}``; search None: the preset's codecs as they are (named "preset")."""
     from flashcodec_fx.presets import preset_codecs
 
     cases: dict[tuple[str, str, str], Any] = {}
     for preset in LOSSY:
         codecs = preset_codecs(preset, 5)
-        for mode in MODES:
-            k, v = (with_search(c, mode) for c in codecs)
-            cases[("append: decode token at 1024", preset, str(mode))] = AppendCase(k, v, 1024, 1)
-            cases[("append: 2048-token prefill", preset, str(mode))] = AppendCase(k, v, 0, 2048)
-            cases[("vLLM store: 2048-token prompt", preset, str(mode))] = store_case(preset, mode)
+        for mode in modes:
+            k, v = codecs if mode is None else (with_search(c, mode) for c in codecs)
+            name = "preset" if mode is None else str(mode)
+            cases[("append: decode token at 1024", preset, name)] = AppendCase(k, v, 1024, 1)
+            cases[("append: 2048-token prefill", preset, name)] = AppendCase(k, v, 0, 2048)
+            cases[("vLLM store: 2048-token prompt", preset, name)] = store_case(preset, mode)
+    return cases
+
+
+def time_round(cases: dict, repeats: int, reverse: bool) -> dict[tuple[str, str, str], float]:
+    """One round: each case once untimed, then ``repeats`` calls timed (process CPU ms per call)."""
+    out = {}
+    for key in reversed(list(cases)) if reverse else list(cases):
+        fn = cases[key]
+        fn()
+        start = time.process_time()
+        for _ in range(repeats):
+            fn()
+        out[key] = (time.process_time() - start) / repeats * 1e3
+    return out
+
+
+def before_round(commit: str, scratch: Path, repeats: int, reverse: bool) -> dict[tuple[str, str, str], float]:
+    """One round of the presets as ``commit``'s package stores them (a subprocess importing it from ``scratch``)."""
+    out = scratch / "round.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scratch), str(Path(__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "speed", "--presets-round", str(out), "--repeats",
+           str(repeats), "--threads", "1"] + (["--reverse"] if reverse else [])
+    subprocess.run(cmd, check=True, env=env, cwd=scratch)
+    return {tuple(k.split("|")): v for k, v in json.loads(out.read_text()).items()}
+
+
+def speed_rows(rounds: int, repeats: int, before: str | None) -> tuple[list[dict[str, Any]], list[float]]:
+    """Encode timings (module docstring): the cases of this tree (``"trials"``, ``"fit"``, ``False`` and the presets
+    as they are) and, with ``before``, the presets as commit ``before`` stores them (a subprocess per round); rounds
+    interleaved (this tree's cases reversed every other round, the subprocess first or last in turn); medians."""
+    cases = speed_cases(MODES)
     samples: dict[tuple[str, str, str], list[float]] = {key: [] for key in cases}
     loads = []
-    for r in range(rounds):
-        loads.append(round(os.getloadavg()[0], 2))
-        order = list(cases) if r % 2 == 0 else list(reversed(cases))
-        for key in order:
-            fn = cases[key]
-            fn()
-            start = time.process_time()
-            for _ in range(repeats):
-                fn()
-            samples[key].append((time.process_time() - start) / repeats * 1e3)
-    rows = []
-    for (what, preset, mode), ms in samples.items():
-        rows.append({"what": what, "preset": preset, "search": mode, "cpu_ms": statistics.median(ms),
-                     "cpu_ms_min": min(ms), "cpu_ms_max": max(ms)})
+    with tempfile.TemporaryDirectory() as scratch:
+        if before is not None:
+            archive = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", before,
+                                      "flashcodec_fx"], check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
+        for r in range(rounds):
+            loads.append(round(os.getloadavg()[0], 2))
+            parts = [lambda r=r: time_round(cases, repeats, r % 2 == 1)]
+            if before is not None:
+                parts.append(lambda r=r: {(w, p, f"before {before[:7]}"): ms for (w, p, _), ms in
+                                          before_round(before, Path(scratch), repeats, r % 2 == 1).items()})
+            for part in parts if r % 2 == 0 else reversed(parts):
+                for key, ms in part().items():
+                    samples.setdefault(key, []).append(ms)
+    rows = [{"what": what, "preset": preset, "search": mode, "cpu_ms": statistics.median(ms), "cpu_ms_min": min(ms),
+             "cpu_ms_max": max(ms), "samples": len(ms)} for (what, preset, mode), ms in samples.items()]
     for row in rows:
         trials = next(r for r in rows if (r["what"], r["preset"], r["search"]) == (row["what"], row["preset"], "trials"))
         row["vs_trials"] = row["cpu_ms"] / trials["cpu_ms"]
@@ -380,6 +431,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="kl: the bench_ppl result of the clipping tiers")
     parser.add_argument("--rounds", type=int, default=7, help="speed: interleaved rounds")
     parser.add_argument("--repeats", type=int, default=5, help="speed: calls per case and round")
+    parser.add_argument("--before", default=None, metavar="REV",
+                        help="speed: also time the presets as commit REV stores them (its package, a subprocess per round)")
+    parser.add_argument("--presets-round", type=Path, default=None, help=argparse.SUPPRESS)  # before_round's child
+    parser.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -396,15 +451,22 @@ def main(argv: list[str] | None = None) -> None:
         ppl = json.loads(args.ppl.read_text())
         rows = kl_summary(ppl)
         for r in rows:
-            print({k: v for k, v in r.items() if "per_window" not in k})
+            print(f"{r['preset']}: KL trials {r['kl_trials']:.4g} / {r['kl_trials_seed']:.4g}, fit {r['kl_fit']:.4g} / "
+                  f"{r['kl_fit_seed']:.4g} (own rotation / seed {OTHER_SEED}); paired change "
+                  f"{r['paired_change_mean']:+.3f} ({r['windows_fit_lower']} of {len(r['paired_change'])} windows "
+                  f"lower), rotation noise sd {r['noise_sd']:.3f}, se {r['noise_se']:.3f}: {r['fit']}")
         payload = {"source": args.ppl.name, "protocol": ppl["protocol"], "source_commit": ppl["versions"]["git_commit"],
                    "rows": rows}
         print(f"wrote {merge_part('kl', payload, args.out)}")
+    elif args.presets_round is not None:  # one round of the presets as this package stores them, for --before
+        times = time_round(speed_cases([None]), args.repeats, args.reverse)
+        args.presets_round.write_text(json.dumps({"|".join(k): v for k, v in times.items()}))
     else:
-        rows, loads = speed_rows(args.rounds, args.repeats)
+        rows, loads = speed_rows(args.rounds, args.repeats, args.before)
         for r in rows:
             print(r)
-        payload = {"rounds": args.rounds, "repeats": args.repeats, "load_before_rounds": loads, "rows": rows}
+        payload = {"rounds": args.rounds, "repeats": args.repeats, "before": args.before, "load_before_rounds": loads,
+                   "rows": rows}
         print(f"wrote {merge_part('speed', payload, args.out)}")
 
 

@@ -8,8 +8,10 @@ preset stores, measured on real models, is in the README (``benchmarks/bench_ppl
 Recipes (docs/quantization.md; chosen by ``benchmarks/bench_ppl.py`` measurements on SmolLM2-135M, fp32, the
 streaming protocol): every lossy preset quantizes per token after a random-sign Walsh-Hadamard rotation along
 head_dim (one fp16 scale per token and head; the rotation is what makes one scale per vector work), on Lloyd-Max
-levels of a Gaussian with a least-squares scale search; keys are centered first (a per-channel mean of the prompt:
-keys carry large channel offsets; values do not, and centering them measured worse). Both streams are normalized
+levels of a Gaussian with the "fit" clipping (a closed-form start, then the least-squares scale of the codes, twice:
+as good as the seven-trial search and cheaper, measured per preset in ``benchmarks/bench_clipping.py``); keys are
+centered first (a per-channel mean of the prompt: keys carry large channel offsets; values do not, and centering them
+measured worse). Both streams are normalized
 (``normalize=True``: a channel more than twice as wide as the median channel on the prompt is stored divided by a
 power of two, so outlier channels such as Qwen2's do not set every channel's step after the rotation; a model
 without them stores what it stored before). The first ``SINKS`` tokens and the newest keys (``window``) stay raw:
@@ -41,7 +43,7 @@ SINKS = 4
 def _rotated(bits: int, window: int, center: bool) -> dict[str, Any]:
     """Per-token ``bits``-bit Lloyd-Max codes after the rotation, ``SINKS`` raw sinks and ``window`` raw newest."""
     return {"mode": "jpeg", "block_size": 1, "quant_bits": bits, "levels": "lloyd", "rotate": True, "center": center,
-            "normalize": True, "scale_search": True, "sinks": SINKS, "window": window}
+            "normalize": True, "scale_search": "fit", "sinks": SINKS, "window": window}
 
 
 def _preset(key_bits: int, key_window: int, value_bits: int, value_window: int) -> dict[str, Any]:

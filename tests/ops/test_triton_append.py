@@ -97,6 +97,34 @@ def test_append_encodes_head_dim_in_channel_chunks(device, name):
     torch.testing.assert_close(got_memo, want_memo, atol=1e-5 + 2 * step, rtol=1e-5)
 
 
+# scale_search="fit" on each path of search_scales: token-axis rows of every level set (one DCT block), Lloyd-Max rows
+# of 4 and 1 bits per token (the presets' kind), channel-axis classes with a zero point, Lloyd-Max per channel.
+FIT_FORMS = {
+    "token_table_fit": dict(block_size=4, quant_bits=(6, 4, 3, 2), levels=("int", "uniform", "midrise", "lloyd"),
+                            scale_search="fit", window=2),
+    "lloyd4_fit": dict(block_size=1, quant_bits=4, levels="lloyd", rotate=True, center=True, scale_search="fit",
+                       sinks=4, window=8),
+    "lloyd1_fit": dict(block_size=1, quant_bits=1, levels="lloyd", rotate=True, scale_search="fit"),
+    "dct_channel_fit": dict(block_size=8, quant_bits=(5, 3, 3, 2, 2, 2, 2, 2), levels=("uniform", "midrise"),
+                            scale_axis="channel", group=16, rotate=True, sinks=4, scale_search="fit"),
+    "channel_lloyd_fit": dict(block_size=2, quant_bits=3, levels="lloyd", scale_axis="channel", group=4,
+                              scale_search="fit"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", FIT_FORMS)
+def test_fit_search_matches_reference(device, name):
+    """The "fit" scale search (its start line, two least-squares passes, the codes of the last pass): the stored form
+    as the reference's within :func:`same_archive`'s bounds (its sums run in another order)."""
+    codec = make_codec("jpeg", **FIT_FORMS[name])
+    chunks = (30, 1, 1, 9, 19)
+    x = smooth(2, 2, sum(chunks), 16, torch.float32, "cpu", seed=4)
+    got, _, want, _ = _run(codec, x, device, chunks, memo=False)
+    assert int(got[8]) > codec.sinks  # groups were archived
+    _same_store(codec, got, want, 16, torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_append_without_memo_any_strides_and_validation(device):
     """No memo; new tokens of any strides (head_dim stride 2, seq innermost) store what contiguous ones do; bad input
