@@ -13,10 +13,10 @@
 //   history's value sum rotated back once (R_v), the sum normalized, the row written in the output's dtype.
 //
 // Rows of a (request, KV head): token-major, the GQA heads side by side (row t * G + g is query head h * G + g of
-// token t). Everything is fp32 (`scale` folded into q, exp by exp2_16 and exp_one); per-thread scratch is bounded by the tile
-// sizes, the call's buffers by its tokens (never by the history) and kept between calls (a workspace: a fresh
-// buffer past the allocator's mmap threshold page-faulted on every call, ~6,000 faults for a 4k-token step). Needs
-// head_dim % 16 == 0 (the launcher sends other head dims to the per-token kernel).
+// token t). Everything is fp32 (`scale` folded into q, exp by exp2_16 and exp_one); per-thread scratch is bounded
+// by the tile sizes, the call's buffers by its tokens (never by the history) and kept between calls (a workspace: a
+// fresh buffer past the allocator's mmap threshold page-faulted on every call, ~6,000 faults for a 4k-token step).
+// Needs head_dim % 16 == 0 (the launcher sends other head dims to the per-token kernel).
 
 namespace fc {
 
