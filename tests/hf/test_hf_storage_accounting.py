@@ -1,7 +1,9 @@
 """What ``bits_per_value()`` and ``storage_bytes()`` count (issue 32.9): bits are the stored tokens as stored
 (``storage_breakdown()["stored"]``), bytes everything held; held = stored + spare capacity + bookkeeping + memo,
 exactly. After prompt lookup the same-length cache stores fewer bits (a crop leaves the tokens a draft pushed out of
-the raw window archived) and holds other bytes (capacity grown by the verification calls, kept after their crops)."""
+the raw window archived) and holds other bytes (capacity grown by the verification calls, kept after their crops).
+Whether the run's last crop still shows depends on the tokens generated, so both runs end with one verification call
+of their own: eleven tokens with ten rejected on the lookup's cache, the one kept on the plain one."""
 
 from __future__ import annotations
 
@@ -20,15 +22,20 @@ from flashcodec_fx.hf.layer import FlashCodecLayer  # noqa: E402
 NEW = 40
 
 
-def _generate(preset: str, **kwargs):
-    """The cache of a greedy run over a repetitive 300-token prompt (prompt lookup finds drafts in it)."""
+def _generate(preset: str, drafted: int, **kwargs):
+    """The cache of a greedy run over a repetitive 300-token prompt (prompt lookup finds drafts in it), then one
+    verification call of ``1 + drafted`` tokens cropped back to the first."""
     model = fresh_tiny_model("llama")
     fx.apply_flash_codec(model, preset=preset)
     ids = tiny_prompt(length=60).repeat(1, 5)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*generation_config.*")
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, **kwargs)
-    return output_cache(out)
+        cache = output_cache(out)
+        kept = cache.get_seq_length() + 1
+        model(tiny_prompt(length=1 + drafted, seed=2), past_key_values=cache, use_cache=True)
+    cache.crop(kept)
+    return cache
 
 
 def _streams(cache):
@@ -48,8 +55,8 @@ def _spare(stream) -> int:
 
 @pytest.mark.parametrize("preset", ["4bit", "lossless"])
 def test_bits_count_the_stored_part_and_bytes_add_spare_capacity_and_memo(preset):
-    plain, lookup = _generate(preset), _generate(preset, prompt_lookup_num_tokens=10)
-    assert plain.get_seq_length() == lookup.get_seq_length() == 300 + NEW - 1  # the last token is not fed back
+    plain, lookup = _generate(preset, drafted=0), _generate(preset, drafted=10, prompt_lookup_num_tokens=10)
+    assert plain.get_seq_length() == lookup.get_seq_length() == 300 + NEW  # the last token is not fed back; one verified
     for cache in (plain, lookup):
         parts = cache.storage_breakdown()
         values = sum(layer.cached_values() for layer in cache.layers if isinstance(layer, FlashCodecLayer))
