@@ -51,6 +51,15 @@ FORMS = {
     "token_r4": _jpeg(block_size=4, quant_bits=3, sinks=1, window=2),
 }
 
+# Trellis codes (levels="tcq", 1..4 bits, codecs/trellis.py): read by the attention, decode and read kernels; the
+# Triton append and encode do not write them (no Viterbi encoder in Triton), so the reference makes their states.
+TRELLIS_FORMS = {
+    **{f"tcq{b}": _jpeg(block_size=1, quant_bits=b, levels="tcq", rotate=True, center=b % 2 == 1, scale_search=True,
+                        sinks=2, window=4) for b in (1, 2, 3, 4)},  # per token, rotated, centered at odd bits
+    "tcq_table": _jpeg(block_size=4, quant_bits=(4, 3, 2, 1), levels="tcq", scale_search=True),  # one trellis per
+    # DCT row: every slice width, the low bit of a 3-bit code in its 2-bit slice
+}
+
 
 def dtypes(device: str) -> list[torch.dtype]:
     """The interpreter has no bf16; CUDA runs all three."""
@@ -58,7 +67,7 @@ def dtypes(device: str) -> list[torch.dtype]:
 
 
 def form(name: str) -> Codec:
-    mode, opts = FORMS[name]
+    mode, opts = FORMS[name] if name in FORMS else TRELLIS_FORMS[name]
     return make_codec(mode, **opts)
 
 

@@ -35,6 +35,13 @@ CASES = [
     ("int8", "jpeg_k8", F32, 8, 30, 9, 0, 16, None, 1),  # 72 query rows: two row chunks
 ]
 
+# Trellis codes (levels="tcq"): each value's alphabet index from its code and the low bits of the three codes before
+# it in its row, built in the tile from shifted loads; same tolerance (1..4 bits, fp32 and fp16, keys and values; a
+# DCT table of trellis rows with every slice width; beside scalar codes, head_dim 64)
+TRELLIS_CASES = [(f"tcq{b}", f"tcq{b}", dtype, 2, 45, 1, 0, 16, "bool", 1) for b in (1, 2, 3, 4) for dtype in (F32, F16)]
+TRELLIS_CASES += [("tcq_table", "tcq2", F32, 4, 42, 2, 2, 16, "additive", 2),
+                  ("int8", "tcq3", F16, 1, 70, 1, 0, 64, None, 1), ("tcq4", "lloyd_rot", F32, 8, 37, 3, 3, 16, None, 1)]
+
 
 def _ids(cases):
     return [f"{c[0]}-{c[1]}-{str(c[2])[6:]}-g{c[3]}-L{c[4]}-T{c[5]}-new{c[6]}-D{c[7]}-{c[8]}" for c in cases]
@@ -84,13 +91,27 @@ def _check(device, args, **kw):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", CASES + TRELLIS_CASES, ids=_ids(CASES + TRELLIS_CASES))
 def test_attention_matches_reference(device, case):
     k_form, v_form, *rest = case
     args = _inputs(form(k_form), form(v_form), *rest)
     got, _ = _check(device, args, num_splits=2)
     if case[8] == "bool":
         assert got[0, :, 0].abs().max() == 0  # fully masked rows are zero
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trellis_codes_are_not_read_as_levels(monkeypatch, device):
+    """The trellis decode matters: the same codes read as plain table indices (no window of low bits) are far from
+    the reference, so the tolerance above tells the two apart."""
+    from flashcodec_fx.ops.triton.common import StreamForm
+
+    args = _inputs(form("tcq3"), form("tcq3"), F32, 2, 45, 1, 0, 16, None, 1)
+    want = codec_attention_reference(*args)
+    of = StreamForm.of.__func__
+    monkeypatch.setattr(StreamForm, "of", classmethod(
+        lambda cls, plan, fold=False, offset=0: of(cls, plan, fold, offset)._replace(tcq=False)))
+    assert (_run(device, args, num_splits=2) - want).abs().max() > 100 * TOL[F32]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,7 +144,7 @@ def _variants(kind: str, hq: int, dtype: torch.dtype, seed: int = 0) -> dict:
 
 # archived forms of every kind (codes per token / block / channel fold / in registers, float rows, png), GQA 1..8,
 # masks, new tokens, sinks and offsets, two row chunks
-VARIANT_CASES = [CASES[i] for i in (0, 2, 4, 5, 7, 10, 12)]
+VARIANT_CASES = [CASES[i] for i in (0, 2, 4, 5, 7, 10, 12)] + [TRELLIS_CASES[4]]  # + 3-bit trellis codes, fp32
 
 
 @pytest.mark.parametrize("device", DEVICES)

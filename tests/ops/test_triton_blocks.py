@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_cases import DEVICES, FORMS, dtypes, form, same_archive, smooth, to
+from _triton_cases import DEVICES, FORMS, TRELLIS_FORMS, dtypes, form, same_archive, smooth, to
 
 from flashcodec_fx.codecs import make_codec
 from flashcodec_fx.ops.reference.blocks import decode_reference, encode_reference
@@ -96,6 +96,20 @@ def test_any_layout_and_an_uncentered_call(device):
     assert torch.equal(triton_decode(*sliced, codec.spec, torch.float32),
                        triton_decode(*(t.contiguous() for t in sliced), codec.spec, torch.float32))
     _check_decode(codec, [t.cpu() for t in sliced], torch.float32, None, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(TRELLIS_FORMS))
+def test_trellis_decode_matches_reference_and_encode_is_refused(device, name):
+    """Trellis codes (levels="tcq") the reference encoded decode within the tolerance above (fp32; fp16 for 3 bits);
+    the Triton encode has no Viterbi encoder and says so (the gate sends these calls to the reference)."""
+    codec = form(name)
+    for dtype in (torch.float32, torch.float16) if name == "tcq3" else (torch.float32,):
+        x = smooth(2, 2, 2 * codec.group, 16, dtype, "cpu", seed=3)
+        mean = mean_for(codec, x)
+        _check_decode(codec, encode_reference(x, codec.spec, mean), dtype, mean, device)
+    with pytest.raises(ValueError, match="does not encode trellis codes"):
+        triton_encode(x.to(device), codec.spec, _on(device, mean))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -125,6 +125,38 @@ def test_each_op_is_gated_on_its_own_head_dim(monkeypatch, device, op):
         assert ran == ["reference"]
 
 
+def _trellis_op_args(op: str, codec) -> tuple:
+    """One call of ``op`` on streams of ``codec`` at head_dim 16 (CPU tensors; only the gate reads them)."""
+    x = smooth(1, 2, 2 * codec.group + 8, 16, torch.float32, "cpu", 3)
+    state = stored_state(codec, x, 4)
+    q = torch.zeros(1, 4, 1, 16)
+    return {"flashcodec::codec_attention": (q, state, state, codec.spec, codec.spec),
+            "flashcodec::append_attention": (q, state, state, codec.spec, codec.spec, x[:, :, :1], x[:, :, :1]),
+            "flashcodec::append": (state, x[:, :, :1], codec.spec),
+            "flashcodec::encode": (x[:, :, : 2 * codec.group], codec.spec, None),
+            "flashcodec::decode": (*codec.encode(x[:, :, : 2 * codec.group]), codec.spec, torch.float32, None),
+            "flashcodec::read": (state, codec.spec)}[op]
+
+
+@pytest.mark.parametrize("op", sorted(triton_gate.KERNELS))
+def test_trellis_codecs_get_triton_where_it_reads_them(monkeypatch, op):
+    """The registered CUDA kernels (``gated_kernels``, launchers and references replaced by recorders): with trellis
+    codes (levels="tcq") attention, append_attention, decode and read run their Triton launchers (no silent fallback
+    to the reference), append and encode the reference (no Viterbi encoder in Triton); a scalar codec runs Triton in
+    every op."""
+    monkeypatch.setattr(triton_gate, "kernel_choice", lambda device: "triton")
+    ran = []
+    monkeypatch.setitem(triton_gate.KERNELS, op, lambda *args: ran.append("triton"))
+    monkeypatch.setattr(triton_gate, "op_kernels", lambda name: {None: lambda *args: ran.append("reference")})
+    kernel = triton_gate.gated_kernels()[op]
+    assert triton_gate.TRELLIS_OPS == {"flashcodec::codec_attention", "flashcodec::append_attention",
+                                       "flashcodec::decode", "flashcodec::read"}
+    for name, want in (("tcq3", "triton" if op in triton_gate.TRELLIS_OPS else "reference"), ("lloyd_rot", "triton")):
+        ran.clear()
+        kernel(*_trellis_op_args(op, form(name)))
+        assert ran == [want], name
+
+
 def test_a_stream_creates_its_kernel_tables_when_it_allocates():
     """The first kernel call inside a CUDA-graph capture must find the kernels' tables (synthesis, rotation, row
     table, level tables) on the device already: the stream creates them with its storage (``ops.warm``), and the

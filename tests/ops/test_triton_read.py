@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_cases import DEVICES, FORMS, dtypes, form, groups_for, smooth, stored_state
+from _triton_cases import DEVICES, FORMS, TRELLIS_FORMS, dtypes, form, groups_for, smooth, stored_state
 
 from flashcodec_fx.ops import empty_state
 from flashcodec_fx.ops.reference.read import read_reference
@@ -21,6 +21,7 @@ from flashcodec_fx.ops.triton.read import triton_read
 HALF = ("jpeg_k8", "png_pruned", "int8", "dct_channel")  # as test_triton_blocks: one form per kind of stored form
 CASES = [(device, name, dtype) for device in DEVICES for name in FORMS for dtype in dtypes(device)
          if dtype == torch.float32 or name in HALF]
+CASES += [(device, name, torch.float32) for device in DEVICES for name in TRELLIS_FORMS]  # trellis codes (fp32)
 ROUNDING = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 

@@ -60,6 +60,7 @@ from .common import (
     StreamForm,
     TupleFields,
     check_group_tokens,
+    check_not_trellis,
     check_triton_limits,
     float_rows,
     grid_rows,
@@ -68,6 +69,7 @@ from .common import (
     require_contiguous,
     row_info,
     stream_tables,
+    trellis_index,
     unpack_codes,
 )
 
@@ -642,6 +644,8 @@ def _decoded(data, scale, zero, index, syn, rows_t, levels, grp, c0, F: tl.const
         if E[E_QUANT]:
             bits, bit_off, cls, zslot, lloyd, off = row_info(rows_t, levels, j, row_ok, F)
             code = unpack_codes(data, (grp * GB + n)[:, None], dd, ok, bits[:, None], bit_off[:, None], F, D)
+            code = trellis_index(code, data, rows_t, (grp * GB + n)[:, None], j[:, None], dd, ok, bits[:, None],
+                                 bit_off[:, None], F, D)
             value = level_values(code, j[:, None], lloyd[:, None], levels, ok, F) + off[:, None]
             if FORM == _CHANNEL_CODES:
                 s = tl.load(scale + ((grp * C + cls) * D)[:, None] + dd, mask=ok, other=0.0).to(tl.float32)
@@ -805,6 +809,7 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     b, h, t, d = new.shape
     check_triton_limits(codec, d)
     check_group_tokens(codec, "append")
+    check_not_trellis(codec, "append")
     require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
     if t == 0 or b * h == 0:
         return

@@ -66,6 +66,7 @@ from .common import (
     require_contiguous,
     row_info,
     stream_tables,
+    trellis_index,
     unpack_codes,
 )
 
@@ -146,6 +147,8 @@ def _arch_rows_t(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, KA_T: tl.co
         bits, bit_off, cls, zslot, lloyd, off = row_info(rows, levels, j, col_ok, F)
         ok = col_ok[None, :] & (dd[:, None] < D)
         codes = unpack_codes(data, lin[None, :], dd[:, None], ok, bits[None, :], bit_off[None, :], F, D)
+        codes = trellis_index(codes, data, rows, lin[None, :], j[None, :], dd[:, None], ok, bits[None, :],
+                              bit_off[None, :], F, D)
         vals = level_values(codes, j[None, :], lloyd[None, :], levels, ok, F)
         if FORM == _TOKEN_CODES:
             s = tl.load(scale + lin * C + cls, mask=col_ok, other=0.0).to(tl.float32)
@@ -213,6 +216,8 @@ def _arch_values(S, F: tl.constexpr, TL: tl.constexpr, bh, blk0, NB, VA_T: tl.co
         bits, bit_off, cls, zslot, lloyd, off = row_info(rows, levels, j, row_ok, F)
         ok = row_ok[:, None] & (dd[None, :] < D)
         codes = unpack_codes(data, lin[:, None], dd[None, :], ok, bits[:, None], bit_off[:, None], F, D)
+        codes = trellis_index(codes, data, rows, lin[:, None], j[:, None], dd[None, :], ok, bits[:, None],
+                              bit_off[:, None], F, D)
         vals = level_values(codes, j[:, None], lloyd[:, None], levels, ok, F)
         if FORM == _TOKEN_CODES:
             pcs = pc * tl.load(scale + lin * C + cls, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -735,7 +740,7 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple:
 
 def _exact16(form: StreamForm, data: torch.Tensor) -> bool:
     """Whether a stream's archive operand is exact in a 16-bit dot: integer codes of affine levels, jpeg rows stored
-    in a 16-bit dtype (not lloyd levels, not png's fp32 deltas)."""
+    in a 16-bit dtype (not lloyd levels or trellis alphabets, not png's fp32 deltas)."""
     if form.form in (TOKEN_CODES, CHANNEL_CODES):
         return not form.lloyd
     return form.form == FLOAT_ROWS and data.dtype in (torch.float16, torch.bfloat16)

@@ -23,6 +23,7 @@ from .common import (
     F_R,
     StreamForm,
     check_group_tokens,
+    check_not_trellis,
     check_triton_limits,
     grid_rows,
     stream_tables,
@@ -91,6 +92,7 @@ def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) 
     b, h, s, d = x.shape
     check_triton_limits(codec, d)
     check_group_tokens(codec, "encode")
+    check_not_trellis(codec, "encode")
     ng = s // codec.group
     enc = [torch.empty(b, h, ng, *shape, dtype=dtype, device=x.device)
            for shape, dtype in codec.archive_shapes(d, x.dtype).values()]

@@ -6,7 +6,9 @@ ever writing ``S`` out: float rows as they are, pruned png deltas scattered by t
 unpacked in registers (``codecs/pack.py``: power-of-two bit slices along head_dim) into their level values
 (``level[code] * scale + zero``, ``codecs/levels.py``). Affine level sets (``int``, ``uniform``, ``midrise``) enter
 the dots as the integer codes themselves (``level = code + offset``; the offset and the scale are applied outside the
-dot); ``lloyd`` levels come from a small per-row level table.
+dot); ``lloyd`` levels come from a small per-row level table, and so do trellis codes (``tcq``, ``codecs/trellis.py``),
+whose table is the ``2**(bits+1)`` alphabet, read at the index each code makes with the low bits of the three codes
+before it in its row (:func:`trellis_index`: no serial state, so a tile decodes every value at once).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import triton.language as tl
 from ...codecs import Codec
 from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 from ..plan import CHANNEL_CODES, FLOAT_ROWS, LEVEL_KINDS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
+from ..state import uses_trellis
 
 
 class TupleFields:
@@ -77,7 +80,8 @@ F_CLASSES = _FORM("classes")  # scale classes
 F_ZEROS = _FORM("zeros")  # zero-point classes
 F_ROW_BYTES = _FORM("row_bytes")  # packed bytes per block
 F_SLICES = _FORM("slices")  # the OR of the rows' bit widths (which power-of-two slices exist)
-F_LLOYD = _FORM("lloyd")  # any Lloyd-Max row
+F_LLOYD = _FORM("lloyd")  # any row read through the level table (Lloyd-Max levels, trellis alphabets)
+F_TCQ = _FORM("tcq")  # any trellis row (levels="tcq"): its table index is built from the codes before it
 F_LEVELS_W = _FORM("levels_w")  # the level table's width
 F_ROTATE = _FORM("rotate")
 F_CENTER = _FORM("center")
@@ -96,6 +100,8 @@ KIND_INT: tl.constexpr = tl.constexpr(LEVEL_KINDS["int"])
 KIND_UNIFORM: tl.constexpr = tl.constexpr(LEVEL_KINDS["uniform"])
 KIND_MIDRISE: tl.constexpr = tl.constexpr(LEVEL_KINDS["midrise"])
 KIND_LLOYD: tl.constexpr = tl.constexpr(LEVEL_KINDS["lloyd"])
+KIND_TCQ: tl.constexpr = tl.constexpr(LEVEL_KINDS["tcq"])
+TCQ_WINDOW: tl.constexpr = tl.constexpr(3)  # a trellis code's value reads the low bits of the 3 codes before it
 
 
 def pow2(n: int, least: int = 1) -> int:
@@ -132,20 +138,29 @@ def check_group_tokens(codec: Codec, op: str) -> None:
                          f"program), got {codec.group}")
 
 
+def check_not_trellis(codec: Codec, op: str, name: str = "spec") -> None:
+    """Raise a ValueError for a trellis codec (``levels="tcq"``) in the Triton ``op``: its Viterbi encoder is not
+    written in Triton (the gate sends these calls to the reference op)."""
+    if uses_trellis(codec):
+        raise ValueError(f"{name}: the Triton {op} does not encode trellis codes (levels='tcq'; the Viterbi encoder "
+                         f"runs in the reference and C++ ops): call the reference op")
+
+
 class StreamForm(_FORM.namedtuple()):
     """One stream's :class:`~flashcodec_fx.ops.plan.StoredFormPlan` as the kernels' constexpr tuple (its fields:
     the ``F_*`` declarations above, in tuple order); ``fold`` holds for channel-axis codes only, ``offset`` is 0 for
-    the stream attention tiles align to."""
+    the stream attention tiles align to; ``lloyd`` holds for trellis codes too (their alphabet is a level table)."""
 
     __slots__ = ()
 
     @classmethod
     def of(cls, plan: StoredFormPlan, fold: bool = False, offset: int = 0) -> StreamForm:
         """The tuple of ``plan`` (``ops.plan.stored_form_plan``); ``fold`` applies to channel-axis codes only."""
+        tcq = LEVEL_KINDS["tcq"] in plan.level_kind
         return cls(form=plan.form, r=plan.block_size, rows=plan.rows, dense=plan.dense, dense_p=pow2(plan.dense),
                    kept=plan.kept, sinks=plan.sinks, tail=plan.tail, group_blocks=plan.group_blocks,
                    classes=plan.classes, zeros=plan.zero_classes, row_bytes=plan.row_bytes, slices=plan.slices,
-                   lloyd=plan.lloyd, levels_w=plan.level_width, rotate=plan.rotate, center=plan.center,
+                   lloyd=plan.lloyd or tcq, tcq=tcq, levels_w=plan.level_width, rotate=plan.rotate, center=plan.center,
                    fold=fold and plan.form == CHANNEL_CODES, offset=offset)
 
     def constexpr(self) -> tuple:
@@ -243,7 +258,8 @@ def mdot(a, b, T: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def row_info(rows_ptr, levels_ptr, j, ok, F: tl.constexpr):
     """Per stored row ``j`` (any shape) of a quantized stream: ``(bits, bit offset, class, zero slot, lloyd, offset)``
-    where ``offset`` is ``level[0]`` of an affine row (its level of code ``c`` is ``c + offset``), 0 for lloyd rows."""
+    where ``lloyd`` says the row's values come from its level table (Lloyd-Max levels, trellis alphabets) and
+    ``offset`` is ``level[0]`` of an affine row (its level of code ``c`` is ``c + offset``), 0 for table rows."""
     K: tl.constexpr = F[F_ROWS]
     W: tl.constexpr = F[F_LEVELS_W]
     m = ok & (j < K)
@@ -251,7 +267,8 @@ def row_info(rows_ptr, levels_ptr, j, ok, F: tl.constexpr):
     bit_off = tl.load(rows_ptr + ROW_BIT_OFFSET * K + j, mask=m, other=0)
     cls = tl.load(rows_ptr + ROW_CLASS * K + j, mask=m, other=0)
     zslot = tl.load(rows_ptr + ROW_ZERO_SLOT * K + j, mask=m, other=-1)
-    lloyd = tl.load(rows_ptr + ROW_KIND * K + j, mask=m, other=0) == KIND_LLOYD
+    kind = tl.load(rows_ptr + ROW_KIND * K + j, mask=m, other=0)
+    lloyd = (kind == KIND_LLOYD) | (kind == KIND_TCQ)
     off = tl.where(lloyd, 0.0, tl.load(levels_ptr + j * W, mask=m, other=0.0))
     return bits, bit_off, cls, zslot, lloyd, off
 
@@ -288,9 +305,41 @@ def unpack_codes(data_ptr, blk, d, ok, bits, bit_off, F: tl.constexpr, D: tl.con
 
 
 @triton.jit
+def _low_bit(base, bit_off, d, ok, w, D: tl.constexpr):
+    """Bit 0 of the code at channel ``d``: it lies in the row's widest slice (``w`` bits wide, at the row's bit
+    offset: ``unpack_codes``), zero where not ``ok``."""
+    byte = tl.load(base + bit_off * (D // 8) + (d * w) // 8, mask=ok, other=0).to(tl.int32)
+    return (byte >> ((d * w) % 8)) & 1
+
+
+@triton.jit
+def trellis_index(code, data_ptr, rows_ptr, blk, j, d, ok, bits, bit_off, F: tl.constexpr, D: tl.constexpr):
+    """The level-table column of each code: the code itself, or on a trellis row (``levels="tcq"``) its alphabet
+    index ``((c[t] >> 1) << 2) | l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1`` (``codecs/trellis.py``), ``l`` the codes'
+    low bits along the row (0 before ``d = 0``), read from the packed row at ``d - 1 .. d - 3``; arguments as
+    :func:`unpack_codes` (``j``: the stored row, broadcast like ``bits``). A stream without trellis rows (``TCQ``)
+    compiles to nothing."""
+    TCQ: tl.constexpr = F[F_TCQ]
+    if TCQ:
+        K: tl.constexpr = F[F_ROWS]
+        ROW_BYTES: tl.constexpr = F[F_ROW_BYTES]
+        tcq = tl.load(rows_ptr + ROW_KIND * K + j, mask=(j >= 0) & (j < K), other=0) == KIND_TCQ
+        w = tl.where(bits >= 8, 8, tl.where(bits >= 4, 4, tl.where(bits >= 2, 2, 1)))  # the widest slice
+        base = data_ptr + blk * ROW_BYTES
+        m = ok & tcq
+        l1 = _low_bit(base, bit_off, d - 1, m & (d >= 1), w, D)
+        l2 = _low_bit(base, bit_off, d - 2, m & (d >= 2), w, D)
+        l3 = _low_bit(base, bit_off, d - TCQ_WINDOW, m & (d >= TCQ_WINDOW), w, D)
+        index = ((code >> 1) << 2) | l2 | (((code & 1) ^ l1 ^ l3) << 1)
+        code = tl.where(tcq, index, code)
+    return code
+
+
+@triton.jit
 def level_values(code, j, lloyd, levels_ptr, ok, F: tl.constexpr):
-    """The unscaled value each code stands for, fp32: ``level[code]`` for lloyd rows (the level table), else the
-    code itself (affine rows: their ``offset`` is applied outside the dots)."""
+    """The unscaled value each code stands for, fp32: ``level[code]`` for lloyd rows (the level table; trellis rows
+    pass :func:`trellis_index`'s columns), else the code itself (affine rows: their ``offset`` is applied outside the
+    dots)."""
     LLOYD: tl.constexpr = F[F_LLOYD]
     W: tl.constexpr = F[F_LEVELS_W]
     value = code.to(tl.float32)
