@@ -42,6 +42,7 @@ from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
+from flashcodec_fx.ops.state import uses_trellis  # noqa: E402
 from flashcodec_fx.ops.triton.append import triton_append  # noqa: E402
 from flashcodec_fx.ops.triton.attention import triton_codec_attention  # noqa: E402
 from flashcodec_fx.ops.triton.blocks import triton_decode, triton_encode  # noqa: E402
@@ -69,6 +70,11 @@ FORMS = {
     "token_offset": ("jpeg", {"block_size": 4, "quant_bits": 3, "levels": "midrise", "sinks": 1, "window": 5}),
     "mixed_rotated": ("jpeg", {"block_size": 2, "quant_bits": (6, 3), "levels": ("lloyd", "uniform"), "rotate": 3,
                                "center": True}),
+    # trellis codes (levels="tcq"): per token, rotated and centered; a DCT table of trellis rows (every slice width).
+    # Attention, decode and read only: the Triton append and encode do not write trellis codes
+    "tcq3": ("jpeg", {"block_size": 1, "quant_bits": 3, "levels": "tcq", "rotate": 1, "center": True,
+                      "scale_search": True, "sinks": 4, "window": 16}),
+    "tcq_table": ("jpeg", {"block_size": 4, "quant_bits": (4, 3, 2, 1), "levels": "tcq", "scale_search": True}),
 }
 # (key, value) pairs the quick set compiles, with (dtype, mask kind, new tokens) each: one configuration per code path
 # (the 4bit, 2.5bit and 2bit presets take the 3bit preset's: lloyd token codes, centered or not, sinks, a window)
@@ -80,6 +86,7 @@ QUICK = {
     "channel_unfolded/token_offset": (torch.bfloat16, "bool", False),
     "dct_keys/channel_v": (torch.float16, None, False),
     "mixed_rotated/mixed_rotated": (torch.bfloat16, None, True),
+    "tcq_table/tcq3": (torch.bfloat16, "bool", True),
 }
 # encode / decode / read (the append's group encode and decode over every group; read's sinks, tail and new tokens
 # around the decode): (pair of ``pairs()``, its stream (0 keys, 1 values), dtype, op), one per code path beyond the
@@ -88,7 +95,8 @@ QUICK = {
 GROUPS_QUICK = (("preset 3bit", 0, torch.bfloat16, "encode"), ("dct_keys/dct_keys", 0, torch.float16, "encode"),
                 ("dct_keys/dct_keys", 0, torch.float16, "decode"), ("jpeg_k3/png_pruned", 1, torch.bfloat16, "decode"),
                 ("preset 3bit", 0, torch.bfloat16, "read"), ("dct_keys/dct_keys", 0, torch.float16, "read"),
-                ("jpeg_k3/png_pruned", 0, torch.float32, "read"))
+                ("jpeg_k3/png_pruned", 0, torch.float32, "read"), ("tcq3/tcq3", 0, torch.bfloat16, "read"),
+                ("tcq_table/tcq_table", 0, torch.float16, "decode"))
 GROUP_OPS = ("encode", "decode", "read")
 # The vLLM plugin's paged kernels (flashcodec_fx/vllm/triton): (format, dtype, GQA group, tokens per request, sinks),
 # one per code path: raw pages (no codes), midrise codes without search and no raw rows (int8), lloyd codes with the
@@ -168,6 +176,7 @@ def pairs() -> dict[str, tuple]:
     out["jpeg_k3/png_pruned"] = (forms["jpeg_k3"], forms["png_pruned"])
     out["channel_unfolded/token_offset"] = (forms["channel_unfolded"], forms["token_offset"])
     out["dct_keys/channel_v"] = (forms["dct_keys"], forms["channel_v"])
+    out["tcq_table/tcq3"] = (forms["tcq_table"], forms["tcq3"])
     return out
 
 
@@ -223,7 +232,7 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
             recorder.label = f"{name} {str(dtype)[6:]} D=128 mask={mask_kind} new={new}"
             _attention(ck, cv, dtype, 128, 4, 4 if new else 1, mask_kind, new=new)
             for codec in (ck, cv):
-                if codec.spec not in appended:
+                if codec.spec not in appended and not uses_trellis(codec):
                     appended.add(codec.spec)
                     recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
                     _append(codec, dtype, 128, 1, memo=True)
@@ -244,10 +253,13 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
         for g, t, mask_kind in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"]):
             recorder.label = f"{name} {str(dtype)[6:]} D={d} G={g} T={t} mask={mask_kind}"
             _attention(ck, cv, dtype, d, g, t, mask_kind, new=t > 1)
-        for codec, t, memo in itertools.product({ck.spec: ck, cv.spec: cv}.values(), [1, 9], [False, True]):
+        encoded = {c.spec: c for c in (ck, cv) if not uses_trellis(c)}.values()  # no trellis encoder in Triton
+        for codec, t, memo in itertools.product(encoded, [1, 9], [False, True]):
             recorder.label = f"append {codec.spec} {str(dtype)[6:]} D={d} T={t} memo={memo}"
             _append(codec, dtype, d, t, memo)
         for codec, op in itertools.product({ck.spec: ck, cv.spec: cv}.values(), GROUP_OPS):
+            if op == "encode" and uses_trellis(codec):
+                continue
             recorder.label = f"{op} {codec.spec} {str(dtype)[6:]} D={d}"
             _groups(codec, dtype, d, op)
 

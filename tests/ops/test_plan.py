@@ -25,10 +25,10 @@ def _cases() -> list[tuple[Codec, int]]:
     codecs = [c for name in PRESETS for layer in (0, 1) for c in preset_codecs(name, layer)]
     codecs += [make_codec(mode, **opts) for mode, opts in CODECS.values()]
     try:
-        from _triton_cases import FORMS
+        from _triton_cases import FORMS, TRELLIS_FORMS
     except (ImportError, pytest.skip.Exception):
-        FORMS = {}
-    codecs += [make_codec(mode, **opts) for mode, opts in FORMS.values()]
+        FORMS, TRELLIS_FORMS = {}, {}
+    codecs += [make_codec(mode, **opts) for mode, opts in (*FORMS.values(), *TRELLIS_FORMS.values())]
     out = []
     for c in {c.spec: c for c in codecs}.values():
         for d in HEAD_DIMS:
@@ -124,11 +124,12 @@ def _check_triton(plan: StoredFormPlan, codec: Codec) -> None:
     from flashcodec_fx.ops.triton.common import F_FOLD, F_OFFSET, F_R, StreamForm, pow2, stream_tables
 
     form = StreamForm.of(plan, fold=True, offset=3)
+    tcq = LEVEL_SETS.index("tcq") in plan.level_kind  # trellis rows read their alphabet as a level table
     assert form._asdict() == {
         "form": plan.form, "r": plan.block_size, "rows": plan.rows, "dense": plan.dense, "dense_p": pow2(plan.dense),
         "kept": plan.kept, "sinks": plan.sinks, "tail": plan.tail, "group_blocks": plan.group_blocks,
         "classes": plan.classes, "zeros": plan.zero_classes, "row_bytes": plan.row_bytes, "slices": plan.slices,
-        "lloyd": plan.lloyd, "levels_w": plan.level_width, "rotate": plan.rotate, "center": plan.center,
+        "lloyd": plan.lloyd or tcq, "tcq": tcq, "levels_w": plan.level_width, "rotate": plan.rotate, "center": plan.center,
         "fold": plan.form == CHANNEL_CODES, "offset": 3}
     tup = form.constexpr()
     assert type(tup) is tuple and tup[F_R] == plan.block_size and tup[F_OFFSET] == 3 and tup[F_FOLD] == form.fold
