@@ -22,7 +22,7 @@ def triton_append_attention(q: torch.Tensor, k_state: list[torch.Tensor], v_stat
                             sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None) -> torch.Tensor:
     """Append ``k_new`` / ``v_new`` to the streams, then attention of ``q`` over them (same contract as
     :func:`~flashcodec_fx.ops.reference.append_attention.append_attention_reference`): three launches' worth of
-    kernels, no host sync (the reference append of a trellis stream: torch ops, no host sync either)."""
+    kernels, no host sync (except a trellis stream's reference append, which copies small tables from the host)."""
     check_append_attention_args(q, k_state, v_state, spec_k, spec_v, k_new, v_new, mask, softcap, sinks, alibi)
     for state, new, spec, name in ((k_state, k_new, spec_k, "spec_k"), (v_state, v_new, spec_v, "spec_v")):
         append = append_reference if uses_trellis(spec_codec(name, spec)) else triton_append
