@@ -40,15 +40,24 @@ from .config import CacheConfig, cache_config
 SINKS = 4
 
 
-def _rotated(bits: int, window: int, center: bool) -> dict[str, Any]:
-    """Per-token ``bits``-bit Lloyd-Max codes after the rotation, ``SINKS`` raw sinks and ``window`` raw newest."""
-    return {"mode": "jpeg", "block_size": 1, "quant_bits": bits, "levels": "lloyd", "rotate": True, "center": center,
+def _rotated(bits: int, window: int, center: bool, levels: str = "lloyd") -> dict[str, Any]:
+    """Per-token ``bits``-bit codes (``levels``: Lloyd-Max, or trellis codes over the same bits) after the rotation,
+    ``SINKS`` raw sinks and ``window`` raw newest."""
+    return {"mode": "jpeg", "block_size": 1, "quant_bits": bits, "levels": levels, "rotate": True, "center": center,
             "normalize": True, "scale_search": "fit", "sinks": SINKS, "window": window}
 
 
-def _preset(key_bits: int, key_window: int, value_bits: int, value_window: int) -> dict[str, Any]:
-    return {"key_options": _rotated(key_bits, key_window, center=True),
-            "value_options": _rotated(value_bits, value_window, center=False)}
+def _preset(key_bits: int, key_window: int, value_bits: int, value_window: int, levels: str = "lloyd") -> dict[str, Any]:
+    return {"key_options": _rotated(key_bits, key_window, center=True, levels=levels),
+            "value_options": _rotated(value_bits, value_window, center=False, levels=levels)}
+
+
+def _trellis(name: str) -> dict[str, Any]:
+    """Scalar preset ``name``'s recipe with trellis codes in both streams (``levels="tcq"``): the same bits stored."""
+    recipe = copy.deepcopy(RECIPES[name])
+    for stream in ("key_options", "value_options"):
+        recipe[stream]["levels"] = "tcq"
+    return recipe
 
 
 _INT8 = {"mode": "jpeg", "block_size": 1, "quant_bits": 8, "levels": "midrise", "rotate": True}
@@ -61,6 +70,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     "2.5bit": _preset(2, 17, 2, 4),
     "2bit": _preset(2, 12, 1, 8),
 }
+SCALAR_PRESETS = ("4bit", "3bit", "2.5bit", "2bit")
+"""The lossy presets on scalar (Lloyd-Max) codes; each has a trellis twin ``NAME-tcq`` (``TRELLIS_PRESETS``)."""
+TRELLIS_PRESETS = tuple(f"{name}-tcq" for name in SCALAR_PRESETS)
+"""Trellis twins (issue 42): a scalar preset's recipe with ``levels="tcq"`` in both streams, so the same bits as
+stored and 0.67-0.74x its KL on bench_ppl's streaming protocol (docs/quantization.md), for a Viterbi encode (about 2x
+the scalar codes' on CPU; Triton appends them with the reference encoder); vLLM's pages hold no trellis codes yet
+(``vllm.VLLM_PRESETS`` leaves the twins out)."""
+RECIPES.update({f"{name}-tcq": _trellis(name) for name in SCALAR_PRESETS})
 DEFAULT_PRESET = "int8"
 PRESETS: dict[str, CacheConfig] = {name: cache_config(**recipe) for name, recipe in RECIPES.items()}
 

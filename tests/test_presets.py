@@ -15,10 +15,13 @@ from flashcodec_fx.presets import PRESETS, RECIPES, preset_options  # noqa: E402
 
 # Stored bits per value of each preset on SmolLM2-135M's shape (30 layers x 3 KV heads x head_dim 64, bf16), after
 # the streaming protocol's 1024 tokens (prefill 128, chunks of 16); the README's figures come from the same count.
-BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.181, "3bit": 2.964, "2.5bit": 2.468, "2bit": 1.967}
+# A trellis twin (``NAME-tcq``, issue 42) stores exactly its scalar twin's bits: the same codes' bytes and scales.
+SCALAR_BITS_AT_1024 = {"lossless": 16.0, "int8": 8.25, "4bit": 4.181, "3bit": 2.964, "2.5bit": 2.468, "2bit": 1.967}
+BITS_AT_1024 = {**SCALAR_BITS_AT_1024, **{f"{n}-tcq": SCALAR_BITS_AT_1024[n] for n in ("4bit", "3bit", "2.5bit", "2bit")}}
 # What each lossy preset may store at most from the protocol's length on (issue 20): its name, except 4bit, whose
 # 4-bit codes keep their scale on top (4.25 bits/value, what TurboQuant-style K4V4 stores).
-BUDGET = {"4bit": 4.25, "3bit": 3.0, "2.5bit": 2.5, "2bit": 2.0}
+SCALAR_BUDGET = {"4bit": 4.25, "3bit": 3.0, "2.5bit": 2.5, "2bit": 2.0}
+BUDGET = {**SCALAR_BUDGET, **{f"{n}-tcq": b for n, b in SCALAR_BUDGET.items()}}
 
 
 def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk: int = 16,
@@ -36,6 +39,25 @@ def _bits_at(config, preset: str, length: int = 1024, prefill: int = 128, chunk:
 def test_the_preset_table_is_the_documented_one():
     assert set(PRESETS) == set(BITS_AT_1024) and fx.PRESETS is PRESETS
     assert fx.presets.DEFAULT_PRESET in PRESETS
+
+
+@pytest.mark.parametrize("scalar", sorted(SCALAR_BUDGET))
+def test_a_trellis_preset_is_its_scalar_twin_with_trellis_codes(scalar):
+    """``NAME-tcq``: ``NAME``'s recipe with ``levels="tcq"`` in both streams (what ``preset=NAME, levels="tcq"``
+    builds), listed beside the scalar presets; its codes pack into the same bytes, so the bits as stored are equal
+    at every length (tested at the protocol's length in ``test_bits_as_stored_at_the_protocol_length``)."""
+    twin = f"{scalar}-tcq"
+    assert (scalar in fx.presets.SCALAR_PRESETS and twin in fx.presets.TRELLIS_PRESETS and
+            twin in fx.PRESETS)
+    for stream in ("key_options", "value_options"):
+        assert RECIPES[scalar][stream]["levels"] == "lloyd"
+        assert RECIPES[twin][stream] == {**RECIPES[scalar][stream], "levels": "tcq"}
+    assert PRESETS[twin] == cache_config(preset=scalar, levels="tcq")
+    key, value = fx.presets.preset_codecs(twin, 3)
+    assert key.quantizer.levels == value.quantizer.levels == ("tcq",)
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, num_attention_heads=9,
+                                      hidden_size=576, head_dim=64)
+    assert _bits_at(config, twin, length=300) == _bits_at(config, scalar, length=300)
 
 
 @pytest.mark.parametrize("preset", sorted(BITS_AT_1024))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..presets import PRESETS
+from ..presets import PRESETS, TRELLIS_PRESETS
 from .page import RAW, PageFormat, page_format
 
 ENV_PRESET = "FLASHCODEC_VLLM_PRESET"
@@ -28,7 +28,8 @@ ENV_LAYER_PRESETS = "FLASHCODEC_VLLM_LAYER_PRESETS"
 ENV_SKIP = "FLASHCODEC_VLLM_SKIP_LAYERS"
 ENV_ANCHORS = "FLASHCODEC_VLLM_ANCHORS"
 ENV_NAMES = (ENV_PRESET, ENV_LAYER_PRESETS, ENV_SKIP, ENV_ANCHORS)
-VLLM_PRESETS = tuple(name for name in PRESETS if name != "lossless")  # pages hold codes; lossless keeps raw rows
+# pages hold codes (lossless keeps raw rows); the page format has no trellis codes yet (issue 42)
+VLLM_PRESETS = tuple(name for name in PRESETS if name != "lossless" and name not in TRELLIS_PRESETS)
 
 
 def _layers(variable: str, text: str) -> list[int]:
