@@ -22,8 +22,10 @@ from flashcodec_fx.ops.cpu.launch import cpu_append, cpu_codec_attention
 from flashcodec_fx.ops.cpu.plan import codec_plan
 from flashcodec_fx.ops.reference.attention import codec_attention_reference
 
-SIMD_WIDTHS = (1, 2, 3, 4, 8)  # code widths the AVX2 loops read (token_simd.h); the others take the portable path
-HEAD_DIMS = (8, 16, 24, 40, 64, 128, 256)  # odd chunk counts (24, 40) take the value loop's one-chunk pass
+SIMD_WIDTHS = (1, 2, 3, 4, 8)  # code widths the SIMD loops read (token_simd.h); the others take the portable path
+# head dims not divisible by 16 (8, 24, 40) take the AVX2 loops on AVX-512 machines, with odd 8-channel chunk counts
+# (24, 40: the value loop's one-chunk pass); 16 .. 80 every AVX-512 value pass (1-4 chunks of 16, then 4 + 1)
+HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 80, 128, 256)
 CHUNK = 256  # token_attention.cpp kTokenChunk: lengths past it take several softmax steps
 # an explicit softmax scale, times 1 / sqrt(d): logits of about 2.4 standard deviations at every head dim (0.3 at
 # d=64), within the tolerance's unit-scale assumption (a fixed 0.3 at d=256 gives logits of ~5 standard deviations,
@@ -150,7 +152,7 @@ def test_paths(cpu_kernels):
     """Which code serves which pair: per-token pairs the token kernel (SIMD code widths on AVX2 machines), any block
     codec the block kernel."""
     isa = cpu_kernels.simd_isa()
-    assert isa in ("avx2", "portable")
+    assert isa in ("avx512", "avx2", "portable")
     plan = {bits: codec_plan(make_codec("jpeg", block_size=1, quant_bits=bits, levels="midrise").spec, 64)
             for bits in (1, 2, 3, 4, 5, 8)}
     for bits in SIMD_WIDTHS:
@@ -169,12 +171,17 @@ def test_paths(cpu_kernels):
 
 
 def test_simd_is_compiled_where_the_cpu_has_avx2(cpu_kernels):
-    """The build's flags are honest and used: an AVX2 + FMA + F16C CPU gets the AVX2 loops."""
+    """The build's flags are honest and used: an AVX2 + FMA + F16C CPU gets the AVX2 loops, one with AVX-512 F / DQ /
+    BW the AVX-512 ones too (for head dims divisible by 16; AVX2 serves the others)."""
     from flashcodec_fx.ops.cpu.build import _cpu_flags
 
     flags = set(_cpu_flags().split())
     if {"avx2", "fma", "f16c"} <= flags:
-        assert cpu_kernels.simd_isa() == "avx2"
+        wide = {"avx512f", "avx512dq", "avx512bw"} <= flags
+        assert cpu_kernels.simd_isa() == ("avx512" if wide else "avx2")
+        plan = {d: codec_plan(make_codec("jpeg", block_size=1, quant_bits=4).spec, d) for d in (64, 72)}
+        assert cpu_kernels.attention_path(plan[64], plan[64], True) == f"token:{cpu_kernels.simd_isa()}/{cpu_kernels.simd_isa()}"
+        assert cpu_kernels.attention_path(plan[72], plan[72], True) == "token:avx2/avx2"
     else:
         assert cpu_kernels.simd_isa() == "portable"
 

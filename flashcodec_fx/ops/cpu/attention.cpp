@@ -747,11 +747,12 @@ int64_t attention_workspace(const std::vector<at::Tensor>& k_plan, const std::ve
 }
 
 // Which code serves a pair of codecs: "block" (this file), else "token:<keys>/<values>" with how each stream's
-// archive rows are read ("avx2", "portable" or "raw").
+// archive rows are read ("avx512", "avx2", "portable" or "raw").
 std::string attention_path(const std::vector<at::Tensor>& k_plan, const std::vector<at::Tensor>& v_plan, bool simd) {
   const Codec kc = Codec::parse(k_plan), vc = Codec::parse(v_plan);
   if (!(per_token(kc) && per_token(vc))) return "block";
-  return std::string("token:") + row_codes_name(row_codes(kc, simd)) + "/" + row_codes_name(row_codes(vc, simd));
+  return std::string("token:") + row_codes_name(row_codes(kc, simd), kc.head_dim) + "/" +
+         row_codes_name(row_codes(vc, simd), vc.head_dim);
 }
 
 }  // namespace fc

@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &fc::AppendAttention::call, "one step, or None (nothing changed) where the launcher decides");
   m.def("attention_workspace", &fc::attention_workspace, "floats of codec_attention's workspace");
   m.def("attention_path", &fc::attention_path, "which kernel serves a (key, value) codec pair");
-  m.def("simd_isa", &fc::simd_isa, "the SIMD code compiled in: avx2 or portable");
+  m.def("simd_isa", &fc::simd_isa, "the SIMD code compiled in: avx512, avx2 or portable");
   m.def("append", &fc::append, "flashcodec::append", py::call_guard<py::gil_scoped_release>());
   m.def("serial_blas", &fc::serial_blas_available, "whether BLAS calls can be kept on the calling thread (MKL)");
   m.def("sum_probe", &fc::sum_probe, "row and column sums in torch's order for a vector width");

@@ -44,11 +44,11 @@ inline bool per_token(const Codec& c) {
   return c.jpeg && c.r == 1 && c.rows == 1 && c.blocks == 1 && (c.quant == kNone || c.quant == kToken);
 }
 
-inline const char* row_codes_name(RowCodes k) {
+inline const char* row_codes_name(RowCodes k, int D) {
   switch (k) {
     case RowCodes::kRaw: return "raw";
     case RowCodes::kPortable: return "portable";
-    default: return simd_isa();
+    default: return simd_loops(D);
   }
 }
 
@@ -197,12 +197,8 @@ void token_key_archive(const TokenAttention& A, int64_t b, int64_t h, int M, int
     }
   } else {
 #ifdef FC_TOKEN_AVX2
-    const uint8_t* first = reinterpret_cast<const uint8_t*>(s.data.at(b, h, g0));
-    with_decoder(A.kcodes, c, [&](const auto& dec) {
-      with_rows(M, [&](auto rows) {
-        avx2::code_dots<decltype(rows)::value>(w.qr, D, first, s.data.sn, n, dec, out, kTokenChunk);
-      });
-    });
+    code_scores(A.kcodes, c, M, w.qr, D, reinterpret_cast<const uint8_t*>(s.data.at(b, h, g0)), s.data.sn, n, out,
+                kTokenChunk);
 #endif
   }
   archive_scales(s, b, h, g0, n, A.simd, w);
@@ -328,12 +324,8 @@ void token_value_archive(const TokenAttention& A, int64_t b, int64_t h, int M, i
     return;
   }
 #ifdef FC_TOKEN_AVX2
-  const uint8_t* first = reinterpret_cast<const uint8_t*>(s.data.at(b, h, g0));
-  with_decoder(A.vcodes, c, [&](const auto& dec) {
-    with_rows(M, [&](auto rows) {
-      avx2::code_axpys<decltype(rows)::value>(w.weights, kTokenChunk, D, first, s.data.sn, n, dec, p.accr);
-    });
-  });
+  code_values(A.vcodes, c, M, w.weights, kTokenChunk, D, reinterpret_cast<const uint8_t*>(s.data.at(b, h, g0)),
+              s.data.sn, n, p.accr);
 #endif
 }
 

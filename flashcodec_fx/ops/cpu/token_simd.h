@@ -11,7 +11,7 @@
 //
 // Build-time selection: the compiler's own macros say what -march=native enabled (build.py). AVX2 + FMA + F16C: the code
 // below; anything else (including AArch64, where no NEON intrinsics are written yet): the portable path of
-// token_attention.cpp. simd_isa() names the compiled choice; row_codes / with_decoder / with_rows pick the loops for a
+// token_attention.cpp. simd_isa() names the compiled choice, simd_loops(D) the loops serving head_dim D; row_codes / with_decoder / with_rows pick the loops for a
 // codec and a tile (also used by the vLLM plugin's per-token kernel, vllm/cpu/paged_attention.cpp).
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -22,11 +22,19 @@
 namespace fc {
 
 inline const char* simd_isa() {
-#ifdef FC_TOKEN_AVX2
+#if defined(FC_TOKEN_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+  return "avx512";
+#elif defined(FC_TOKEN_AVX2)
   return "avx2";
 #else
   return "portable";
 #endif
+}
+
+// The loops that read codes of head_dim D: the AVX-512 ones need D % 16 == 0 (AVX2 serves the others).
+inline const char* simd_loops(int D) {
+  const char* isa = simd_isa();
+  return std::strcmp(isa, "avx512") == 0 && D % 16 != 0 ? "avx2" : isa;
 }
 
 #ifdef FC_TOKEN_AVX2
@@ -214,10 +222,11 @@ inline void token_dots(const float* q, int D, const uint8_t* row, int64_t stride
   }
 }
 
-// out[m * out_stride + i] = q[m] . levels(row i) for i < n: M query rows (q: M x D), rows `stride` bytes apart.
-template <int M, class Dec>
-void code_dots(const float* q, int D, const uint8_t* first, int64_t stride, int64_t n, const Dec& dec, float* out,
-               int64_t out_stride) {
+// out[m * out_stride + i] for i < n, 8 rows at a time: dots(U, row, acc) leaves each of U <= 2 rows' M dot products
+// as 8-lane partial sums in acc[u][m], reduced here by one transposing horizontal sum per 8 rows (rows `stride` bytes
+// apart from `first`).
+template <int M, class Dots>
+void reduce_dots(const uint8_t* first, int64_t stride, int64_t n, Dots&& dots, float* out, int64_t out_stride) {
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int count = static_cast<int>(std::min<int64_t>(kLanes, n - i0));
     __m256 parts[M][kLanes];
@@ -225,12 +234,12 @@ void code_dots(const float* q, int D, const uint8_t* first, int64_t stride, int6
     int t = 0;
     for (; t + 2 <= count; t += 2) {
       __m256 acc[2][M];
-      token_dots<M, 2>(q, D, row + t * stride, stride, dec, acc);
+      dots(std::integral_constant<int, 2>(), row + t * stride, acc);
       for (int m = 0; m < M; ++m) { parts[m][t] = acc[0][m]; parts[m][t + 1] = acc[1][m]; }
     }
     if (t < count) {
       __m256 acc[1][M];
-      token_dots<M, 1>(q, D, row + t * stride, stride, dec, acc);
+      dots(std::integral_constant<int, 1>(), row + t * stride, acc);
       for (int m = 0; m < M; ++m) parts[m][t] = acc[0][m];
       ++t;
     }
@@ -247,6 +256,15 @@ void code_dots(const float* q, int D, const uint8_t* first, int64_t stride, int6
       }
     }
   }
+}
+
+// out[m * out_stride + i] = q[m] . levels(row i) for i < n: M query rows (q: M x D), rows `stride` bytes apart.
+template <int M, class Dec>
+void code_dots(const float* q, int D, const uint8_t* first, int64_t stride, int64_t n, const Dec& dec, float* out,
+               int64_t out_stride) {
+  reduce_dots<M>(first, stride, n, [&](auto u, const uint8_t* row, auto& acc) {
+    token_dots<M, decltype(u)::value>(q, D, row, stride, dec, acc);
+  }, out, out_stride);
 }
 
 // acc[m * D + d] += sum_i w[m * w_stride + i] * levels(row i)[d] over channels of chunks j0 .. j0 + C - 1.
@@ -363,6 +381,200 @@ inline void halves(const at::Half* half, int64_t n, float* out) {
 }  // namespace avx2
 #endif  // FC_TOKEN_AVX2
 
+#if defined(FC_TOKEN_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define FC_TOKEN_AVX512 1
+
+// The same loops 16 channels at a time (AVX-512, head_dim % 16 == 0; other head dims keep the AVX2 loops): a 4-bit
+// table (16 levels) and a 3-bit trellis alphabet fit one register, so one `vpermps` reads a level where AVX2 needs
+// two and a blend; a 4-bit trellis alphabet (32 values) is one two-register permute; 1-bit codes are a mask choosing
+// between two broadcast levels. A token's dot products are folded to 8 lanes and reduced as in AVX2 (hsum8); the
+// value loop keeps up to kValueChunks x M accumulators (64 channels x 4 rows), so a row of 64 codes is expanded once.
+namespace avx512 {
+
+constexpr int kLanes = 16;       // fp32 lanes of a register: one chunk of 16 channels
+constexpr int kValueChunks = 4;  // channel chunks per pass of the value loop: M x 4 accumulators (M <= 4)
+
+// The codes of channels 16j .. 16j + 15 of one W-bit slice as dwords.
+template <int W>
+inline __m512i slice_codes(const uint8_t* slice, int j);
+
+template <>
+inline __m512i slice_codes<8>(const uint8_t* slice, int j) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(slice + 16 * j)));
+}
+
+template <>
+inline __m512i slice_codes<4>(const uint8_t* slice, int j) {
+  uint64_t word;
+  std::memcpy(&word, slice + 8 * j, sizeof(word));
+  const __m512i halves = _mm512_permutexvar_epi32(  // lanes 0..7: the low dword, 8..15: the high one
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<int64_t>(word))));
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  return _mm512_and_si512(_mm512_srlv_epi32(halves, shifts), _mm512_set1_epi32(15));
+}
+
+template <>
+inline __m512i slice_codes<2>(const uint8_t* slice, int j) {
+  uint32_t word;
+  std::memcpy(&word, slice + 4 * j, sizeof(word));
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts), _mm512_set1_epi32(3));
+}
+
+// The 16 bits of channels 16j .. 16j + 15 of a 1-bit slice (bit i: channel 16j + i).
+inline __mmask16 slice_bits(const uint8_t* slice, int j) {
+  uint16_t word;
+  std::memcpy(&word, slice + 2 * j, sizeof(word));
+  return static_cast<__mmask16>(word);
+}
+
+template <>
+inline __m512i slice_codes<1>(const uint8_t* slice, int j) {
+  return _mm512_maskz_mov_epi32(slice_bits(slice, j), _mm512_set1_epi32(1));
+}
+
+// Unscaled levels of BITS-bit codes (as avx2::Codes) for 16 channels.
+template <int BITS>
+struct Codes {
+  __m512 table;         // the level table (zero past it)
+  __m512 offset;        // 8-bit: level = code + offset
+  __m512 one;           // 1-bit: level of a set bit (table holds the other)
+  int64_t high_slice;   // 3-bit: byte offset of the 1-bit slice (D / 4)
+
+  Codes(const float* levels, float level_offset, int D) {
+    alignas(64) float t[16] = {};
+    if (BITS < 8)
+      for (int e = 0; e < (1 << BITS); ++e) t[e] = levels[e];
+    table = BITS == 1 ? _mm512_set1_ps(t[0]) : _mm512_load_ps(t);
+    one = _mm512_set1_ps(t[1]);
+    offset = _mm512_set1_ps(level_offset);
+    high_slice = D / 4;
+  }
+
+  __m512 operator()(const uint8_t* row, int j) const {
+    if constexpr (BITS == 8) {
+      return _mm512_add_ps(_mm512_cvtepi32_ps(slice_codes<8>(row, j)), offset);
+    } else if constexpr (BITS == 3) {
+      const __m512i hi = _mm512_maskz_mov_epi32(slice_bits(row + high_slice, j), _mm512_set1_epi32(4));
+      return _mm512_permutexvar_ps(_mm512_or_si512(slice_codes<2>(row, j), hi), table);
+    } else if constexpr (BITS == 1) {
+      return _mm512_mask_blend_ps(slice_bits(row, j), table, one);
+    } else {
+      static_assert(BITS == 2 || BITS == 4, "SIMD code widths: 1, 2, 3, 4, 8");
+      return _mm512_permutexvar_ps(slice_codes<BITS>(row, j), table);
+    }
+  }
+};
+
+// Unscaled values of BITS-bit trellis codes (as avx2::TcqCodes) for 16 channels: the subsets of each half from
+// avx2's table (its windows of chunks 2j and 2j + 1), the alphabet (at most 32 values) in two registers.
+template <int BITS>
+struct TcqCodes {
+  __m512 lo, hi;  // alphabet entries 0..15 and 16..31 (zero past the alphabet)
+  int64_t high_slice;
+  const uint8_t (*subsets)[8];
+
+  TcqCodes(const float* alphabet, float, int D) : subsets(avx2::TcqSubsets::get().table) {
+    alignas(64) float a[32] = {};
+    for (int e = 0; e < (2 << BITS); ++e) a[e] = alphabet[e];
+    lo = _mm512_load_ps(a);
+    hi = _mm512_load_ps(a + 16);
+    high_slice = D / 4;
+  }
+
+  __m512 operator()(const uint8_t* row, int j) const {
+    __m512i c;
+    if constexpr (BITS == 3)
+      c = _mm512_or_si512(slice_codes<2>(row, j),
+                          _mm512_maskz_mov_epi32(slice_bits(row + high_slice, j), _mm512_set1_epi32(4)));
+    else
+      c = slice_codes<BITS>(row, j);
+    using Half = avx2::TcqCodes<BITS>;
+    const __m128i sub = _mm_unpacklo_epi64(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[Half::window(row, 2 * j) >> 5])),
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[Half::window(row, 2 * j + 1) >> 5])));
+    const __m512i a = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(c, 1), 2), _mm512_cvtepu8_epi32(sub));
+    if constexpr (BITS <= 3) return _mm512_permutexvar_ps(a, lo);
+    return _mm512_permutex2var_ps(lo, a, hi);
+  }
+};
+
+// 16 lanes folded to 8 (lane i + lane i + 8): a token's dot product then reduced as avx2's.
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+// Dot products of U tokens' levels with the M query rows, folded to 8 lanes into acc[u][m].
+template <int M, int U, class Dec>
+inline void token_dots(const float* q, int D, const uint8_t* row, int64_t stride, const Dec& dec, __m256 (&acc)[U][M]) {
+  __m512 a[U][M];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) a[u][m] = _mm512_setzero_ps();
+  const int chunks = D / kLanes;
+#pragma GCC unroll 8
+  for (int j = 0; j < chunks; ++j) {
+    __m512 lev[U];
+    for (int u = 0; u < U; ++u) lev[u] = dec(row + u * stride, j);
+    for (int m = 0; m < M; ++m) {
+      const __m512 qv = _mm512_loadu_ps(q + m * D + kLanes * j);
+      for (int u = 0; u < U; ++u) a[u][m] = _mm512_fmadd_ps(qv, lev[u], a[u][m]);
+    }
+  }
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) acc[u][m] = fold(a[u][m]);
+}
+
+// out[m * out_stride + i] = q[m] . levels(row i) for i < n (as avx2::code_dots).
+template <int M, class Dec>
+void code_dots(const float* q, int D, const uint8_t* first, int64_t stride, int64_t n, const Dec& dec, float* out,
+               int64_t out_stride) {
+  avx2::reduce_dots<M>(first, stride, n, [&](auto u, const uint8_t* row, auto& acc) {
+    token_dots<M, decltype(u)::value>(q, D, row, stride, dec, acc);
+  }, out, out_stride);
+}
+
+// acc[m * D + d] += sum_i w[m * w_stride + i] * levels(row i)[d] over channels of chunks j0 .. j0 + C - 1.
+template <int M, int C, class Dec>
+inline void code_axpys_chunks(const float* w, int64_t w_stride, int D, const uint8_t* first, int64_t stride, int64_t n,
+                              const Dec& dec, float* acc, int j0) {
+  __m512 a[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) a[c][m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = first + i * stride;
+    __m512 wm[M];
+    for (int m = 0; m < M; ++m) wm[m] = _mm512_set1_ps(w[m * w_stride + i]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 lev = dec(row, j0 + c);
+      for (int m = 0; m < M; ++m) a[c][m] = _mm512_fmadd_ps(wm[m], lev, a[c][m]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) {
+      float* dst = acc + m * D + kLanes * (j0 + c);
+      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), a[c][m]));
+    }
+}
+
+template <int M, class Dec>
+void code_axpys(const float* w, int64_t w_stride, int D, const uint8_t* first, int64_t stride, int64_t n,
+                const Dec& dec, float* acc) {
+  const int chunks = D / kLanes;
+  int j = 0;
+  for (; j + kValueChunks <= chunks; j += kValueChunks)
+    code_axpys_chunks<M, kValueChunks>(w, w_stride, D, first, stride, n, dec, acc, j);
+  switch (chunks - j) {
+    case 3: code_axpys_chunks<M, 3>(w, w_stride, D, first, stride, n, dec, acc, j); break;
+    case 2: code_axpys_chunks<M, 2>(w, w_stride, D, first, stride, n, dec, acc, j); break;
+    case 1: code_axpys_chunks<M, 1>(w, w_stride, D, first, stride, n, dec, acc, j); break;
+    default: break;
+  }
+}
+
+}  // namespace avx512
+#endif  // FC_TOKEN_AVX512
+
 // How a per-token archive's rows are read: stream-dtype rows, the portable path, or a SIMD code width.
 enum class RowCodes { kRaw, kPortable, kBits1, kBits2, kBits3, kBits4, kBits8, kTcq1, kTcq2, kTcq3, kTcq4 };
 
@@ -395,25 +607,6 @@ inline RowCodes row_codes(const Codec& c, bool simd) {
 }
 
 #ifdef FC_TOKEN_AVX2
-// fn(decoder) with the SIMD decoder of `kind` (a code width) for codec c.
-template <typename Fn>
-inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {
-  const float* table = c.levels;
-  const float off = c.level_off[0];
-  const int D = c.head_dim;
-  switch (kind) {
-    case RowCodes::kBits1: fn(avx2::Codes<1>(table, off, D)); break;
-    case RowCodes::kBits2: fn(avx2::Codes<2>(table, off, D)); break;
-    case RowCodes::kBits3: fn(avx2::Codes<3>(table, off, D)); break;
-    case RowCodes::kBits4: fn(avx2::Codes<4>(table, off, D)); break;
-    case RowCodes::kTcq1: fn(avx2::TcqCodes<1>(table, off, D)); break;
-    case RowCodes::kTcq2: fn(avx2::TcqCodes<2>(table, off, D)); break;
-    case RowCodes::kTcq3: fn(avx2::TcqCodes<3>(table, off, D)); break;
-    case RowCodes::kTcq4: fn(avx2::TcqCodes<4>(table, off, D)); break;
-    default: fn(avx2::Codes<8>(table, off, D)); break;
-  }
-}
-
 // fn(std::integral_constant<int, M>) for a tile of M rows.
 template <typename Fn>
 inline void with_rows(int M, Fn&& fn) {
@@ -423,6 +616,73 @@ inline void with_rows(int M, Fn&& fn) {
     case 3: fn(std::integral_constant<int, 3>()); break;
     default: fn(std::integral_constant<int, 4>()); break;
   }
+}
+
+// fn(decoder) with the decoder of `kind` (a code width) for codec c from namespace ISA (avx2 or avx512).
+#define FC_WITH_DECODER(ISA)                                                    \
+  template <typename Fn>                                                        \
+  inline void with_decoder(RowCodes kind, const Codec& c, Fn&& fn) {            \
+    const float* table = c.levels;                                              \
+    const float off = c.level_off[0];                                           \
+    const int D = c.head_dim;                                                   \
+    switch (kind) {                                                             \
+      case RowCodes::kBits1: fn(ISA::Codes<1>(table, off, D)); break;           \
+      case RowCodes::kBits2: fn(ISA::Codes<2>(table, off, D)); break;           \
+      case RowCodes::kBits3: fn(ISA::Codes<3>(table, off, D)); break;           \
+      case RowCodes::kBits4: fn(ISA::Codes<4>(table, off, D)); break;           \
+      case RowCodes::kTcq1: fn(ISA::TcqCodes<1>(table, off, D)); break;         \
+      case RowCodes::kTcq2: fn(ISA::TcqCodes<2>(table, off, D)); break;         \
+      case RowCodes::kTcq3: fn(ISA::TcqCodes<3>(table, off, D)); break;         \
+      case RowCodes::kTcq4: fn(ISA::TcqCodes<4>(table, off, D)); break;         \
+      default: fn(ISA::Codes<8>(table, off, D)); break;                         \
+    }                                                                           \
+  }
+namespace avx2 { FC_WITH_DECODER(avx2) }
+#ifdef FC_TOKEN_AVX512
+namespace avx512 { FC_WITH_DECODER(avx512) }
+#endif
+#undef FC_WITH_DECODER
+
+// out[m * os + i] = q[m] . levels(code row i) for m < M query rows (q: M x D, M <= 4) and i < n code rows `stride`
+// bytes apart (first: row 0's codes) of a SIMD code kind (row_codes): the AVX-512 loops where compiled and D % 16 == 0,
+// else the AVX2 ones.
+inline void code_scores(RowCodes kind, const Codec& c, int M, const float* q, int D, const uint8_t* first,
+                        int64_t stride, int64_t n, float* out, int64_t os) {
+  with_rows(M, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+#ifdef FC_TOKEN_AVX512
+    if (D % avx512::kLanes == 0) {
+      avx512::with_decoder(kind, c, [&](const auto& dec) { avx512::code_dots<R>(q, D, first, stride, n, dec, out, os); });
+      return;
+    }
+#endif
+    avx2::with_decoder(kind, c, [&](const auto& dec) { avx2::code_dots<R>(q, D, first, stride, n, dec, out, os); });
+  });
+}
+
+// acc[m * D + d] += sum_i w[m * ws + i] * levels(code row i)[d] for m < M rows (as code_scores).
+inline void code_values(RowCodes kind, const Codec& c, int M, const float* w, int64_t ws, int D, const uint8_t* first,
+                        int64_t stride, int64_t n, float* acc) {
+  with_rows(M, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+#ifdef FC_TOKEN_AVX512
+    if (D % avx512::kLanes == 0) {
+      avx512::with_decoder(kind, c, [&](const auto& dec) { avx512::code_axpys<R>(w, ws, D, first, stride, n, dec, acc); });
+      return;
+    }
+#endif
+    avx2::with_decoder(kind, c, [&](const auto& dec) { avx2::code_axpys<R>(w, ws, D, first, stride, n, dec, acc); });
+  });
+}
+#else
+// Without the SIMD loops row_codes never names a SIMD code kind, so nothing calls these.
+inline void code_scores(RowCodes, const Codec&, int, const float*, int, const uint8_t*, int64_t, int64_t, float*,
+                        int64_t) {
+  TORCH_CHECK(false, "code_scores: built without the SIMD code loops");
+}
+inline void code_values(RowCodes, const Codec&, int, const float*, int64_t, int, const uint8_t*, int64_t, int64_t,
+                        float*) {
+  TORCH_CHECK(false, "code_values: built without the SIMD code loops");
 }
 #endif
 

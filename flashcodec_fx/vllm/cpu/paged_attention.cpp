@@ -14,8 +14,8 @@
 // folded into q. Requests with more than `max_tokens` tokens in this call are left to the launcher (kernels.py).
 //
 // Items whose tiles have at most 4 rows (decode steps: the GQA heads of one token) read the code slots directly
-// where token_simd.h's loops serve both codecs (AVX2): code_dots / code_axpys expand 8 codes at a time into levels
-// in a register and feed the tile's rows (row-major queries, no lanes wasted, no level rows written).
+// where token_simd.h's loops serve both codecs (AVX2 / AVX-512): code_scores / code_values expand 8 or 16 codes at a
+// time into levels in a register and feed the tile's rows (row-major queries, no lanes wasted, no level rows written).
 
 namespace fc {
 
@@ -23,35 +23,6 @@ namespace {
 
 constexpr int kTileGroup = 8;
 constexpr int kDirectRows = 4;  // tile rows up to which code slots are read by the direct loops (token_simd.h)
-
-// out[m * os + i] = q_rows[m] . levels(code slot i) for m < M rows, i < n slots `stride` bytes apart (first: slot 0's
-// codes); the direct loops (callers check simd_codes: never reached otherwise).
-inline void code_scores(RowCodes kind, const Codec& c, int M, const float* q_rows, int D, const uint8_t* first,
-                        int64_t stride, int64_t n, float* out, int64_t os) {
-#ifdef FC_TOKEN_AVX2
-  with_rows(M, [&](auto rows) {
-    with_decoder(kind, c, [&](const auto& dec) {
-      avx2::code_dots<decltype(rows)::value>(q_rows, D, first, stride, n, dec, out, os);
-    });
-  });
-#else
-  TORCH_CHECK(false, "code_scores: built without the SIMD code loops");
-#endif
-}
-
-// acc[m * D + d] += sum_i w[m * ws + i] * levels(code slot i)[d] for m < M rows (as code_scores).
-inline void code_values(RowCodes kind, const Codec& c, int M, const float* w, int64_t ws, int D, const uint8_t* first,
-                        int64_t stride, int64_t n, float* acc) {
-#ifdef FC_TOKEN_AVX2
-  with_rows(M, [&](auto rows) {
-    with_decoder(kind, c, [&](const auto& dec) {
-      avx2::code_axpys<decltype(rows)::value>(w, ws, D, first, stride, n, dec, acc);
-    });
-  });
-#else
-  TORCH_CHECK(false, "code_values: built without the SIMD code loops");
-#endif
-}
 
 struct Item {
   int64_t req, head, first_tile, tiles;
