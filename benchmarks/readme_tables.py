@@ -1,7 +1,7 @@
-"""The measured tables of README.md, docs/results.md and docs/architectures.md, regenerated from the committed results
-(benchmarks/results/*.json).
+"""The measured tables of README.md, docs/results.md, docs/architectures.md and docs/quantization.md, regenerated from
+the committed results (benchmarks/results/*.json).
 
-    python benchmarks/readme_tables.py            # rewrite every table of both documents from the JSON
+    python benchmarks/readme_tables.py            # rewrite every table of the documents from the JSON
     python benchmarks/readme_tables.py --check    # exit 1 (and show what differs) when a document and the JSON disagree
 
 Each table sits in one of :data:`DOCUMENTS` between ``<!-- table: NAME -->`` and ``<!-- /table -->`` (every name of
@@ -27,7 +27,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
-DOCUMENTS = (README, HERE.parent / "docs" / "results.md", HERE.parent / "docs" / "architectures.md")
+DOCUMENTS = (README, HERE.parent / "docs" / "results.md", HERE.parent / "docs" / "architectures.md",
+             HERE.parent / "docs" / "quantization.md")
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 MIB = 1 << 20
 
@@ -224,6 +225,31 @@ def budget_table() -> str:
     parts = [f"*{name}.json: {how}*\n\n" + markdown([_as_run(r) for r in next(iter(load(name)["models"].values()))["rows"]],
                                                     columns) for name, how in BUDGET_RUNS.items()]
     return "\n\n".join(parts) + "\n\n" + provenance(*BUDGET_RUNS)
+
+
+TRELLIS_RUNS = ("ppl_trellis_presets", "ppl_trellis_search_2")  # issue 42: the twins, then the 3.0-bit search
+
+
+def trellis_table() -> str:
+    """Each scalar preset beside its trellis twin (``NAME-tcq``) on bench_ppl's streaming protocol (SmolLM2): bits as
+    stored (equal), KL of each and their ratio; then the trellis recipes searched within 3.0 bits."""
+    import bench_ppl
+
+    prefix = f"{bench_ppl.FLASHCODEC} "
+    rows = [r for name in TRELLIS_RUNS for r in load(name)["models"]["SmolLM2-135M-Instruct"]["rows"]]
+    by_tier = {r["tier"]: r for r in rows}
+    lines = ["| preset | bits (worst) | KL vs raw, scalar codes | KL vs raw, `-tcq` twin | ratio |",
+             "|---|---:|---:|---:|---:|"]
+    for name in (r["tier"][len(prefix):] for r in rows if r["tier"].startswith(prefix) and "-tcq" not in r["tier"]):
+        scalar, twin = by_tier[prefix + name], by_tier[f"{prefix}{name}-tcq"]
+        assert (scalar["bits_end"], scalar["bits_worst"]) == (twin["bits_end"], twin["bits_worst"]), name
+        lines.append(f"| `{name}` / `{name}-tcq` | {scalar['bits_end']:.2f} ({scalar['bits_worst']:.2f}) | "
+                     f"{kl_cell(scalar)} | {kl_cell(twin)} | {twin['kl'] / scalar['kl']:.2f} |")
+    search = [by_tier[f"{prefix}3bit"], by_tier[f"{prefix}3bit-tcq"]] + [r for r in rows if "search" in r["family"]]
+    lines += ["", "| recipe (3-bit budget) | bits (worst) | KL vs raw | ppl |", "|---|---:|---:|---:|"]
+    lines += [f"| {_as_run(r)['tier']} | {r['bits_end']:.3f} ({r['bits_worst']:.3f}) | {kl_cell(r)} | {r['ppl']:.3f} |"
+              for r in search]
+    return "\n".join(lines) + "\n\n" + provenance(*TRELLIS_RUNS)
 
 
 def reconstruct_table() -> str:
@@ -457,7 +483,7 @@ def architectures_table() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
     "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
-    "budget": budget_table, "reconstruct": reconstruct_table,
+    "budget": budget_table, "trellis": trellis_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "e2e_step": e2e_step_table, "e2e_busy": e2e_busy_table, "llamacpp": llamacpp_table,
     "lossless": lossless_table,
@@ -491,8 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 when a document is out of date")
     parser.add_argument("--document", type=Path, action="append",
-                        help="a document to update or check (repeatable; default: README.md, docs/results.md and "
-                             "docs/architectures.md, which must hold every table between them)")
+                        help="a document to update or check (repeatable; default: README.md, docs/results.md, "
+                             "docs/architectures.md and docs/quantization.md, which must hold every table between "
+                             "them)")
     args = parser.parse_args(argv)
     documents = args.document or list(DOCUMENTS)
     texts = {path: path.read_text() for path in documents}
