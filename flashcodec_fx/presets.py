@@ -26,7 +26,9 @@ raw), 4.18 bits/value at 1024 tokens (4.24 worst); ``3bit`` 3-bit keys (newest 1
 streams 8-bit mid-rise after the rotation, no raw tokens (8.25 bits/value at head_dim 64). ``lossless``: every token
 kept as given (per-token jpeg groups, no transform, no quantization: what a raw cache stores, 16 bits/value in
 bf16); attention reads it through the model's own implementation, so its tokens equal an uncompressed run's, and
-every crop is exact.
+every crop is exact. ``4bit-tcq``, ``3bit-tcq``, ``2.5bit-tcq``, ``2bit-tcq`` (``TRELLIS_PRESETS``, issue 42): the four
+lossy recipes with trellis codes (``levels="tcq"``) in both streams, the same bits as stored and 0.68-0.74x the KL on
+the streaming protocol (docs/quantization.md "Trellis presets").
 """
 
 from __future__ import annotations
