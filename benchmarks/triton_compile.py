@@ -42,7 +42,6 @@ from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 from flashcodec_fx import PRESETS  # noqa: E402
 from flashcodec_fx.codecs import make_codec  # noqa: E402
 from flashcodec_fx.ops import empty_state  # noqa: E402
-from flashcodec_fx.ops.state import uses_trellis  # noqa: E402
 from flashcodec_fx.ops.triton.append import triton_append  # noqa: E402
 from flashcodec_fx.ops.triton.attention import triton_codec_attention  # noqa: E402
 from flashcodec_fx.ops.triton.blocks import triton_decode, triton_encode  # noqa: E402
@@ -70,8 +69,7 @@ FORMS = {
     "token_offset": ("jpeg", {"block_size": 4, "quant_bits": 3, "levels": "midrise", "sinks": 1, "window": 5}),
     "mixed_rotated": ("jpeg", {"block_size": 2, "quant_bits": (6, 3), "levels": ("lloyd", "uniform"), "rotate": 3,
                                "center": True}),
-    # trellis codes (levels="tcq"): per token, rotated and centered; a DCT table of trellis rows (every slice width).
-    # Attention, decode and read only: the Triton append and encode do not write trellis codes
+    # trellis codes (levels="tcq"): per token, rotated and centered; a DCT table of trellis rows (every slice width)
     "tcq3": ("jpeg", {"block_size": 1, "quant_bits": 3, "levels": "tcq", "rotate": 1, "center": True,
                       "scale_search": True, "sinks": 4, "window": 16}),
     "tcq_table": ("jpeg", {"block_size": 4, "quant_bits": (4, 3, 2, 1), "levels": "tcq", "scale_search": True}),
@@ -104,7 +102,7 @@ GROUP_OPS = ("encode", "decode", "read")
 # on both, every dtype
 PAGED_QUICK = (("raw", torch.bfloat16, 1, 1, False), ("int8", torch.float16, 4, 1, False),
                ("4bit", torch.float32, 8, 1, True), ("3bit", torch.bfloat16, 4, 16, True))
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")  # (the trellis encoder's launches turn fusion off)
 # Shared memory one block may use (opt-in maximum, bytes): a kernel that needs more compiles but fails to launch
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
@@ -232,7 +230,7 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
             recorder.label = f"{name} {str(dtype)[6:]} D=128 mask={mask_kind} new={new}"
             _attention(ck, cv, dtype, 128, 4, 4 if new else 1, mask_kind, new=new)
             for codec in (ck, cv):
-                if codec.spec not in appended and not uses_trellis(codec):
+                if codec.spec not in appended:
                     appended.add(codec.spec)
                     recorder.label = f"append {codec.spec} {str(dtype)[6:]} D=128"
                     _append(codec, dtype, 128, 1, memo=True)
@@ -253,13 +251,10 @@ def launch_everything(quick: bool, recorder: Recorder) -> None:
         for g, t, mask_kind in itertools.product([1, 4, 8], [1, 4], [None, "bool", "additive"]):
             recorder.label = f"{name} {str(dtype)[6:]} D={d} G={g} T={t} mask={mask_kind}"
             _attention(ck, cv, dtype, d, g, t, mask_kind, new=t > 1)
-        encoded = {c.spec: c for c in (ck, cv) if not uses_trellis(c)}.values()  # no trellis encoder in Triton
-        for codec, t, memo in itertools.product(encoded, [1, 9], [False, True]):
+        for codec, t, memo in itertools.product({ck.spec: ck, cv.spec: cv}.values(), [1, 9], [False, True]):
             recorder.label = f"append {codec.spec} {str(dtype)[6:]} D={d} T={t} memo={memo}"
             _append(codec, dtype, d, t, memo)
         for codec, op in itertools.product({ck.spec: ck, cv.spec: cv}.values(), GROUP_OPS):
-            if op == "encode" and uses_trellis(codec):
-                continue
             recorder.label = f"{op} {codec.spec} {str(dtype)[6:]} D={d}"
             _groups(codec, dtype, d, op)
 

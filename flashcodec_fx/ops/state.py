@@ -108,7 +108,7 @@ def fast_kernels_serve(*specs: str, head_dim: int | None = None, trellis: bool =
     :data:`KERNEL_HEAD_DIM_MULTIPLE`); else the reference ops serve, which use only the
     :class:`~flashcodec_fx.codecs.Codec` interface and take any head_dim the codec stores (and reject a bad spec,
     naming the argument). Trellis codes (``levels="tcq"``) only where the caller's kernels decode them
-    (``trellis``: the C++ kernels in every op, the Triton kernels in ``triton.gate.TRELLIS_OPS``)."""
+    (``trellis``: the C++ and Triton kernels in every op)."""
     if head_dim is not None and head_dim % KERNEL_HEAD_DIM_MULTIPLE:
         return False
     try:

@@ -12,7 +12,11 @@ from flashcodec_fx.ops.plan import stored_form_plan
 from flashcodec_fx.ops.reference.append import append_reference, completable_groups
 from flashcodec_fx.ops.reference.read import read_reference
 from flashcodec_fx.ops.triton import append as module
-from flashcodec_fx.ops.triton.append import triton_append
+from flashcodec_fx.ops.triton.append import E_D, E_DP, E_RP, EncodeTiles, trellis_encode, triton_append
+from flashcodec_fx.ops.triton.common import StreamForm, stream_tables
+
+triton = pytest.importorskip("triton")  # (present: _triton_cases skips the module otherwise)
+tl = triton.language
 
 # every form in fp32; the 16-bit dtypes (bf16 on CUDA) on one form per kind of encode (the interpreter is slow, and
 # on a GPU each variant is a compile): float jpeg, pruned png, token-axis codes, channel-axis codes with the rotation
@@ -20,6 +24,9 @@ from flashcodec_fx.ops.triton.append import triton_append
 HALF = ("jpeg_k8", "png_pruned", "int8", "dct_channel")
 CASES = [(device, name, dtype) for device in DEVICES for name in FORMS for dtype in dtypes(device)
          if dtype == torch.float32 or name in HALF]
+# trellis codes (levels="tcq"): a table of trellis rows (per-token trellis appends: test_triton_append_attention.py;
+# the interpreter's Viterbi search takes ~1 s per program)
+CASES += [(device, "tcq_table", torch.float32) for device in DEVICES]
 # a prefill, single tokens across a group boundary, a chunk completing several groups with an open one
 CHUNKS = {"short": (13, 1, 1, 8, 1), "grouped": (70, 1, 1, 9, 1, 40)}
 
@@ -262,3 +269,43 @@ def test_grid_rows_bound_batch_heads_not_groups():
     assert grid_rows(MAX_GRID_ROWS) == MAX_GRID_ROWS == 65535
     with pytest.raises(ValueError, match="batch \\* heads must be at most 65535"):
         grid_rows(MAX_GRID_ROWS + 1)
+
+
+@triton.jit
+def _trellis_rows_kernel(x_ptr, codes_ptr, scale_ptr, rows_t, levels, N, F: tl.constexpr, E: tl.constexpr):
+    """``trellis_encode`` of the ``N`` rows of ``x (N, D)`` (row 0 of a per-token trellis codec): codes and scales."""
+    D: tl.constexpr = E[E_D]
+    r = tl.arange(0, E[E_RP])
+    dd = tl.arange(0, E[E_DP])[None, :]
+    row_ok = r < N
+    ok = row_ok[:, None] & (dd < D)
+    x = tl.load(x_ptr + r[:, None] * D + dd, mask=ok, other=0.0)
+    j = tl.zeros(r.shape, tl.int32)
+    codes, scale = trellis_encode(x, row_ok, tl.load(rows_t + j), j, levels, dd, F, E)
+    tl.store(codes_ptr + r[:, None] * D + dd, codes, mask=ok)
+    tl.store(scale_ptr + r, scale, mask=row_ok)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("bits", "search", "d"), [(1, True, 16), (2, False, 16), (3, "fit", 16), (4, True, 16),
+                                                   (3, True, 64)])
+def test_trellis_encoder_is_the_reference_bit_for_bit(device, bits, search, d):
+    """The Triton Viterbi encoder (``append.trellis_encode``) on the reference's rows: codes and scales bit for bit
+    ``codecs.trellis.encode``'s (its sums in the same order, FMA contraction off), on Gaussian rows of mixed
+    scales, a zero row and a row of equal values (ties)."""
+    from flashcodec_fx.codecs import trellis
+
+    codec = make_codec("jpeg", block_size=1, quant_bits=bits, levels="tcq", scale_search=search)
+    plan = stored_form_plan(codec.spec, d)
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(12, d, generator=gen) * torch.logspace(-3, 3, 12)[:, None]
+    x[3] = 0.0
+    x[7] = 0.5
+    codes = torch.empty(12, d, dtype=torch.int32, device=device)
+    scale = torch.empty(12, dtype=torch.float32, device=device)
+    tab = stream_tables(codec, d, device)
+    _trellis_rows_kernel[(1,)](x.to(device), codes, scale, tab.rows, tab.levels, 12,
+                               F=StreamForm.of(plan).constexpr(), E=EncodeTiles.of(plan, False).constexpr(),
+                               enable_fp_fusion=False)
+    want_codes, want_scale = trellis.encode(x, bits, search)
+    assert torch.equal(codes.cpu(), want_codes) and torch.equal(scale.cpu(), want_scale)

@@ -13,7 +13,6 @@ from flashcodec_fx.ops import empty_state
 from flashcodec_fx.ops.reference.append import append_reference
 from flashcodec_fx.ops.reference.append_attention import append_attention_reference
 from flashcodec_fx.ops.reference.attention import codec_attention_reference
-from flashcodec_fx.ops.state import uses_trellis
 from flashcodec_fx.ops.triton import gate as triton_gate
 from flashcodec_fx.ops.triton.append import triton_append
 from flashcodec_fx.ops.triton.attention import triton_codec_attention
@@ -25,6 +24,7 @@ CASES = [
     ("preset:4bit", "preset:4bit", torch.float32, 3, 40, 1, None, False),
     ("preset:int8", "preset:int8", torch.float16, 2, 9, 2, "causal", True),
     ("lloyd_rot", "int8", torch.float32, 1, 21, 1, "causal", False),
+    ("tcq3", "tcq_table", torch.float32, 2, 21, 1, "causal", False),  # trellis codes (levels="tcq")
 ]
 
 
@@ -135,31 +135,3 @@ def test_the_gate_serves_it(monkeypatch, device):
         spy(torch.randn(1, 2, 1, d).to(device), ks, vs, c.spec, c.spec, *to(device, x[:, :, 12:13], x[:, :, 12:13]))
         assert ran == [want]
 
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("k_name", "v_name"), [("tcq3", "tcq2"), ("lloyd_rot", "tcq4")])
-def test_trellis_streams_are_appended_by_the_reference(device, k_name, v_name):
-    """A trellis stream (levels="tcq") is appended by the reference op (bit for bit its state: the Triton append
-    has no Viterbi encoder and refuses it), another stream by Triton's; the attention is the Triton kernels', within
-    their tolerance of the reference on the states appended."""
-    ck, cv = form(k_name), form(v_name)
-    b, hkv, d, prompt, t = 2, 2, 16, 21, 2
-    k, v = smooth(b, hkv, prompt + t, d, torch.float32, "cpu", 1), smooth(b, hkv, prompt + t, d, torch.float32, "cpu", 2)
-    got_k, got_v = _states(ck, cv, k, v, prompt, device, prompt + t)
-    want_k, want_v = _states(ck, cv, k, v, prompt, "cpu", prompt + t)
-    q = torch.randn(b, 2 * hkv, t, d, generator=torch.Generator().manual_seed(4))
-    kn, vn = k[:, :, prompt:], v[:, :, prompt:]
-    got = triton_append_attention(*to(device, q), got_k, got_v, ck.spec, cv.spec, *to(device, kn, vn)).cpu()
-    append_reference(want_k, kn, ck.spec)
-    append_reference(want_v, vn, cv.spec)
-    for codec, mine, ref in ((ck, got_k, want_k), (cv, got_v, want_v)):
-        mine = [x.cpu() for x in mine]
-        if uses_trellis(codec):
-            assert all(torch.equal(a, c) for a, c in zip(mine, ref, strict=True))
-        else:
-            assert all(torch.equal(mine[i], ref[i]) for i in (5, 6, 7, 8, 9))
-            same_archive(codec, mine[:4], ref[:4], d, torch.float32)
-    want = codec_attention_reference(q, [x.cpu() for x in got_k], [x.cpu() for x in got_v], ck.spec, cv.spec, kn, vn)
-    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-    with pytest.raises(ValueError, match="does not encode trellis codes"):
-        triton_append(got_v, vn.to(device), cv.spec)

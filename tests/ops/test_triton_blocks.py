@@ -48,6 +48,19 @@ def _check_decode(codec, enc, dtype, mean, device) -> None:
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-5, rtol=ROUNDING[dtype])
 
 
+def _fp32_round_trip(codec, d: int, seed: int, device: str) -> tuple:
+    """Two groups of a smooth fp32 stream (batch 1, 2 heads, head_dim ``d``): the Triton encode within
+    :func:`same_archive` of the reference's, the Triton decode of the reference's codes within the decode tolerance;
+    returns (the reference's stored groups, the mean)."""
+    x = smooth(1, 2, 2 * codec.group, d, torch.float32, "cpu", seed=seed)
+    mean = mean_for(codec, x)
+    got = triton_encode(x.to(device), codec.spec, _on(device, mean))
+    want = encode_reference(x, codec.spec, mean)
+    same_archive(codec, [t.cpu() for t in got], want, d, torch.float32)
+    _check_decode(codec, want, torch.float32, mean, device)
+    return want, mean
+
+
 @pytest.mark.parametrize(("device", "name", "dtype"), CASES, ids=_ids(CASES))
 def test_encode_and_decode_match_reference(device, name, dtype):
     """Two groups per head, batch 2, 2 heads, head_dim 16 (the stream's mean where the codec centers)."""
@@ -68,12 +81,7 @@ def test_head_dim_in_channel_chunks(device, name):
     """head_dim 64: per-channel forms run two programs of 32 channels per group (the rotation summed over every
     input chunk), token-axis codes one program over head_dim; another output dtype than the stream's."""
     codec = form(name)
-    x = smooth(1, 2, 2 * codec.group, 64, torch.float32, "cpu", seed=5)
-    mean = mean_for(codec, x)
-    got = triton_encode(x.to(device), codec.spec, _on(device, mean))
-    want = encode_reference(x, codec.spec, mean)
-    same_archive(codec, [t.cpu() for t in got], want, 64, torch.float32)
-    _check_decode(codec, want, torch.float32, mean, device)
+    want, mean = _fp32_round_trip(codec, 64, 5, device)
     if codec.quantizer is not None:
         _check_decode(codec, want, torch.float16, mean, device)
 
@@ -100,16 +108,11 @@ def test_any_layout_and_an_uncentered_call(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(TRELLIS_FORMS))
-def test_trellis_decode_matches_reference_and_encode_is_refused(device, name):
-    """Trellis codes (levels="tcq") the reference encoded decode within the tolerance above (fp32; fp16 for 3 bits);
-    the Triton encode has no Viterbi encoder and says so (the gate sends these calls to the reference)."""
-    codec = form(name)
-    for dtype in (torch.float32, torch.float16) if name == "tcq3" else (torch.float32,):
-        x = smooth(2, 2, 2 * codec.group, 16, dtype, "cpu", seed=3)
-        mean = mean_for(codec, x)
-        _check_decode(codec, encode_reference(x, codec.spec, mean), dtype, mean, device)
-    with pytest.raises(ValueError, match="does not encode trellis codes"):
-        triton_encode(x.to(device), codec.spec, _on(device, mean))
+def test_trellis_encode_and_decode_match_reference(device, name):
+    """Trellis codes (levels="tcq"): the encode within the bounds above (bit for bit where its rows are the
+    reference's: tests/ops/test_triton_append.py::test_trellis_encoder_is_the_reference_bit_for_bit), the decode of
+    the reference's codes within the decode tolerance; batch 1 (the interpreter runs the Viterbi search slowly)."""
+    _fp32_round_trip(form(name), 16, 3, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

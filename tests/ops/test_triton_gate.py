@@ -125,11 +125,11 @@ def test_each_op_is_gated_on_its_own_head_dim(monkeypatch, device, op):
         assert ran == ["reference"]
 
 
-def _trellis_op_args(op: str, codec) -> tuple:
-    """One call of ``op`` on streams of ``codec`` at head_dim 16 (CPU tensors; only the gate reads them)."""
-    x = smooth(1, 2, 2 * codec.group + 8, 16, torch.float32, "cpu", 3)
+def _trellis_op_args(op: str, codec, d: int) -> tuple:
+    """One call of ``op`` on streams of ``codec`` at head_dim ``d`` (CPU tensors; only the gate reads them)."""
+    x = smooth(1, 2, 2 * codec.group + 8, d, torch.float32, "cpu", 3)
     state = stored_state(codec, x, 4)
-    q = torch.zeros(1, 4, 1, 16)
+    q = torch.zeros(1, 4, 1, d)
     return {"flashcodec::codec_attention": (q, state, state, codec.spec, codec.spec),
             "flashcodec::append_attention": (q, state, state, codec.spec, codec.spec, x[:, :, :1], x[:, :, :1]),
             "flashcodec::append": (state, x[:, :, :1], codec.spec),
@@ -139,22 +139,20 @@ def _trellis_op_args(op: str, codec) -> tuple:
 
 
 @pytest.mark.parametrize("op", sorted(triton_gate.KERNELS))
-def test_trellis_codecs_get_triton_where_it_reads_them(monkeypatch, op):
-    """The registered CUDA kernels (``gated_kernels``, launchers and references replaced by recorders): with trellis
-    codes (levels="tcq") attention, append_attention, decode and read run their Triton launchers (no silent fallback
-    to the reference), append and encode the reference (no Viterbi encoder in Triton); a scalar codec runs Triton in
-    every op."""
+def test_trellis_codecs_get_triton_in_every_op(monkeypatch, op):
+    """The registered CUDA kernels (``gated_kernels``, launchers and references replaced by recorders) run the
+    Triton launcher for trellis codes (levels="tcq") in every op, as for scalar codes: no silent fallback to the
+    reference; a head_dim the fast kernels do not take still gets the reference."""
     monkeypatch.setattr(triton_gate, "kernel_choice", lambda device: "triton")
     ran = []
     monkeypatch.setitem(triton_gate.KERNELS, op, lambda *args: ran.append("triton"))
     monkeypatch.setattr(triton_gate, "op_kernels", lambda name: {None: lambda *args: ran.append("reference")})
     kernel = triton_gate.gated_kernels()[op]
-    assert triton_gate.TRELLIS_OPS == {"flashcodec::codec_attention", "flashcodec::append_attention",
-                                       "flashcodec::decode", "flashcodec::read"}
-    for name, want in (("tcq3", "triton" if op in triton_gate.TRELLIS_OPS else "reference"), ("lloyd_rot", "triton")):
+    for name, d, want in (("tcq3", 16, "triton"), ("tcq_table", 16, "triton"), ("lloyd_rot", 16, "triton"),
+                          ("tcq2", 12, "reference")):
         ran.clear()
-        kernel(*_trellis_op_args(op, form(name)))
-        assert ran == [want], name
+        kernel(*_trellis_op_args(op, form(name), d))
+        assert ran == [want], (name, d)
 
 
 def test_a_stream_creates_its_kernel_tables_when_it_allocates():

@@ -12,8 +12,10 @@ CUDA-graph capturable), in the reference's order (``ops/reference/append.py``):
    base scale (``int`` / ``midrise``: the largest magnitude over the class's step, ``uniform``: the range and its
    minimum as zero point, ``lloyd``: the RMS), the clipping search over ``quant.SHRINK_FACTORS`` /
    ``LLOYD_FACTORS`` (least squared error, the first of equal errors), fp16 scales and zero points, nearest codes
-   (grids round half to even, Lloyd-Max by their midpoints), codes packed in power-of-two bit slices; the memo
-   gets the group's decoded rows;
+   (grids round half to even, Lloyd-Max by their midpoints), codes packed in power-of-two bit slices; trellis rows
+   (``levels="tcq"``) take :func:`trellis_encode` instead (the Viterbi search of ``codecs/trellis.py``, bitwise the
+   reference's on the same rows: its sums in the same order, FMA contraction off for these launches); the memo gets
+   the group's decoded rows;
 3. ``_tail_kernel``, one program per (batch * head): the rows after the archived groups become the tail (zeros
    past the length), after every reader of the old tail has run;
 4. ``_advance_kernel``, one program: ``start`` moves past the archived groups, ``length += T``.
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...codecs import Codec
+from ...codecs import Codec, trellis
 from ...codecs.quant import FIT_RANGE, FIT_ROUNDS
 from ..plan import CHANNEL_CODES, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
 from ..reference.append import append_stored, check_append_args, completable_groups
@@ -46,10 +48,12 @@ from .common import (
     F_SINKS,
     F_SLICES,
     F_TAIL,
+    F_TCQ,
     F_ZEROS,
     FACTOR_SLOTS,
     KIND_INT,
     KIND_LLOYD,
+    KIND_TCQ,
     KIND_UNIFORM,
     N_LLOYD,
     N_SHRINK,
@@ -60,7 +64,6 @@ from .common import (
     StreamForm,
     TupleFields,
     check_group_tokens,
-    check_not_trellis,
     check_triton_limits,
     float_rows,
     grid_rows,
@@ -80,6 +83,12 @@ _FIT_ROUNDS: tl.constexpr = tl.constexpr(FIT_ROUNDS)
 _FIT_LO: tl.constexpr = tl.constexpr(FIT_RANGE[0])
 _FIT_HI: tl.constexpr = tl.constexpr(FIT_RANGE[1])
 _CHUNK = 16  # token rows per step of the intake and tail loops
+# The trellis encoder (``codecs/trellis.py``): its states, the most levels per subset (2**(MAX_BITS - 1)), the
+# search's two candidate factors of the RMS
+TCQ_STATES: tl.constexpr = tl.constexpr(trellis.STATES)
+TCQ_MAX_PER_SUBSET: tl.constexpr = tl.constexpr(1 << (trellis.MAX_BITS - 1))
+TCQ_FACTOR_LOW: tl.constexpr = tl.constexpr(trellis.FACTORS[0])
+TCQ_FACTOR_HIGH: tl.constexpr = tl.constexpr(trellis.FACTORS[1])
 # The fields of the append kernels' shape tuple (:class:`EncodeTiles`), in tuple order (kernels: ``E[E_D]``):
 _ENCODE = TupleFields("EncodeTiles")
 E_D = _ENCODE("head_dim")
@@ -306,6 +315,121 @@ def search_scales(x, ok, bits, kind, j, levels, factors, amax, low, high, rms, k
 
 
 @triton.jit
+def _column(x, dd, t):
+    """Column ``t`` of a ``(M, DC)`` tile (channels ``dd (1, DC)``) as an ``(M,)`` vector (exact: one term)."""
+    return tl.sum(tl.where(dd == t, x, 0), 1)
+
+
+@triton.jit
+def _subset(state, branch):
+    """``trellis.subset``: the subset (0..3) branch ``branch`` leaves ``state`` on."""
+    return ((state >> 1) & 1) | (((branch ^ state ^ (state >> 2)) & 1) << 1)
+
+
+@triton.jit
+def _gather(tile, col, N: tl.constexpr):
+    """``tile[:, col]`` of an ``(M, N)`` tile at the columns ``col (S,)``: ``(M, S)`` (exact: one term each)."""
+    pick = tl.arange(0, N)[None, None, :] == col[None, :, None]
+    return tl.sum(tl.where(pick, tile[:, None, :], 0), 2)
+
+
+@triton.jit
+def _viterbi(x, row_ok, s, bits, j, levels, dd, F: tl.constexpr, E: tl.constexpr):
+    """``trellis.viterbi`` of the rows ``x (M, DC)`` (DC: the whole head_dim) at scales ``s (M,)``: ``(codes (M, DC)
+    int32, cost (M,), levels (M, DC))``, the path's unscaled alphabet values. Each step's decisions (per next state
+    the odd predecessor's bit and the level) are packed into one int32 per row (8 nibbles), kept in a tile like
+    ``x`` for the traceback; the tie rules and the sums' order are the reference's."""
+    W: tl.constexpr = F[F_LEVELS_W]
+    D: tl.constexpr = E[E_D]
+    M: tl.constexpr = x.shape[0]
+    n = tl.arange(0, TCQ_STATES)
+    pred = 2 * (n & 3)  # the even predecessor of each next state; both take branch n >> 2
+    sub_even, sub_odd = _subset(pred, n >> 2), _subset(pred + 1, n >> 2)
+    q = tl.arange(0, 4)
+    per = 1 << (bits - 1)  # levels per subset
+    cost = tl.where(n[None, :] == 0, 0.0, float("inf")) + tl.zeros((M, TCQ_STATES), tl.float32)
+    trace = tl.zeros(x.shape, tl.int32)
+    for t in range(D):
+        xt = _column(x, dd, t)
+        best = tl.full((M, 4), float("inf"), tl.float32)
+        idx = tl.zeros((M, 4), tl.int32)
+        for i in tl.static_range(TCQ_MAX_PER_SUBSET):  # the nearest level of each subset (ties: the lower)
+            has = (i < per) & row_ok
+            a = tl.load(levels + (j * W + i * 4)[:, None] + q[None, :], mask=has[:, None], other=0.0)
+            diff = xt[:, None] - a * s[:, None]
+            err = diff * diff
+            closer = has[:, None] & (err < best)
+            best = tl.where(closer, err, best)
+            idx = tl.where(closer, i, idx)
+        c_even = _gather(cost, pred, TCQ_STATES) + _gather(best, sub_even, 4)
+        c_odd = _gather(cost, pred + 1, TCQ_STATES) + _gather(best, sub_odd, 4)
+        odd = c_odd < c_even  # ties: the even predecessor
+        level = tl.where(odd, _gather(idx, sub_odd, 4), _gather(idx, sub_even, 4))
+        cost = tl.where(odd, c_odd, c_even)
+        packed = tl.sum((level * 2 + odd.to(tl.int32)) << (4 * n)[None, :], 1)  # disjoint nibbles: the sum is the OR
+        trace = tl.where(dd == t, packed[:, None], trace)
+    final = tl.min(cost, 1)
+    state = tl.min(tl.where(cost == final[:, None], n[None, :], TCQ_STATES), 1)  # the cheapest end (ties: lowest)
+    codes = tl.zeros(x.shape, tl.int32)
+    values = tl.zeros(x.shape, tl.float32)
+    for back in range(D):
+        t = D - 1 - back
+        nibble = (_column(trace, dd, t) >> (4 * state)) & 15
+        level = nibble >> 1
+        branch = state >> 2
+        prev = 2 * (state & 3) + (nibble & 1)
+        a = tl.load(levels + j * W + ((level << 2) | _subset(prev, branch)), mask=row_ok, other=0.0)
+        codes = tl.where(dd == t, ((level << 1) | branch)[:, None], codes)
+        values = tl.where(dd == t, a[:, None], values)
+        state = prev
+    return codes, final, values
+
+
+@triton.jit
+def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, E: tl.constexpr):
+    """``trellis.encode`` of the rows ``x (M, DC)`` (the whole head_dim; rows not ``row_ok`` ignored): ``(codes
+    (M, DC) int32, scale (M,))``, the scale an fp16 value. The RMS, each candidate scale's Viterbi path (``SEARCH``:
+    :data:`~flashcodec_fx.codecs.trellis.FACTORS`, else 1), the least-squares refit; every sum sequential along the
+    row as the reference's (the launch turns off FMA contraction)."""
+    D: tl.constexpr = E[E_D]
+    SEARCH: tl.constexpr = E[E_SEARCH]
+    M: tl.constexpr = x.shape[0]
+    acc = tl.zeros((M,), tl.float32)
+    for t in range(D):
+        xt = _column(x, dd, t)
+        acc = acc + xt * xt
+    rms = tl.sqrt_rn(tl.math.div_rn(acc, D * 1.0))
+    if SEARCH != 0:
+        s = _fp16_toward(rms * TCQ_FACTOR_LOW, True)
+        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, E)
+        s2 = _fp16_toward(rms * TCQ_FACTOR_HIGH, True)
+        codes2, cost2, values2 = _viterbi(x, row_ok, s2, bits, j, levels, dd, F, E)
+        take = cost2 < cost  # ties: the first
+        codes = tl.where(take[:, None], codes2, codes)
+        values = tl.where(take[:, None], values2, values)
+        cost = tl.where(take, cost2, cost)
+        s = tl.where(take, s2, s)
+        num = tl.zeros((M,), tl.float32)
+        den = tl.zeros((M,), tl.float32)
+        for t in range(D):
+            lt = _column(values, dd, t)
+            num = num + lt * _column(x, dd, t)
+            den = den + lt * lt
+        fit_ok = (den > 0) & (num > 0)
+        fit = tl.where(fit_ok, tl.math.div_rn(num, tl.where(fit_ok, den, 1.0)), 0.0)
+        fit = tl.minimum(fit, _FP16_MAX).to(tl.float16).to(tl.float32)
+        err = tl.zeros((M,), tl.float32)
+        for t in range(D):
+            diff = _column(values, dd, t) * fit - _column(x, dd, t)
+            err = err + diff * diff
+        s = tl.where(fit_ok & (err < cost), fit, s)
+    else:
+        s = _fp16_toward(rms, True)
+        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, E)
+    return codes, s
+
+
+@triton.jit
 def _store_slice(data, code, blk, bits, bit_off, row_ok, c0, w: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
                  DC: tl.constexpr):
     """Store the ``w``-bit slice of codes ``(RP, DC)`` of channels ``c0 .. c0 + DC - 1``: row ``r``'s at byte
@@ -351,6 +475,7 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
     RP: tl.constexpr = E[E_RP]
     DC: tl.constexpr = E[E_DC]
     SEARCH: tl.constexpr = E[E_SEARCH]
+    TCQ: tl.constexpr = F[F_TCQ]  # trellis rows (token axis only)
     c = tl.arange(0, RP)
     n = c // KP
     j = c % KP
@@ -390,6 +515,10 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
         amax, low, high, rms = base_scales(x, ok, bits2, kind2, 1, D * 1.0)
         s, z, code_rows = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, j,
                                         1, F, SEARCH)
+        if TCQ:  # trellis rows: the Viterbi encoder's codes and scale
+            tcq_rows = kind == KIND_TCQ
+            tcq_code, tcq_s = trellis_encode(x, row_ok & tcq_rows, bits, j, levels, dd[None, :], F, E)
+            s = tl.where(tcq_rows, tcq_s, s)
         tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
         if Z > 0:
             tl.store(zero + grp * Z + zslot, z.to(tl.float16), mask=row_ok & (zslot >= 0))
@@ -399,6 +528,8 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
         code = tl.where(ok, code_rows, 0)
     else:
         code = tl.where(ok, nearest_codes(x, s_rows, z_rows, bits2, kind2, j2, levels, F), 0)
+    if TCQ:
+        code = tl.where(ok & tcq_rows[:, None], tcq_code, code)
     _store_codes(data, code, grp * GB + n, bits, bit_off, row_ok, c0, F, D, DC)
 
 
@@ -809,11 +940,16 @@ def triton_append(state: list[torch.Tensor], new: torch.Tensor, spec: str, memo:
     b, h, t, d = new.shape
     check_triton_limits(codec, d)
     check_group_tokens(codec, "append")
-    check_not_trellis(codec, "append")
     require_contiguous(**{f"state.{f}": x for f, x in zip(st._fields, st, strict=True)}, memo=memo)
     if t == 0 or b * h == 0:
         return
     append_stored(codec, st, new, memo, lambda stored, kept: _launch(codec, st, stored, kept, spec))
+
+
+def encode_fp_fusion(plan: StoredFormPlan) -> bool:
+    """The encode kernels' ``enable_fp_fusion``: off for trellis rows, whose encoder rounds every product before its
+    sum as the reference does (``codecs/trellis.py``: no fused multiply-add), on otherwise."""
+    return not StreamForm.of(plan).tcq
 
 
 def _launch(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor | None, spec: str) -> None:
@@ -838,7 +974,7 @@ def _launch(codec: Codec, st: StreamState, new: torch.Tensor, memo: torch.Tensor
     _encode_kernel[(groups, grid_rows(b * h), enc.dp // enc.dc)](
         st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.tail, st.length, st.start, new,
         *strides, tab.rotation, tab.rows, tab.levels, tab.analysis, tab.factors, h, ng, t, F=form, E=tiles,
-        num_warps=8 if enc.gp * enc.dc >= 8192 else 4)
+        num_warps=8 if enc.gp * enc.dc >= 8192 else 4, enable_fp_fusion=encode_fp_fusion(plan))
     if memo is not None:
         _memo_kernel[(groups, grid_rows(b * h), enc.dp // enc.rc)](
             st.data, some(st.scale), some(st.zero), some(st.index), some(st.mean), st.length, st.start, memo,

@@ -17,13 +17,12 @@ import triton.language as tl
 from ...codecs import Codec
 from ..plan import stored_form_plan
 from ..reference.blocks import check_decode_args, check_encode_args
-from .append import E_D, E_DC, EncodeTiles, decode_group, encode_group
+from .append import E_D, E_DC, EncodeTiles, decode_group, encode_fp_fusion, encode_group
 from .common import (
     F_GROUP_BLOCKS,
     F_R,
     StreamForm,
     check_group_tokens,
-    check_not_trellis,
     check_triton_limits,
     grid_rows,
     stream_tables,
@@ -92,7 +91,6 @@ def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) 
     b, h, s, d = x.shape
     check_triton_limits(codec, d)
     check_group_tokens(codec, "encode")
-    check_not_trellis(codec, "encode")
     ng = s // codec.group
     enc = [torch.empty(b, h, ng, *shape, dtype=dtype, device=x.device)
            for shape, dtype in codec.archive_shapes(d, x.dtype).values()]
@@ -103,7 +101,8 @@ def triton_encode(x: torch.Tensor, spec: str, mean: torch.Tensor | None = None) 
     mean_t = None if mean is None else mean.contiguous()
     _encode_groups_kernel[(ng, grid_rows(b * h), tiles.dp // tiles.dc)](
         x, *x.stride(), enc[0], *(nonempty(t, x) for t in (*enc[1:], mean_t)), tab.rotation, tab.rows, tab.levels,
-        tab.analysis, tab.factors, h, ng, F=form, E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.dc))
+        tab.analysis, tab.factors, h, ng, F=form, E=tiles.constexpr(), num_warps=warps(tiles.gp, tiles.dc),
+        enable_fp_fusion=encode_fp_fusion(stored_form_plan(spec, d)))
     return tuple(enc)
 
 

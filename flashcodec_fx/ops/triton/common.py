@@ -24,7 +24,6 @@ import triton.language as tl
 from ...codecs import Codec
 from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
 from ..plan import CHANNEL_CODES, FLOAT_ROWS, LEVEL_KINDS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
-from ..state import uses_trellis
 
 
 class TupleFields:
@@ -136,14 +135,6 @@ def check_group_tokens(codec: Codec, op: str) -> None:
     if codec.group > MAX_GROUP_TOKENS:
         raise ValueError(f"spec: the Triton {op} takes groups of <= {MAX_GROUP_TOKENS} tokens (one group per "
                          f"program), got {codec.group}")
-
-
-def check_not_trellis(codec: Codec, op: str, name: str = "spec") -> None:
-    """Raise a ValueError for a trellis codec (``levels="tcq"``) in the Triton ``op``: its Viterbi encoder is not
-    written in Triton (the gate sends these calls to the reference op)."""
-    if uses_trellis(codec):
-        raise ValueError(f"{name}: the Triton {op} does not encode trellis codes (levels='tcq'; the Viterbi encoder "
-                         f"runs in the reference and C++ ops): call the reference op")
 
 
 class StreamForm(_FORM.namedtuple()):

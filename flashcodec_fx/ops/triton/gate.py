@@ -2,7 +2,7 @@
 capability gate (``ops.triton.register`` installs them; this module imports Triton).
 
 ``KERNELS`` lists the ops with a Triton kernel: every op (append, codec_attention, append_attention, encode, decode,
-read); trellis codecs (``levels="tcq"``) only in the ops of ``TRELLIS_OPS``. CPU tensors
+read), trellis codecs (``levels="tcq"``) included. CPU tensors
 keep the C++ kernels or the plain-torch reference; CUDA tensors get the reference where the fast kernels do not know
 the codec or the head_dim (``state.fast_kernels_serve``; ``HEAD_DIM`` says where each op's head_dim is). The
 launchers themselves can be called on CPU tensors under ``TRITON_INTERPRET=1`` (that is how the tests check them
@@ -39,12 +39,6 @@ KERNELS = {
     "flashcodec::read": triton_read,
     "flashcodec::append_attention": triton_append_attention,
 }
-
-# The ops whose Triton kernels read trellis codes (``levels="tcq"``): attention and the group decode (decode, read;
-# append_attention's attention, its append of a trellis stream being the reference's). append and encode would need
-# the Viterbi encoder in Triton, which is not written: they run the reference for trellis codecs.
-TRELLIS_OPS = frozenset({"flashcodec::codec_attention", "flashcodec::append_attention", "flashcodec::decode",
-                         "flashcodec::read"})
 
 _capability = torch.cuda.get_device_capability  # (major, minor) of a CUDA device index; the tests fake it
 
@@ -100,18 +94,18 @@ HEAD_DIM = {  # how each op's head_dim is read from its arguments (the fast kern
 }
 
 
-def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple], int] = leading_head_dim,
-          trellis: bool = False) -> Callable:
+def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple], int] = leading_head_dim
+          ) -> Callable:
     """The CUDA kernel of one op: ``triton_fn`` or ``reference_fn`` by :func:`kernel_choice` of the first tensor
     argument's device (tensor lists, the stream states, included); the reference where the fast kernels do not know
-    the op's specs or its ``head_dim(args)``, or (unless ``trellis``: :data:`TRELLIS_OPS`) a spec has trellis codes."""
+    the op's specs (trellis codes included: every Triton op reads and writes them) or its ``head_dim(args)``."""
 
     @functools.wraps(triton_fn)
     def kernel(*args, **kwargs):
         device = next(a.device if isinstance(a, torch.Tensor) else a[0].device for a in args
                       if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
                                                          and isinstance(a[0], torch.Tensor)))
-        known = fast_kernels_serve(*(a for a in args if isinstance(a, str)), head_dim=head_dim(args), trellis=trellis)
+        known = fast_kernels_serve(*(a for a in args if isinstance(a, str)), head_dim=head_dim(args), trellis=True)
         fn = triton_fn if known and kernel_choice(torch.device(device)) == "triton" else reference_fn
         return fn(*args, **kwargs)
 
@@ -120,5 +114,5 @@ def gated(triton_fn: Callable, reference_fn: Callable, head_dim: Callable[[tuple
 
 def gated_kernels() -> dict[str, Callable]:
     """Every launcher in ``KERNELS`` gated (:func:`gated`): the CUDA kernels ``ops.triton.register`` installs."""
-    return {name: gated(launcher, op_kernels(name)[None], HEAD_DIM[name], name in TRELLIS_OPS)
+    return {name: gated(launcher, op_kernels(name)[None], HEAD_DIM[name])
             for name, launcher in KERNELS.items()}
