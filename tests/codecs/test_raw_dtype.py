@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flashcodec_fx.codecs import make_codec
-from flashcodec_fx.presets import PRESETS, preset_codecs
+from flashcodec_fx.presets import PRESETS, SCALAR_PRESETS, TRELLIS_PRESETS, preset_codecs
 
-LOSSY_WITH_RAW_ROWS = ("4bit", "3bit", "2.5bit", "2bit")
+LOSSY_WITH_RAW_ROWS = SCALAR_PRESETS + TRELLIS_PRESETS
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
