@@ -329,7 +329,7 @@ def e2e_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*names)
 
 
-STEP_RESULTS = ("e2e_cpu_issue41_1thread",)  # bench_e2e: eager and compiled interleaved
+STEP_RESULTS = ("e2e_cpu_issue41_1thread", "e2e_cpu_issue41_2thread")  # bench_e2e: eager and compiled interleaved
 STEP_CONFIGS = ("eager_raw", "eager_int8", "eager_4bit", "eager_3bit", "eager_2.5bit", "eager_2bit")
 
 
