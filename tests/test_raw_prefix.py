@@ -185,8 +185,9 @@ def test_a_compiled_step_converts_first():
 def test_prefix_lengths():
     """SmolLM2's shapes (head_dim 64, bf16): a few dozen tokens for the lossy presets, 64 for lossless; none for png."""
     lengths = {name: [prefix_length(c, 64, torch.bfloat16) for c in preset_codecs(name)] for name in PRESETS}
-    assert lengths == {"lossless": [64, 64], "int8": [3, 3], "4bit": [48, 47], "3bit": [32, 11], "2.5bit": [28, 11],
-                       "2bit": [23, 15]}
+    scalar = {"4bit": [48, 47], "3bit": [32, 11], "2.5bit": [28, 11], "2bit": [23, 15]}
+    twins = {f"{name}-tcq": prefix for name, prefix in scalar.items()}  # the same sinks and windows as their twins
+    assert lengths == {"lossless": [64, 64], "int8": [3, 3], **scalar, **twins}
     assert RAW_CODEC_PREFIX == 64 and prefix_length(make_codec("png", block_size=8), 64, torch.bfloat16) == 0
     barely = make_codec("jpeg", block_size=8, keep_freqs=7, sinks=4, window=64)  # compresses by 1/8 only
     assert prefix_length(barely, 64, torch.bfloat16) == MAX_PREFIX
