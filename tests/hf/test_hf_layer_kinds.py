@@ -12,6 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import cache_kwargs  # noqa: E402
+
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf.flash_codec_cache import NoCodecLayers  # noqa: E402
 from flashcodec_fx.hf.hybrid_layer import FlashCodecHybridLayer  # noqa: E402
@@ -112,13 +114,13 @@ def test_a_saved_hybrid_cache_continues_exactly(tmp_path):
     try:
         cache = fx.FlashCodecCache.from_config(model.config, preset="4bit")
         with torch.no_grad():
-            model(ids, cache=cache, use_cache=True)
+            model(ids, **cache_kwargs(cache), use_cache=True)
         cache.save(tmp_path / "hybrid.safetensors", model_or_config=model)
         loaded = fx.FlashCodecCache.load(tmp_path / "hybrid.safetensors", model)
         step = torch.tensor([[5]])
         with torch.no_grad():
-            want = model(step, cache=cache, use_cache=True).logits
-            got = model(step, cache=loaded, use_cache=True).logits
+            want = model(step, **cache_kwargs(cache), use_cache=True).logits
+            got = model(step, **cache_kwargs(loaded), use_cache=True).logits
     finally:
         fx.remove_codec_attention(model)
     assert torch.equal(want, got)

@@ -9,6 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import cache_kwargs, output_cache  # noqa: E402
+
 import flashcodec_fx as fx  # noqa: E402
 from flashcodec_fx.hf.mla_layer import FlashCodecMLALayer  # noqa: E402
 
@@ -64,11 +66,11 @@ def test_lossless_is_token_exact_in_a_padded_batch_and_in_beam_search(deepseek):
 @pytest.mark.parametrize("preset", ["int8", "4bit", "3bit", "2bit"])
 def test_every_preset_stores_the_latent_row_with_the_defaults(deepseek, preset):
     out = _generate(deepseek, preset=preset, strict=True)  # strict: every decode step on the stored rows
-    layers = out.cache.layers
+    layers = output_cache(out).layers
     assert all(isinstance(layer, FlashCodecMLALayer) for layer in layers)
     assert all(layer.keys_stream.tail.shape[-1] == RANK + ROPE and layer.streams == (layer.keys_stream,)
                for layer in layers)
-    assert out.cache.bits_per_value() < 16
+    assert output_cache(out).bits_per_value() < 16
 
 
 def test_absorbed_attention_equals_the_model_attending_on_the_decoded_latents(deepseek):
@@ -106,13 +108,13 @@ def test_an_mla_cache_saves_loads_and_crops(deepseek, tmp_path):
         cache = fx.FlashCodecCache.from_config(deepseek.config, preset="4bit")
         ids = _batch()[0][:1]
         with torch.no_grad():
-            deepseek(ids, cache=cache, use_cache=True)
+            deepseek(ids, **cache_kwargs(cache), use_cache=True)
         cache.save(tmp_path / "mla.safetensors", model_or_config=deepseek)
         loaded = fx.FlashCodecCache.load(tmp_path / "mla.safetensors", deepseek)
         step = torch.tensor([[7]])
         with torch.no_grad():
-            want = deepseek(step, cache=cache, use_cache=True).logits
-            got = deepseek(step, cache=loaded, use_cache=True).logits
+            want = deepseek(step, **cache_kwargs(cache), use_cache=True).logits
+            got = deepseek(step, **cache_kwargs(loaded), use_cache=True).logits
         assert torch.equal(want, got)
         loaded.crop(-1)
         assert loaded.get_seq_length() == 48 and loaded.layers[0].keys.shape == (1, 1, 48, RANK)
