@@ -44,6 +44,10 @@ inline const char* simd_loops(int D) {
 // first code load).
 constexpr int64_t kPrefetchBytes = 2048;
 
+// A decoder's operator(): always inlined into the code loops (GCC left the trellis decoders as calls, one per chunk
+// of a token, in the value loop).
+#define FC_DECODE inline __attribute__((always_inline))
+
 inline void prefetch_row(const uint8_t* row) { __builtin_prefetch(row + kPrefetchBytes, 0, 3); }
 
 namespace avx2 {
@@ -99,7 +103,7 @@ struct Codes {
     high_slice = D / 4;
   }
 
-  __m256 operator()(const uint8_t* row, int j) const {
+  FC_DECODE __m256 operator()(const uint8_t* row, int j) const {
     if constexpr (BITS == 8) {
       return _mm256_add_ps(_mm256_cvtepi32_ps(slice_codes<8>(row, j)), offset);
     } else if constexpr (BITS == 4) {
@@ -160,7 +164,7 @@ struct TcqCodes {
   }
 
   // Bit k: the low bit of the code of channel 8j - 8 + k (0 before the row), k < 16.
-  static int window(const uint8_t* row, int j) {
+  FC_DECODE static int window(const uint8_t* row, int j) {
     if constexpr (BITS == 1) {  // the 1-bit slice: one byte per chunk
       return (j > 0 ? row[j - 1] : 0) | (row[j] << 8);
     } else {
@@ -183,13 +187,13 @@ struct TcqCodes {
   }
 
   // The low bit of every code of chunk j (lane i: bit i), 0 for j < 0.
-  static int low_bits(const uint8_t* row, int j) {
+  FC_DECODE static int low_bits(const uint8_t* row, int j) {
     if (j < 0) return 0;
     const __m256i c = slice_codes<BITS == 4 ? 4 : 2>(row, j);  // the widest slice holds the low bit
     return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(c, 31)));
   }
 
-  __m256 operator()(const uint8_t* row, int j) const {
+  FC_DECODE __m256 operator()(const uint8_t* row, int j) const {
     const __m256i c = codes(row, j);
     // The window's bits 5..15 are the low bits of channels 8j - 3 .. 8j + 7: the 8 subsets, one table row.
     const __m256i sub = _mm256_cvtepu8_epi32(
@@ -463,7 +467,7 @@ struct Codes {
     high_slice = D / 4;
   }
 
-  __m512 operator()(const uint8_t* row, int j) const {
+  FC_DECODE __m512 operator()(const uint8_t* row, int j) const {
     if constexpr (BITS == 8) {
       return _mm512_add_ps(_mm512_cvtepi32_ps(slice_codes<8>(row, j)), offset);
     } else if constexpr (BITS == 3) {
@@ -478,34 +482,71 @@ struct Codes {
   }
 };
 
-// Unscaled values of BITS-bit trellis codes (as avx2::TcqCodes) for 16 channels: the subsets of each half from
-// avx2's table (its windows of chunks 2j and 2j + 1), the alphabet (at most 32 values) in two registers.
+// Unscaled values of BITS-bit trellis codes (as avx2::TcqCodes) for 16 channels, the subsets computed in the lanes:
+// lane i shifts a window of the low bits right so that its bits 0..3 are l[t-3] .. l[t] of its channel t, and one
+// permute maps those 4 bits to the subset (no table in memory); the alphabet (at most 32 values) in two registers.
 template <int BITS>
 struct TcqCodes {
   __m512 lo, hi;  // alphabet entries 0..15 and 16..31 (zero past the alphabet)
+  __m512i subset;  // lane x: the subset of a channel whose l[t-3] .. l[t] are bits 0..3 of x
+  __m512i shifts;  // lane i: i + 5 (bit 8 + i of the window is l[16j + i])
   int64_t high_slice;
-  const uint8_t (*subsets)[8];
 
-  TcqCodes(const float* alphabet, float, int D) : subsets(avx2::TcqSubsets::get().table) {
+  TcqCodes(const float* alphabet, float, int D) {
     alignas(64) float a[32] = {};
     for (int e = 0; e < (2 << BITS); ++e) a[e] = alphabet[e];
     lo = _mm512_load_ps(a);
     hi = _mm512_load_ps(a + 16);
+    alignas(64) int32_t sub[16], sh[16];
+    for (int x = 0; x < 16; ++x) {
+      const int l3 = x & 1, l2 = (x >> 1) & 1, l1 = (x >> 2) & 1, l0 = (x >> 3) & 1;  // l[t-3], l[t-2], l[t-1], l[t]
+      sub[x] = l2 | ((l0 ^ l1 ^ l3) << 1);
+      sh[x] = x + 5;
+    }
+    subset = _mm512_load_si512(sub);
+    shifts = _mm512_load_si512(sh);
     high_slice = D / 4;
   }
 
-  __m512 operator()(const uint8_t* row, int j) const {
+  // Bit k: the low bit of the code of channel 16j - 8 + k (0 before the row), k < 24.
+  FC_DECODE static uint32_t window(const uint8_t* row, int j) {
+    if constexpr (BITS == 1) {  // the 1-bit slice: one byte per 8 channels
+      uint16_t pair;
+      std::memcpy(&pair, row + (j > 0 ? 2 * j - 1 : 0), sizeof(pair));
+      return j > 0 ? pair | (static_cast<uint32_t>(row[2 * j + 1]) << 16) : static_cast<uint32_t>(pair) << 8;
+    } else {
+#ifdef __BMI2__
+      // 4-bit slice: 4 bytes per 8 channels, the low bit at bit 0 of each nibble; 2-bit slice (2 and 3 bits): 2
+      // bytes per 8 channels, the low bit at the even bits. Constant-size copies: single loads.
+      constexpr int per = BITS == 4 ? 4 : 2;
+      constexpr uint64_t mask = BITS == 4 ? 0x1111111111111111ULL : 0x55555555ULL;
+      constexpr uint64_t mask8 = BITS == 4 ? 0x11111111ULL : 0x5555ULL;
+      uint64_t two = 0, one = 0;
+      if (j == 0) {
+        std::memcpy(&two, row, 2 * per);
+        return static_cast<uint32_t>(_pext_u64(two, mask)) << 8;
+      }
+      std::memcpy(&two, row + per * (2 * j - 1), 2 * per);
+      std::memcpy(&one, row + per * (2 * j + 1), per);
+      return static_cast<uint32_t>(_pext_u64(two, mask) | (_pext_u64(one, mask8) << 16));
+#else
+      using Half = avx2::TcqCodes<BITS>;
+      return static_cast<uint32_t>(Half::window(row, 2 * j)) |
+             (static_cast<uint32_t>(Half::low_bits(row, 2 * j + 1)) << 16);
+#endif
+    }
+  }
+
+  FC_DECODE __m512 operator()(const uint8_t* row, int j) const {
     __m512i c;
     if constexpr (BITS == 3)
       c = _mm512_or_si512(slice_codes<2>(row, j),
                           _mm512_maskz_mov_epi32(slice_bits(row + high_slice, j), _mm512_set1_epi32(4)));
     else
       c = slice_codes<BITS>(row, j);
-    using Half = avx2::TcqCodes<BITS>;
-    const __m128i sub = _mm_unpacklo_epi64(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[Half::window(row, 2 * j) >> 5])),
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[Half::window(row, 2 * j + 1) >> 5])));
-    const __m512i a = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(c, 1), 2), _mm512_cvtepu8_epi32(sub));
+    const __m512i bits = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(window(row, j))), shifts);
+    const __m512i a = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(c, 1), 2),
+                                      _mm512_permutexvar_epi32(bits, subset));  // the permute reads bits 0..3
     if constexpr (BITS <= 3) return _mm512_permutexvar_ps(a, lo);
     return _mm512_permutex2var_ps(lo, a, hi);
   }
