@@ -186,19 +186,31 @@ def beyond_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*runs)
 
 
-def passkey_table() -> str:
-    """passkey.json: keys retrieved per tier and haystack length, and whether the tier retrieves what raw does."""
-    summary = load("passkey")["summary"]
+def _signed(n: int) -> str:
+    return f"{n:+d}" if n else "0"
+
+
+def passkey_table(name: str = "passkey") -> str:
+    """passkey.json (or ``name``.json): keys retrieved per tier and haystack length, and whether the tier retrieves
+    what raw does; a trellis twin (``NAME-tcq``) run beside its scalar preset also gets its keys retrieved minus the
+    scalar preset's, per length."""
+    summary = load(name)["summary"]
     lengths = sorted({s["length"] for s in summary})
     tiers = list(dict.fromkeys(s["tier"] for s in summary))
-    lines = ["| tier | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | retrieves what raw retrieves |",
-             "|---|" + "---|" * (len(lengths) + 1)]
-    for tier in tiers:
-        got = {s["length"]: s for s in summary if s["tier"] == tier}
-        cells = [f"{got[n]['retrieved']} / {got[n]['trials']}" for n in lengths]
-        same = "-" if tier.startswith("raw") else "yes" if all(got[n]["matches_raw"] for n in lengths) else "no"
+    got = {(s["tier"], s["length"]): s for s in summary}
+    twins = any(t.endswith("-tcq") and (t[:-len("-tcq")], lengths[0]) in got for t in tiers)
+    lines = ["| tier | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | retrieves what raw retrieves |"
+             + (" twin minus scalar preset |" if twins else ""), "|---|" + "---|" * (len(lengths) + 1 + twins)]
+    for tier in sorted(tiers, key=lambda t: tiers.index(t.removesuffix("-tcq")) if twins else tiers.index(t)):
+        cells = [f"{got[tier, n]['retrieved']} / {got[tier, n]['trials']}" for n in lengths]
+        same = "-" if tier.startswith("raw") else "yes" if all(got[tier, n]["matches_raw"] for n in lengths) else "no"
+        if twins:
+            scalar = tier.removesuffix("-tcq")
+            diff = (" / ".join(_signed(got[tier, n]["retrieved"] - got[scalar, n]["retrieved"]) for n in lengths)
+                    if tier != scalar and (scalar, lengths[0]) in got else "-")
+            same += f" | {diff}"
         lines.append(f"| {tier} | " + " | ".join(cells) + f" | {same} |")
-    return "\n".join(lines) + "\n\n" + provenance("passkey")
+    return "\n".join(lines) + "\n\n" + provenance(name)
 
 
 def _as_run(row: dict[str, Any]) -> dict[str, Any]:
@@ -250,6 +262,52 @@ def trellis_table() -> str:
     lines += [f"| {_as_run(r)['tier']} | {r['bits_end']:.3f} ({r['bits_worst']:.3f}) | {kl_cell(r)} | {r['ppl']:.3f} |"
               for r in search]
     return "\n".join(lines) + "\n\n" + provenance(*TRELLIS_RUNS)
+
+
+# Issue 42's other protocols: (JSON, model) of bench_ppl runs with every scalar preset beside its trellis twin.
+TRELLIS_CHECKS = (("ppl_trellis_presets", "SmolLM2-135M-Instruct"), ("ppl_trellis_gemma3", "gemma-3-270m"),
+                  ("ppl_trellis_decode", "SmolLM2-135M-Instruct"))
+
+
+def _protocol(result: dict[str, Any]) -> str:
+    p = result["protocol"]
+    if p["chunk"] == 1:
+        return f"token by token, {p['windows']} x ({p['prefill']} + {p['scored_tokens_per_window']})"
+    return f"streaming, {p['windows']} x {p['window_tokens']}"
+
+
+def trellis_checks_table() -> str:
+    """Each scalar preset beside its trellis twin in every run of ``TRELLIS_CHECKS`` whose JSON is committed: model
+    and protocol, bits as stored (equal), KL of each and the twin's over the scalar preset's."""
+    import bench_ppl
+
+    prefix = f"{bench_ppl.FLASHCODEC} "
+    runs = [(name, model) for name, model in TRELLIS_CHECKS if (RESULTS / f"{name}.json").exists()]
+    lines = ["| model, protocol | preset | bits (worst) | KL vs raw, scalar codes | KL vs raw, `-tcq` twin | ratio |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, model in runs:
+        result = load(name)
+        by_tier = {r["tier"]: r for r in result["models"][model]["rows"]}
+        for tier, scalar in by_tier.items():
+            twin = by_tier.get(f"{tier}-tcq")
+            if not tier.startswith(prefix) or twin is None:
+                continue
+            assert (scalar["bits_end"], scalar["bits_worst"]) == (twin["bits_end"], twin["bits_worst"]), tier
+            preset = tier[len(prefix):]
+            lines.append(f"| {_short(model)}, {_protocol(result)} | `{preset}` / `{preset}-tcq` | "
+                         f"{scalar['bits_end']:.2f} ({scalar['bits_worst']:.2f}) | {kl_cell(scalar)} | "
+                         f"{kl_cell(twin)} | {twin['kl'] / scalar['kl']:.2f} |")
+    return "\n".join(lines) + "\n\n" + provenance(*(name for name, _ in runs))
+
+
+TRELLIS_PASSKEY = ("passkey_trellis", "passkey_trellis_3keys")  # issue 42: one key per depth, then three
+
+
+def trellis_passkey_table() -> str:
+    """The passkey runs of ``TRELLIS_PASSKEY`` whose JSON is committed, each as :func:`passkey_table`."""
+    runs = [name for name in TRELLIS_PASSKEY if (RESULTS / f"{name}.json").exists()]
+    return "\n\n".join(f"*{name}.json: {len(load(name)['keys'])} key(s) per depth*\n\n" + passkey_table(name)
+                       for name in runs)
 
 
 def reconstruct_table() -> str:
@@ -483,7 +541,8 @@ def architectures_table() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "main_job": main_job_table, "presets": presets_table, "ppl": ppl_table, "bits": bits_table,
     "targets": targets_table, "beyond": beyond_table, "passkey": passkey_table,
-    "budget": budget_table, "trellis": trellis_table, "reconstruct": reconstruct_table,
+    "budget": budget_table, "trellis": trellis_table, "trellis-checks": trellis_checks_table,
+    "trellis-passkey": trellis_passkey_table, "reconstruct": reconstruct_table,
     "attention": attention_table,
     "e2e": e2e_table, "e2e_step": e2e_step_table, "e2e_busy": e2e_busy_table, "llamacpp": llamacpp_table,
     "lossless": lossless_table,
