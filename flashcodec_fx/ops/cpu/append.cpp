@@ -25,37 +25,48 @@ struct Matrices {
       : synth(plan[kPlanSynth]), analysis(plan[kPlanAnalysis]), rot(plan[kPlanRot]) {}
 };
 
-// The encoder's rotation `x @ R.T` of M rows as a loop: each output channel one chain of FMAs over the input channels
-// in order (from +0, variant 0, or from the first product, variant 1), 64 channels in registers at a time. Used only
-// for the row counts where rotation_loop() found it bitwise the BLAS product the reference computes.
-inline void rotate_rows(const float* x, int64_t M, const float* rot_t, int D, int variant, float* y) {
-  for (int64_t i = 0; i < M; ++i) {
-    const float* xi = x + i * D;
-    float* yi = y + i * D;
-    int d0 = 0;
-    const auto block = [&](auto width) {
-      constexpr int W = decltype(width)::value;
-      float t[W];
-      int k = 0;
-      if (variant == 1) {
-        const float s = xi[0];
-        for (int l = 0; l < W; ++l) t[l] = s * rot_t[d0 + l];
-        k = 1;
-      } else {
-        for (int l = 0; l < W; ++l) t[l] = 0.0f;
-      }
-      for (; k < D; ++k) {
-        const float s = xi[k];
-        const float* r = rot_t + static_cast<int64_t>(k) * D + d0;
-#pragma omp simd
-        for (int l = 0; l < W; ++l) t[l] = std::fma(s, r[l], t[l]);
-      }
-      for (int l = 0; l < W; ++l) yi[d0 + l] = t[l];
-    };
-    for (; d0 + 64 <= D; d0 += 64) block(std::integral_constant<int, 64>());
-    for (; d0 + 16 <= D; d0 += 16) block(std::integral_constant<int, 16>());
-    for (; d0 < D; ++d0) block(std::integral_constant<int, 1>());
+// Outputs d0 .. d0 + W - 1 of `x @ R.T` for R rows at once: each output one chain of FMAs over the input channels in
+// order (from +0, variant 0, or from the first product, variant 1); R rows' chains interleaved so that the FMAs'
+// latency is hidden (a row alone waits on its own chains).
+template <int R, int W>
+inline void rotate_block(const float* x, int D, const float* rot_t, int variant, int d0, float* y) {
+  float t[R][W];
+  int k = 0;
+  if (variant == 1) {
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < W; ++l) t[r][l] = x[r * D] * rot_t[d0 + l];
+    k = 1;
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < W; ++l) t[r][l] = 0.0f;
   }
+  for (; k < D; ++k) {
+    const float* rk = rot_t + static_cast<int64_t>(k) * D + d0;
+    for (int r = 0; r < R; ++r) {
+      const float s = x[r * D + k];
+#pragma omp simd
+      for (int l = 0; l < W; ++l) t[r][l] = std::fma(s, rk[l], t[r][l]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < W; ++l) y[r * D + d0 + l] = t[r][l];
+}
+
+template <int R>
+inline void rotate_rows_of(const float* x, const float* rot_t, int D, int variant, float* y) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) rotate_block<R, 64>(x, D, rot_t, variant, d0, y);
+  for (; d0 + 16 <= D; d0 += 16) rotate_block<R, 16>(x, D, rot_t, variant, d0, y);
+  for (; d0 < D; ++d0) rotate_block<R, 1>(x, D, rot_t, variant, d0, y);
+}
+
+// The encoder's rotation `x @ R.T` of M rows as loops, four rows at a time. Used only for the row counts where
+// rotation_loop() found it bitwise the BLAS product the reference computes.
+inline void rotate_rows(const float* x, int64_t M, const float* rot_t, int D, int variant, float* y) {
+  constexpr int kRows = 4;
+  int64_t i = 0;
+  for (; i + kRows <= M; i += kRows) rotate_rows_of<kRows>(x + i * D, rot_t, D, variant, y + i * D);
+  for (; i < M; ++i) rotate_rows_of<1>(x + i * D, rot_t, D, variant, y + i * D);
 }
 
 // Which rotate_rows variant reproduces, bit for bit, the BLAS product `x @ R.T` of M rows the reference computes (on
