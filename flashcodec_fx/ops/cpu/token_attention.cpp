@@ -24,7 +24,7 @@ namespace fc {
 constexpr int kTileRows = 4;                  // query rows of a tile (the SIMD loops' accumulator registers)
 constexpr int kTokenChunk = 256;              // positions per online-softmax step
 constexpr int kTokenItemsPerThread = 4;       // work items per thread used
-constexpr int64_t kMinTokenWorkPerThread = 4096;  // stored positions x tiles (~0.1 ms of 4-bit codes) per extra thread
+constexpr int64_t kMinTokenWorkPerThread = 16384;  // stored positions x tiles (~0.3 ms of 4-bit codes) per extra thread
 
 // One call's queries and own tokens as the kernels read them: views with any strides along (B, H, N), rows
 // contiguous. `out_factors`: (B, Hkv, D) fp32 channel factors the output is multiplied by as ATen would (a normalized
