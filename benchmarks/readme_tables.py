@@ -201,7 +201,11 @@ def passkey_table(name: str = "passkey") -> str:
     twins = any(t.endswith("-tcq") and (t[:-len("-tcq")], lengths[0]) in got for t in tiers)
     lines = ["| tier | " + " | ".join(f"{n // 1024}k" for n in lengths) + " | retrieves what raw retrieves |"
              + (" twin minus scalar preset |" if twins else ""), "|---|" + "---|" * (len(lengths) + 1 + twins)]
-    for tier in sorted(tiers, key=lambda t: tiers.index(t.removesuffix("-tcq")) if twins else tiers.index(t)):
+    def place(tier: str) -> int:  # a twin right after its scalar preset (where the run has it)
+        scalar = tier.removesuffix("-tcq")
+        return tiers.index(scalar if twins and scalar in tiers else tier)
+
+    for tier in sorted(tiers, key=place):
         cells = [f"{got[tier, n]['retrieved']} / {got[tier, n]['trials']}" for n in lengths]
         same = "-" if tier.startswith("raw") else "yes" if all(got[tier, n]["matches_raw"] for n in lengths) else "no"
         if twins:
