@@ -482,29 +482,42 @@ struct Codes {
   }
 };
 
-// Unscaled values of BITS-bit trellis codes (as avx2::TcqCodes) for 16 channels, the subsets computed in the lanes:
-// lane i shifts a window of the low bits right so that its bits 0..3 are l[t-3] .. l[t] of its channel t, and one
-// permute maps those 4 bits to the subset (no table in memory); the alphabet (at most 32 values) in two registers.
+// Unscaled values of BITS-bit trellis codes (as avx2::TcqCodes) for 16 channels. Lane i (channel t = 16j + i) shifts
+// a window of the row's low bits right so that four of its bits are l[t-3] .. l[t]. BITS <= 3: those four bits and
+// the code's bits above its low bit index the alphabet reordered by that index (`kLaneIndex`): bit 0 the code's bit 1
+// (BITS >= 2), then l[t-3] .. l[t], and (BITS == 3) the code's bit 2 choosing between two 32-value tables: one
+// permute per chunk (BITS == 3: two and a blend), no subset computed. BITS == 4 (a 7-bit index) reads the 32-value
+// alphabet at ((c >> 1) << 2) | subset, the 16 subsets computed from the window in scalar (two bits per channel,
+// interleaved by pdep) and shifted into the lanes.
 template <int BITS>
 struct TcqCodes {
-  __m512 lo, hi;  // alphabet entries 0..15 and 16..31 (zero past the alphabet)
-  __m512i subset;  // lane x: the subset of a channel whose l[t-3] .. l[t] are bits 0..3 of x
-  __m512i shifts;  // lane i: i + 5 (bit 8 + i of the window is l[16j + i])
+  static constexpr bool kLaneIndex = BITS <= 3;
+  static constexpr int kCodeBit = BITS >= 2 && kLaneIndex ? 1 : 0;  // lane index bits below the window's
+  __m512 t[4];          // the alphabet, 16 values a register (kLaneIndex: by lane index; else entries 0..31)
+  __m512i shifts;       // lane i: the window shift that puts l[t-3] at bit kCodeBit
+  __m512i pair_shifts;  // lane i: 2i + 1 (BITS == 4: 2i), the shift that puts bit 1 of its code in a 2-bit slice
+                        // (BITS == 4: its subset in the interleaved word) at bit 0
   int64_t high_slice;
 
   TcqCodes(const float* alphabet, float, int D) {
-    alignas(64) float a[32] = {};
-    for (int e = 0; e < (2 << BITS); ++e) a[e] = alphabet[e];
-    lo = _mm512_load_ps(a);
-    hi = _mm512_load_ps(a + 16);
-    alignas(64) int32_t sub[16], sh[16];
-    for (int x = 0; x < 16; ++x) {
-      const int l3 = x & 1, l2 = (x >> 1) & 1, l1 = (x >> 2) & 1, l0 = (x >> 3) & 1;  // l[t-3], l[t-2], l[t-1], l[t]
-      sub[x] = l2 | ((l0 ^ l1 ^ l3) << 1);
-      sh[x] = x + 5;
+    alignas(64) float a[64] = {};
+    if constexpr (kLaneIndex) {
+      for (int x = 0; x < (16 << kCodeBit) << (BITS == 3); ++x) {
+        const int w = (x >> kCodeBit) & 15;  // l[t-3], l[t-2], l[t-1], l[t] at bits 0..3
+        const int high = (x & kCodeBit) | (BITS == 3 ? (x >> 5) << 1 : 0);  // the code's bits above its low bit
+        a[x] = alphabet[tcq_index((high << 1) | (w >> 3), (w >> 2) & 1, (w >> 1) & 1, w & 1)];
+      }
+    } else {
+      for (int e = 0; e < (2 << BITS); ++e) a[e] = alphabet[e];
     }
-    subset = _mm512_load_si512(sub);
+    for (int i = 0; i < 4; ++i) t[i] = _mm512_load_ps(a + 16 * i);
+    alignas(64) int32_t sh[16], pairs[16];
+    for (int i = 0; i < 16; ++i) {
+      sh[i] = i + 5 - kCodeBit;  // bit 8 + i of the window is l[16j + i]
+      pairs[i] = 2 * i + (BITS == 4 ? 0 : 1);
+    }
     shifts = _mm512_load_si512(sh);
+    pair_shifts = _mm512_load_si512(pairs);
     high_slice = D / 4;
   }
 
@@ -538,17 +551,35 @@ struct TcqCodes {
   }
 
   FC_DECODE __m512 operator()(const uint8_t* row, int j) const {
-    __m512i c;
-    if constexpr (BITS == 3)
-      c = _mm512_or_si512(slice_codes<2>(row, j),
-                          _mm512_maskz_mov_epi32(slice_bits(row + high_slice, j), _mm512_set1_epi32(4)));
-    else
-      c = slice_codes<BITS>(row, j);
-    const __m512i bits = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(window(row, j))), shifts);
-    const __m512i a = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(c, 1), 2),
-                                      _mm512_permutexvar_epi32(bits, subset));  // the permute reads bits 0..3
-    if constexpr (BITS <= 3) return _mm512_permutexvar_ps(a, lo);
-    return _mm512_permutex2var_ps(lo, a, hi);
+    constexpr int kSelect = 0xCA;  // vpternlog: a ? b : c, bitwise
+    const uint32_t w = window(row, j);
+    if constexpr (BITS == 4) {
+#ifdef __BMI2__
+      // lane i's subset: bit 0 l[t-2] = w[i + 6], bit 1 l[t] ^ l[t-1] ^ l[t-3] = w[i + 8] ^ w[i + 7] ^ w[i + 5]
+      const uint32_t x = w ^ (w >> 2) ^ (w >> 3);  // bit i + 5: w[i + 5] ^ w[i + 7] ^ w[i + 8]
+      const uint32_t pairs = _pdep_u32(w >> 6, 0x55555555u) | _pdep_u32(x >> 5, 0xAAAAAAAAu);
+#else
+      uint32_t pairs = 0;
+      for (int i = 0; i < 16; ++i)
+        pairs |= (((w >> (i + 6)) & 1) | ((((w >> (i + 5)) ^ (w >> (i + 7)) ^ (w >> (i + 8))) & 1) << 1)) << (2 * i);
+#endif
+      const __m512i sub = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(pairs)), pair_shifts);
+      const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi32(3), sub,
+                                                      _mm512_slli_epi32(slice_codes<4>(row, j), 1), kSelect);
+      return _mm512_permutex2var_ps(t[0], index, t[1]);  // the permute reads bits 0..4: (c >> 1) << 2 | subset
+    }
+    const __m512i win = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), shifts);
+    if constexpr (BITS == 1) {
+      return _mm512_permutexvar_ps(win, t[0]);  // the permute reads bits 0..3
+    } else {
+      uint32_t word;  // the 2-bit slice: the codes' bits 0 and 1
+      std::memcpy(&word, row + 4 * j, sizeof(word));
+      const __m512i bit1 = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), pair_shifts);
+      const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x1E), win, bit1, kSelect);
+      const __m512 low = _mm512_permutex2var_ps(t[0], index, t[1]);  // the permutes read bits 0..4
+      if constexpr (BITS == 2) return low;
+      return _mm512_mask_blend_ps(slice_bits(row + high_slice, j), low, _mm512_permutex2var_ps(t[2], index, t[3]));
+    }
   }
 };
 
