@@ -108,6 +108,29 @@ inline float short_inner_sum(const float* x, int64_t n, int width) {
   return total;
 }
 
+#if defined(__AVX2__)
+// short_inner_sum<8> in registers (the four partial vectors, then their lanes in order): the same additions in the
+// same order, without the round trip through a stack array; inlined, so that a slice's independent sums overlap.
+inline __attribute__((always_inline)) float short_inner_sum8(const float* x, int64_t n) {
+  const int64_t vecs = n / 8, rows = vecs / 4;
+  __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+  for (int64_t i = 0; i < rows; ++i) {
+    p0 = _mm256_add_ps(p0, _mm256_loadu_ps(x + 32 * i));
+    p1 = _mm256_add_ps(p1, _mm256_loadu_ps(x + 32 * i + 8));
+    p2 = _mm256_add_ps(p2, _mm256_loadu_ps(x + 32 * i + 16));
+    p3 = _mm256_add_ps(p3, _mm256_loadu_ps(x + 32 * i + 24));
+  }
+  for (int64_t i = rows * 4; i < vecs; ++i) p0 = _mm256_add_ps(p0, _mm256_loadu_ps(x + 8 * i));
+  p0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p0, p1), p2), p3);
+  float total = 0.0f;
+  for (int64_t k = vecs * 8; k < n; ++k) total += x[k];
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, p0);
+  for (int k = 0; k < 8; ++k) total += lanes[k];
+  return total;
+}
+#endif
+
 inline float short_inner_sum(const float* x, int64_t n, int width) {
   switch (width) {
     case 16: return short_inner_sum<16>(x, n, width);
@@ -158,6 +181,9 @@ struct Slice {
   int channel;  // -1: a token-axis row (summed along D); else the channel of a channel-axis slice
 
   float sum(const Codec& c, const float* v) const {
+#if defined(__AVX2__)
+    if (channel < 0 && c.sum_width == 8 && n >= 8 && n / 8 / 4 < 16) return short_inner_sum8(v, n);
+#endif
     return channel < 0 ? torch_inner_sum(v, n, c.sum_width) : torch_outer_sum(v, n, channel, c.head_dim, c.sum_width);
   }
 };
@@ -195,8 +221,36 @@ inline void lloyd_row(const float* table, const float* x, int n, float scale, fl
   for (int e = 0; e < N; ++e) t[e] = table[e];
   for (int e = 0; e + 1 < N; ++e) mid[e] = (table[e + 1] + table[e]) / 2.0f;
   const float safe = scale > 0.0f ? scale : 1.0f;
+  int i0 = 0;
+#if defined(__AVX512F__)
+  // 16 values at a time: each midpoint's compare counted into the code by a masked add, the level then read from
+  // the table by one permute (the same compares; the code's level is the one the blends select)
+  alignas(64) float tab[16] = {};
+  for (int e = 0; e < N; ++e) tab[e] = t[e];
+  const __m512 levels = _mm512_load_ps(tab), vzero = _mm512_set1_ps(zero), vsafe = _mm512_set1_ps(safe);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (; i0 + 16 <= n; i0 += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i0);
+    const __m512 y = _mm512_div_ps(_mm512_sub_ps(xv, vzero), vsafe);
+    __m512i code = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int e = 0; e + 1 < N; ++e)
+      code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(_mm512_set1_ps(mid[e]), y, _CMP_LT_OQ), code, one);
+    const __m512 level = _mm512_permutexvar_ps(code, levels);
+    _mm512_storeu_si512(codes + i0, code);
+    if constexpr (Fit) {
+      _mm512_storeu_ps(out + i0, _mm512_mul_ps(xv, level));
+      _mm512_storeu_ps(ll + i0, _mm512_mul_ps(level, level));
+      _mm512_storeu_ps(lv + i0, level);
+    } else {
+      const __m512 diff = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(level, vscale), vzero), xv);
+      _mm512_storeu_ps(out + i0, _mm512_mul_ps(diff, diff));
+    }
+  }
+#endif
 #pragma omp simd
-  for (int i = 0; i < n; ++i) {
+  for (int i = i0; i < n; ++i) {
     const float y = (x[i] - zero) / safe;
     int code = 0;
     float level = t[0];
