@@ -46,6 +46,7 @@ from flashcodec_fx.codecs import JPEGCodec
 from flashcodec_fx.codecs.channel_norm import channel_exponents, channel_factors
 from flashcodec_fx.config import cache_config
 from flashcodec_fx.evaluate import token_kl, token_nll
+from flashcodec_fx.presets import TRELLIS_PRESETS
 from flashcodec_fx.vllm.page import PageFormat, page_format
 
 CHUNK = 16  # bench_vllm's quality protocol: max_num_batched_tokens=16, scored from position 16
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     from flashcodec_fx.pretrained import DEFAULT_MODEL, load_pretrained
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=list(LOSSY), choices=LOSSY)
+    parser.add_argument("--presets", nargs="+", default=list(LOSSY), choices=(*LOSSY, *TRELLIS_PRESETS),
+                        help="default: the scalar presets; a trellis twin (NAME-tcq) runs the same tiers")
     parser.add_argument("--tiers", nargs="*", default=None, help="tier names to run (default: every one)")
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--window-tokens", type=int, default=1024)

@@ -77,8 +77,8 @@ SCALAR_PRESETS = ("4bit", "3bit", "2.5bit", "2bit")
 TRELLIS_PRESETS = tuple(f"{name}-tcq" for name in SCALAR_PRESETS)
 """Trellis twins (issue 42): a scalar preset's recipe with ``levels="tcq"`` in both streams, so the same bits as
 stored and 0.67-0.74x its KL on bench_ppl's streaming protocol (docs/quantization.md), for a Viterbi encode (about 2x
-the scalar codes' on CPU; Triton's encoder is unmeasured on a GPU); vLLM's pages hold no trellis codes yet
-(``vllm.VLLM_PRESETS`` leaves the twins out)."""
+the scalar codes' on CPU; Triton's encoder is unmeasured on a GPU); vLLM's pages hold them too, in the scalar
+preset's bytes (``vllm.VLLM_PRESETS``; docs/vllm.md measures them there)."""
 RECIPES.update({f"{name}-tcq": _trellis(name) for name in SCALAR_PRESETS})
 DEFAULT_PRESET = "int8"
 PRESETS: dict[str, CacheConfig] = {name: cache_config(**recipe) for name, recipe in RECIPES.items()}

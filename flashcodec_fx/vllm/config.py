@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..presets import PRESETS, TRELLIS_PRESETS
+from ..presets import PRESETS
 from .page import RAW, PageFormat, page_format
 
 ENV_PRESET = "FLASHCODEC_VLLM_PRESET"
@@ -28,8 +28,9 @@ ENV_LAYER_PRESETS = "FLASHCODEC_VLLM_LAYER_PRESETS"
 ENV_SKIP = "FLASHCODEC_VLLM_SKIP_LAYERS"
 ENV_ANCHORS = "FLASHCODEC_VLLM_ANCHORS"
 ENV_NAMES = (ENV_PRESET, ENV_LAYER_PRESETS, ENV_SKIP, ENV_ANCHORS)
-# pages hold codes (lossless keeps raw rows); the page format has no trellis codes yet (issue 42)
-VLLM_PRESETS = tuple(name for name in PRESETS if name != "lossless" and name not in TRELLIS_PRESETS)
+# pages hold per-token codes (lossless keeps raw rows): the scalar presets and their trellis twins, which cost less
+# quality on the pages at the same bytes (docs/vllm.md, results/vllm_pages_trellis.json)
+VLLM_PRESETS = tuple(name for name in PRESETS if name != "lossless")
 
 
 def _layers(variable: str, text: str) -> list[int]:

@@ -16,7 +16,8 @@ softmax states. That kernel needs a head_dim that is a multiple of ``PREFILL_DIM
 every request in the per-token kernel.
 
 Tolerances against the reference (tests/vllm/test_cpu_kernels.py): the store is bitwise (raw rows copied; codes
-from the reference's own rotation product and the quantizer in torch's summation order, ``launch.sum_width``);
+from the reference's own rotation product and the quantizer in torch's summation order, ``launch.sum_width``;
+trellis codes from the C++ Viterbi encoder, whose sums are sequential as the reference's);
 attention outputs agree within 2e-5 in fp32 for unit-scale inputs (fp32 accumulation in another order, the scale
 folded into q, a polynomial exp), and within one rounding of the output for bf16 / fp16.
 """

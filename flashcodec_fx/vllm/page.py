@@ -23,7 +23,9 @@ before (the first page: its own sinks), which are complete when a page's first t
 information that costs no byte: a reader has those rows anyway. Values are not centered (as in the presets).
 
 Codes are the preset's per-token codecs (``presets.preset_codecs``: random-sign Walsh-Hadamard rotation seeded by
-the layer index, Lloyd-Max or mid-rise levels, one fp16 scale per token and head, the least-squares scale search).
+the layer index, Lloyd-Max or mid-rise levels, or trellis codes for the ``-tcq`` twins (``codecs/trellis.py``: the
+same ``b * D / 8`` bytes per row, so a twin's page is its scalar preset's byte for byte), one fp16 scale per token
+and head, the least-squares scale search).
 What a page does not keep of the preset (docs/vllm.md measures each): per-sequence channel exponents (``normalize``;
 measured from four raw rows they cost quality instead), the preset's own window lengths (the ring is ``A`` tokens) and
 its prompt mean (the page before's is used). A *raw* format (``skip`` layers) stores every token raw.

@@ -38,11 +38,14 @@ def test_register_is_a_no_op_when_off(monkeypatch):
 
 
 def test_vllm_presets_are_the_per_token_ones():
-    assert VLLM_PRESETS == ("int8", "4bit", "3bit", "2.5bit", "2bit")
+    """The scalar per-token presets and their trellis twins (issue 42: lower KL on the pages at the same bytes)."""
+    assert VLLM_PRESETS == ("int8", "4bit", "3bit", "2.5bit", "2bit", "4bit-tcq", "3bit-tcq", "2.5bit-tcq", "2bit-tcq")
+    assert config_from_env({ENV_PRESET: "3bit-tcq", ENV_LAYER_PRESETS: "0=3bit"}).layers == {0: "3bit"}
 
 
 @pytest.mark.parametrize("environ, match", [
-    ({ENV_PRESET: "lossless"}, f"{ENV_PRESET} must be one of \\['int8', '4bit', '3bit', '2.5bit', '2bit'\\], got 'lossless'"),
+    ({ENV_PRESET: "lossless"}, f"{ENV_PRESET} must be one of \\['int8', '4bit', .*, '2bit-tcq'\\], got 'lossless'"),
+    ({ENV_PRESET: "3bit-tcq", ENV_LAYER_PRESETS: "0=1bit-tcq"}, f"{ENV_LAYER_PRESETS} must be one of"),
     ({ENV_PRESET: "4bits"}, f"{ENV_PRESET} must be one of"),
     ({ENV_PRESET: "4bit", ENV_LAYER_PRESETS: "0=5bit"}, f"{ENV_LAYER_PRESETS} must be one of .*'raw'"),
     ({ENV_PRESET: "4bit", ENV_LAYER_PRESETS: "0:int8"}, "entries must be LAYERS=PRESET"),
@@ -72,6 +75,7 @@ def test_every_page_is_the_largest_format():
     alone = PluginConfig("3bit").state_content_bytes(64, dtype, 128)
     assert alone == page_format("3bit", 0, 64, dtype).state_content_bytes(128) == 51
     assert PluginConfig("3bit", {5: "2.5bit"}).state_content_bytes(64, dtype, 128) == alone
+    assert PluginConfig("3bit-tcq", {5: "3bit"}).state_content_bytes(64, dtype, 128) == alone  # a twin's bytes
     assert PluginConfig("3bit", {5: "int8"}).state_content_bytes(64, dtype, 128) == 132
     assert PluginConfig("3bit", {0: RAW}).state_content_bytes(64, dtype, 128) == 256
     # the default preset counts even where layer 0 has another: its layers' pages must hold it

@@ -75,11 +75,13 @@ def test_attention_with_sinks_matches_the_reference(paged_kernels, queries):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("fmt", "dtype", "head_dim"), [("3bit", torch.float32, 64), ("int8", torch.bfloat16, 128),
-                                                        ("raw", torch.float32, 64), ("2bit", torch.float32, 40)])
+                                                        ("raw", torch.float32, 64), ("2bit", torch.float32, 40),
+                                                        ("3bit-tcq", torch.float32, 64), ("2bit-tcq", torch.float16, 40)])
 def test_long_chunks_match_the_reference(paged_kernels, threads, fmt, dtype, head_dim):
     """Chunks longer than the tiled kernel's tiles (own tokens over several key tiles, a history of several groups of
     pages, split among threads) beside a decode and a short chunk; head_dim 40 (not a multiple of
-    PREFILL_DIM_MULTIPLE) runs every request in the per-token kernel."""
+    PREFILL_DIM_MULTIPLE) runs every request in the per-token kernel; trellis pages in both (the tiled kernel decodes
+    their history rows, the per-token kernel attends on their codes)."""
     batch = make_batch({"format": fmt, "dtype": dtype, "heads": 2, "group": 3, "head_dim": head_dim,
                         "block_size": 16, "anchors": None, "contexts": [1100, 37, 0, 5], "queries": [300, 1, 150, 20],
                         "padding": 2, "seed": 3})

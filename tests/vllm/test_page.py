@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashcodec_fx.codecs import make_codec
-from flashcodec_fx.presets import preset_codecs
+from flashcodec_fx.presets import SCALAR_PRESETS, preset_codecs
 from flashcodec_fx.vllm import page
 from flashcodec_fx.vllm.config import VLLM_PRESETS
 from flashcodec_fx.vllm.page import (
@@ -63,7 +63,19 @@ def test_bits_per_value_at_block_128():
     """D = 64, bf16, vLLM's CPU default block size: int8 8.25 (no raw rows); 4 raw rows per 128-token page cost
     4 * 16 / 128 = 0.5 bit on top of the codes, less the padding of the last byte."""
     bits = {name: page_format(name, 0, 64, torch.bfloat16).bits_per_value(128) for name in (*VLLM_PRESETS, RAW)}
-    assert bits == {"int8": 8.25, "4bit": 4.1875, "3bit": 3.1875, "2.5bit": 2.6875, "2bit": 2.25, RAW: 16.0}
+    scalar = {"int8": 8.25, "4bit": 4.1875, "3bit": 3.1875, "2.5bit": 2.6875, "2bit": 2.25}
+    assert bits == {**scalar, **{f"{name}-tcq": bits[name] for name in SCALAR_PRESETS}, RAW: 16.0}
+
+
+@pytest.mark.parametrize("name", SCALAR_PRESETS)
+def test_trellis_twin_pages_are_the_scalar_pages(name):
+    """A trellis twin's page is its scalar preset's byte for byte (the same fields at the same offsets: b * D / 8
+    bytes of codes and one fp16 scale per token and head); only the levels differ."""
+    scalar, twin = (page_format(n, 3, 64, torch.bfloat16) for n in (name, f"{name}-tcq"))
+    assert twin.meta() == scalar.meta() and twin.state_content_bytes(128) == scalar.state_content_bytes(128)
+    for s, t in zip(scalar.slots, twin.slots, strict=True):
+        assert t.codec.quantizer.levels == ("tcq",) and s.codec.quantizer.levels == ("lloyd",)
+        assert (t.scales, t.zeros, t.code_bytes) == (s.scales, s.zeros, s.code_bytes)
 
 
 def test_raw_format_and_anchor_override():

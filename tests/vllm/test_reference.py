@@ -113,7 +113,7 @@ def test_store_then_read_is_the_layouts_promise(case):
 
 @settings(max_examples=20, deadline=None)
 @given(length=st.integers(1, 80), cuts=st.lists(st.integers(1, 79), max_size=6),
-       name=st.sampled_from(["3bit", "int8", "4bit"]), anchors=st.sampled_from([None, 1, 4]),
+       name=st.sampled_from(["3bit", "int8", "4bit", "3bit-tcq"]), anchors=st.sampled_from([None, 1, 4]),
        block_size=st.sampled_from([8, 16]), seed=st.integers(0, 1000))
 def test_any_split_into_calls_reads_the_same(length, cuts, name, anchors, block_size, seed):
     """One sequence stored in calls of any sizes (store, attention's read, ring): each call reads its history as the

@@ -45,8 +45,8 @@ def _case(fmt, dtype, heads=2, group=1, head_dim=16, block_size=16, anchors=None
 
 
 # Every format (raw; int8: midrise, no search; 4bit / 2.5bit: lloyd with the search; 3bit: 3-bit keys in a 2-bit and
-# a 1-bit slice, 2-bit values), anchors 0 / 1 / the preset's 4, pages of 16 and 32 slots, padding slots; the scale
-# searches "trials" and "fit" on their own.
+# a 1-bit slice, 2-bit values; trellis codes: 3-bit keys in two slices and 2-bit values, 4-bit both), anchors 0 / 1 /
+# the preset's 4, pages of 16 and 32 slots, padding slots; the scale searches "trials" and "fit" on their own.
 STORE_CASES = {
     "raw fp16": _case("raw", torch.float16),
     "int8 fp32 anchors=0": _case("int8", torch.float32, anchors=0, head_dim=32),
@@ -56,6 +56,9 @@ STORE_CASES = {
     "4bit fp32 D=64 trials": _case("4bit", torch.float32, head_dim=64, contexts=(9,), queries=(20,), search="trials"),
     "4bit fp32 D=64 fit": _case("4bit", torch.float32, head_dim=64, contexts=(9,), queries=(20,), search="fit"),
     "2bit fp16 fit": _case("2bit", torch.float16, contexts=(5, 40), queries=(2, 1), search="fit"),
+    "2.5bit-tcq fp16": _case("2.5bit-tcq", torch.float16, heads=1, contexts=(18,), queries=(3,)),
+    "4bit-tcq fp32 bs=32 anchors=1 trials": _case("4bit-tcq", torch.float32, heads=1, block_size=32, anchors=1,
+                                                  contexts=(20,), queries=(2,), search="trials"),
 }
 
 
@@ -135,6 +138,8 @@ ATTENTION_CASES = {
     "prefill 3bit fp32 completing a ring page": _case("3bit", torch.float32, contexts=(29, 45), queries=(5, 2)),
     "mixed 4bit fp32 bs=32 anchors=1": _case("4bit", torch.float32, block_size=32, anchors=1, contexts=(40, 0, 9),
                                              queries=(1, 7, 2), heads=1, group=2, head_dim=64),
+    "decode 4bit-tcq fp16 G=2": _case("4bit-tcq", torch.float16, group=2),
+    "prefill 2.5bit-tcq fp32 G=3": _case("2.5bit-tcq", torch.float32, group=3, contexts=(0, 33), queries=(5, 18)),
 }
 
 
@@ -182,6 +187,8 @@ SPLIT_CASES = {
                                             queries=(1, 24, 1, 2)), 32, True),
     "mixed 4bit fp16 G=2 bs=32": (_case("4bit", torch.float16, group=2, block_size=32, contexts=(80, 3),
                                         queries=(12, 1)), None, False),
+    "chunk 2bit-tcq G=1 3 splits sinks": (_case("2bit-tcq", torch.float32, heads=1, contexts=(75,), queries=(18,)), 32,
+                                          True),
 }
 
 

@@ -334,13 +334,12 @@ def _gather(tile, col, N: tl.constexpr):
 
 
 @triton.jit
-def _viterbi(x, row_ok, s, bits, j, levels, dd, F: tl.constexpr, E: tl.constexpr):
-    """``trellis.viterbi`` of the rows ``x (M, DC)`` (DC: the whole head_dim) at scales ``s (M,)``: ``(codes (M, DC)
-    int32, cost (M,), levels (M, DC))``, the path's unscaled alphabet values. Each step's decisions (per next state
-    the odd predecessor's bit and the level) are packed into one int32 per row (8 nibbles), kept in a tile like
+def _viterbi(x, row_ok, s, bits, j, levels, dd, F: tl.constexpr, D: tl.constexpr):
+    """``trellis.viterbi`` of the rows ``x (M, DC)`` (DC: the whole head_dim ``D``) at scales ``s (M,)``: ``(codes
+    (M, DC) int32, cost (M,), levels (M, DC))``, the path's unscaled alphabet values. Each step's decisions (per next
+    state the odd predecessor's bit and the level) are packed into one int32 per row (8 nibbles), kept in a tile like
     ``x`` for the traceback; the tie rules and the sums' order are the reference's."""
     W: tl.constexpr = F[F_LEVELS_W]
-    D: tl.constexpr = E[E_D]
     M: tl.constexpr = x.shape[0]
     n = tl.arange(0, TCQ_STATES)
     pred = 2 * (n & 3)  # the even predecessor of each next state; both take branch n >> 2
@@ -386,13 +385,11 @@ def _viterbi(x, row_ok, s, bits, j, levels, dd, F: tl.constexpr, E: tl.constexpr
 
 
 @triton.jit
-def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, E: tl.constexpr):
-    """``trellis.encode`` of the rows ``x (M, DC)`` (the whole head_dim; rows not ``row_ok`` ignored): ``(codes
-    (M, DC) int32, scale (M,))``, the scale an fp16 value. The RMS, each candidate scale's Viterbi path (``SEARCH``:
-    :data:`~flashcodec_fx.codecs.trellis.FACTORS`, else 1), the least-squares refit; every sum sequential along the
-    row as the reference's (the launch turns off FMA contraction)."""
-    D: tl.constexpr = E[E_D]
-    SEARCH: tl.constexpr = E[E_SEARCH]
+def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, D: tl.constexpr, SEARCH: tl.constexpr):
+    """``trellis.encode`` of the rows ``x (M, DC)`` (the whole head_dim ``D``; rows not ``row_ok`` ignored): ``(codes
+    (M, DC) int32, scale (M,))``, the scale an fp16 value. The RMS, each candidate scale's Viterbi path (``SEARCH``
+    nonzero: :data:`~flashcodec_fx.codecs.trellis.FACTORS`, else 1), the least-squares refit; every sum sequential
+    along the row as the reference's (the launch turns off FMA contraction)."""
     M: tl.constexpr = x.shape[0]
     acc = tl.zeros((M,), tl.float32)
     for t in range(D):
@@ -401,9 +398,9 @@ def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, E: tl.conste
     rms = tl.sqrt_rn(tl.math.div_rn(acc, D * 1.0))
     if SEARCH != 0:
         s = _fp16_toward(rms * TCQ_FACTOR_LOW, True)
-        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, E)
+        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, D)
         s2 = _fp16_toward(rms * TCQ_FACTOR_HIGH, True)
-        codes2, cost2, values2 = _viterbi(x, row_ok, s2, bits, j, levels, dd, F, E)
+        codes2, cost2, values2 = _viterbi(x, row_ok, s2, bits, j, levels, dd, F, D)
         take = cost2 < cost  # ties: the first
         codes = tl.where(take[:, None], codes2, codes)
         values = tl.where(take[:, None], values2, values)
@@ -425,7 +422,7 @@ def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, E: tl.conste
         s = tl.where(fit_ok & (err < cost), fit, s)
     else:
         s = _fp16_toward(rms, True)
-        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, E)
+        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, D)
     return codes, s
 
 
@@ -517,7 +514,7 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
                                         1, F, SEARCH)
         if TCQ:  # trellis rows: the Viterbi encoder's codes and scale
             tcq_rows = kind == KIND_TCQ
-            tcq_code, tcq_s = trellis_encode(x, row_ok & tcq_rows, bits, j, levels, dd[None, :], F, E)
+            tcq_code, tcq_s = trellis_encode(x, row_ok & tcq_rows, bits, j, levels, dd[None, :], F, D, SEARCH)
             s = tl.where(tcq_rows, tcq_s, s)
         tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
         if Z > 0:

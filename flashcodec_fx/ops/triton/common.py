@@ -316,14 +316,21 @@ def trellis_index(code, data_ptr, rows_ptr, blk, j, d, ok, bits, bit_off, F: tl.
         ROW_BYTES: tl.constexpr = F[F_ROW_BYTES]
         tcq = tl.load(rows_ptr + ROW_KIND * K + j, mask=(j >= 0) & (j < K), other=0) == KIND_TCQ
         w = tl.where(bits >= 8, 8, tl.where(bits >= 4, 4, tl.where(bits >= 2, 2, 1)))  # the widest slice
-        base = data_ptr + blk * ROW_BYTES
-        m = ok & tcq
-        l1 = _low_bit(base, bit_off, d - 1, m & (d >= 1), w, D)
-        l2 = _low_bit(base, bit_off, d - 2, m & (d >= 2), w, D)
-        l3 = _low_bit(base, bit_off, d - TCQ_WINDOW, m & (d >= TCQ_WINDOW), w, D)
-        index = ((code >> 1) << 2) | l2 | (((code & 1) ^ l1 ^ l3) << 1)
+        index = alphabet_index(code, data_ptr + blk * ROW_BYTES, bit_off, d, ok & tcq, w, D)
         code = tl.where(tcq, index, code)
     return code
+
+
+@triton.jit
+def alphabet_index(code, base, bit_off, d, ok, w, D: tl.constexpr):
+    """``trellis.alphabet_index`` of the trellis codes ``code`` at channels ``d`` of packed rows at byte pointers
+    ``base`` (their widest slice, ``w`` bits wide, at ``bit_off * D / 8``: it holds the low bits): ``((c[t] >> 1) <<
+    2) | l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1``, the low bits ``l`` read at ``d - 1 .. d - 3`` (0 before ``d = 0``
+    and where not ``ok``)."""
+    l1 = _low_bit(base, bit_off, d - 1, ok & (d >= 1), w, D)
+    l2 = _low_bit(base, bit_off, d - 2, ok & (d >= 2), w, D)
+    l3 = _low_bit(base, bit_off, d - TCQ_WINDOW, ok & (d >= TCQ_WINDOW), w, D)
+    return ((code >> 1) << 2) | l2 | (((code & 1) ^ l1 ^ l3) << 1)
 
 
 @triton.jit

@@ -15,7 +15,9 @@
 //
 // Items whose tiles have at most 4 rows (decode steps: the GQA heads of one token) read the code slots directly
 // where token_simd.h's loops serve both codecs (AVX2 / AVX-512): code_scores / code_values expand 8 or 16 codes at a
-// time into levels in a register and feed the tile's rows (row-major queries, no lanes wasted, no level rows written).
+// time into levels in a register and feed the tile's rows (row-major queries, no lanes wasted, no level rows written;
+// trellis codes through TcqCodes, each level from its code and the low bits of the three before it; the other items
+// unpack them with row_levels, which decodes trellis rows the same way).
 
 namespace fc {
 

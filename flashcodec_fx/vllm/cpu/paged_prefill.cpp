@@ -4,8 +4,9 @@
 //
 // - own tokens (raw K / V of this call, causal): GEMM-shaped tiles of kOwnTokens query tokens x kOwnKeys keys.
 // - history (codes): each page of a (request, KV head) is decoded once per call into a scratch of kGroupKeys keys
-//   (keys transposed, values as rows, in the codes' rotated domain: level * scale + zero, plus the page's key mean
-//   rotated for centered keys; the raw rows holding history tokens, PageLayout::read, rotated into it), and every
+//   (keys transposed, values as rows, in the codes' rotated domain: level * scale + zero (row_levels: trellis codes
+//   too), plus the page's key mean rotated for centered keys; the raw rows holding history tokens, PageLayout::read,
+//   rotated into it), and every
 //   query row of the call is attended against it in blocks of kRowBlock rows (the queries rotated
 //   once, R_k q). A long history is split into chunks of pages, each with a softmax state of its own, so that threads
 //   share a request's history without decoding a page twice.

@@ -3,7 +3,8 @@
 // first; then coded keys are centered on the mean of their mean block's raw key rows (added in the reference's
 // order), rotated with the reference's own ATen product (the coded tokens' (n, H, 1, D) fp32 rows times R^T, as
 // codec.prepare computes it, so BLAS rounds it identically) and quantized by quantize.h's quantizer (torch's
-// summation order): the bytes are the reference's, bitwise.
+// summation order; trellis codes, levels="tcq": trellis.h's Viterbi encoder, its sums sequential as the reference's):
+// the bytes are the reference's, bitwise.
 
 namespace fc {
 

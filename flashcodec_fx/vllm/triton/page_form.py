@@ -8,12 +8,13 @@ import triton
 import triton.language as tl
 
 from ...ops.plan import LEVEL_KINDS, stored_form_plan
-from ...ops.triton.common import StreamForm, TupleFields, pow2, stream_tables
+from ...ops.triton.common import StreamForm, TupleFields, alphabet_index, pow2, stream_tables
 from ..page import PageFormat
 
 MAX_HEAD_DIM = 128  # a (D, D) rotation and a tile's whole head_dim live in registers
 MAX_BLOCK_SIZE = 128  # a page's code slots are one tile
 LLOYD_KIND: tl.constexpr = tl.constexpr(LEVEL_KINDS["lloyd"])
+TCQ_KIND: tl.constexpr = tl.constexpr(LEVEL_KINDS["tcq"])
 
 # The fields of the page tuple (:class:`PageConsts`) and of a stream's slot tuple (:class:`SlotConsts`), in tuple
 # order: each declaration is the field and its index (kernels: ``D: tl.constexpr = P[P_D]``).
@@ -28,6 +29,7 @@ P_RAW = _PAGE("raw")  # every row raw
 P_CENTER = _PAGE("center")  # keys coded minus a page mean
 _SLOT = TupleFields("SlotConsts")
 S_BITS = _SLOT("bits")
+S_WIDEST = _SLOT("widest")  # the codes' widest bit slice (it holds their low bits, a trellis code's branch)
 S_KIND = _SLOT("kind")  # ops.plan.LEVEL_KINDS
 S_SEARCH = _SLOT("search")  # the scale search (ops.plan SEARCH_*)
 S_ROTATE = _SLOT("rotate")
@@ -46,7 +48,7 @@ def check_paged_limits(fmt: PageFormat, block_size: int) -> None:
     for slot in fmt.slots:
         if slot.zeros or slot.scales != 1 or slot.codec.quantizer.rows != 1:
             raise ValueError(f"the paged Triton kernels take per-token codes with one scale and no zero point "
-                             f"(levels int / midrise / lloyd), got {slot.codec.spec}")
+                             f"(levels int / midrise / lloyd / tcq), got {slot.codec.spec}")
 
 
 class PageConsts(_PAGE.namedtuple()):
@@ -79,14 +81,15 @@ def stream_args(fmt: PageFormat, device: torch.device) -> list[tuple]:
     if fmt.raw:
         dummy = torch.zeros(1, dtype=torch.float32, device=device)
         form = StreamForm._make((0,) * len(StreamForm._fields)).constexpr()
-        slot = SlotConsts(bits=1, kind=0, search=0, rotate=False, scale=0, code=0).constexpr()
+        slot = SlotConsts(bits=1, widest=1, kind=0, search=0, rotate=False, scale=0, code=0).constexpr()
         return [(form, slot, (dummy, dummy, dummy))] * 2
     out = []
     for slot in fmt.slots:
         plan = stored_form_plan(slot.codec.spec, fmt.head_dim)
         tables = stream_tables(slot.codec, fmt.head_dim, device)
-        consts = SlotConsts(bits=plan.bits[0], kind=plan.level_kind[0], search=plan.search, rotate=plan.rotate,
-                            scale=slot.scale_offset, code=slot.code_offset)
+        bits = plan.bits[0]
+        consts = SlotConsts(bits=bits, widest=1 << (bits.bit_length() - 1), kind=plan.level_kind[0],
+                            search=plan.search, rotate=plan.rotate, scale=slot.scale_offset, code=slot.code_offset)
         out.append((StreamForm.of(plan).constexpr(), consts.constexpr(),
                     (tables.rotation, tables.levels, tables.factors)))
     return out
@@ -119,7 +122,8 @@ def _code_slice(base, d, okd, BITS: tl.constexpr, WIDTH: tl.constexpr, D: tl.con
 @triton.jit
 def slot_rows(slot, ok, levels, S: tl.constexpr, P: tl.constexpr):
     """Decoded rows ``(N, DP)`` fp32 (in the codec's rotated space) of the code slots at byte pointers ``slot (N,)``,
-    zero where not ``ok``: ``level[code] * scale`` (packing: ``codecs/pack.py``, widest slice first)."""
+    zero where not ``ok``: ``level[code] * scale`` (packing: ``codecs/pack.py``, widest slice first); trellis codes
+    index their alphabet by the code and the low bits of the three before it (``alphabet_index``)."""
     D: tl.constexpr = P[P_D]
     DP: tl.constexpr = P[P_DP]
     BITS: tl.constexpr = S[S_BITS]
@@ -129,7 +133,9 @@ def slot_rows(slot, ok, levels, S: tl.constexpr, P: tl.constexpr):
     base = slot[:, None] + S[S_CODE]
     code = _code_slice(base, d, okd, BITS, 8, D) | _code_slice(base, d, okd, BITS, 4, D)
     code |= _code_slice(base, d, okd, BITS, 2, D) | _code_slice(base, d, okd, BITS, 1, D)
-    if S[S_KIND] == LLOYD_KIND:
+    if S[S_KIND] == TCQ_KIND:
+        code = alphabet_index(code, base, 0, d, okd, S[S_WIDEST], D)
+    if S[S_KIND] == LLOYD_KIND or S[S_KIND] == TCQ_KIND:
         level = tl.load(levels + code, mask=okd, other=0.0)
     else:  # affine levels: level[c] = c + level[0]
         level = code.to(tl.float32) + tl.load(levels)

@@ -6,7 +6,9 @@ are centered on the mean of raw key rows the first launch may have written (rows
 rotated (``x @ R^T``, an fp32 ``ieee`` dot), then the quantizer of ``ops.triton.append`` (base scale, the clipping
 search with fp16 scales rounded up, nearest level), the fp16 scale and the packed codes written into the slot's
 bytes. The sums run in another order than torch's, so a code may land one level apart at a rounding tie and the
-search may pick another factor where two errors tie (tests bound both).
+search may pick another factor where two errors tie (tests bound both). Trellis codes (``levels="tcq"``) take
+``ops.triton.append.trellis_encode`` instead: the Viterbi search of ``codecs/trellis.py`` with its sums sequential
+along the row, as the reference's (the launch turns off FMA contraction for them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.triton.append import base_scales, nearest_codes, search_scales
+from ...ops.triton.append import base_scales, nearest_codes, search_scales, trellis_encode
+from ...ops.triton.common import F_TCQ, KIND_TCQ
 from ..page import PageFormat, StorePlan
 from ..reference import page_view
 from .page_form import (
@@ -56,6 +59,23 @@ def _encode_slots(x, row_ok, slot, rot, levels, factors, F: tl.constexpr, S: tl.
     bits = tl.full((BT,), BITS, tl.int32)
     kind = tl.full((BT,), S[S_KIND], tl.int32)
     j = tl.zeros((BT,), tl.int32)
+    if S[S_KIND] == KIND_TCQ:  # trellis codes: the Viterbi search and its scale
+        code, s = trellis_encode(x, row_ok, bits, j, levels, d[None, :], F, D, S[S_SEARCH])
+        code = tl.where(ok, code, 0)
+    else:
+        code, s = _scalar_codes(x, ok, bits, kind, j, levels, factors, F, S, D)
+    tl.store((slot + S[S_SCALE]).to(tl.pointer_type(tl.float16)), s.to(tl.float16), mask=row_ok)
+    base = slot + S[S_CODE]  # codecs/pack.py: power-of-two slices, widest first (it holds the low bits)
+    _store_slice(base, code, row_ok, BITS, 8, D, DP)
+    _store_slice(base, code, row_ok, BITS, 4, D, DP)
+    _store_slice(base, code, row_ok, BITS, 2, D, DP)
+    _store_slice(base, code, row_ok, BITS, 1, D, DP)
+
+
+@triton.jit
+def _scalar_codes(x, ok, bits, kind, j, levels, factors, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+    """Scalar codes ``(BT, DP)`` (zero where not ``ok``) and scales ``(BT,)`` of rows ``x``: the base scale, the
+    clipping search, the nearest level (``ops.triton.append``'s quantizer)."""
     bits2, kind2, j2 = bits[:, None], kind[:, None], j[:, None]
     amax, low, high, rms = base_scales(x, ok, bits2, kind2, 1, D * 1.0)
     s, z, fit_code = search_scales(x, ok, bits2, kind2, j2, levels, factors, amax, low, high, rms, kind, bits, j, 1, F,
@@ -64,12 +84,7 @@ def _encode_slots(x, row_ok, slot, rot, levels, factors, F: tl.constexpr, S: tl.
         code = tl.where(ok, fit_code, 0)
     else:
         code = tl.where(ok, nearest_codes(x, s[:, None], z[:, None], bits2, kind2, j2, levels, F), 0)
-    tl.store((slot + S[S_SCALE]).to(tl.pointer_type(tl.float16)), s.to(tl.float16), mask=row_ok)
-    base = slot + S[S_CODE]  # codecs/pack.py: power-of-two slices, widest first (it holds the low bits)
-    _store_slice(base, code, row_ok, BITS, 8, D, DP)
-    _store_slice(base, code, row_ok, BITS, 4, D, DP)
-    _store_slice(base, code, row_ok, BITS, 2, D, DP)
-    _store_slice(base, code, row_ok, BITS, 1, D, DP)
+    return code, s
 
 
 @triton.jit
@@ -143,7 +158,7 @@ def store_launch(fmt: PageFormat, key: torch.Tensor, value: torch.Tensor, cache:
             slot_mapping.to(torch.int64).contiguous(), *(x.contiguous() for x in plan), n, cache, cache.stride(0),
             cache.stride(1), *kt, *vt)
     consts = {"P": PageConsts.of(fmt, cache.shape[2]).constexpr(), "KF": kf, "KS": ks, "VF": vf, "VS": vs,
-              "BT": STORE_TOKENS, "num_warps": 4}
+              "BT": STORE_TOKENS, "num_warps": 4, "enable_fp_fusion": not (kf[F_TCQ] or vf[F_TCQ])}
     _store_kernel[grid](*args, CODES=False, **consts)
     if not fmt.raw:
         _store_kernel[grid](*args, CODES=True, **consts)
