@@ -98,10 +98,11 @@ GROUPS_QUICK = (("preset 3bit", 0, torch.bfloat16, "encode"), ("dct_keys/dct_key
 GROUP_OPS = ("encode", "decode", "read")
 # The vLLM plugin's paged kernels (flashcodec_fx/vllm/triton): (format, dtype, GQA group, tokens per request, sinks),
 # one per code path: raw pages (no codes), midrise codes without search and no raw rows (int8), lloyd codes with the
-# search, rotation and raw anchors (4bit; 3bit: 3-bit keys as 2+1-bit slices), decode and prefill tiles, sink logits
-# on both, every dtype
+# search, rotation and raw anchors (4bit; 3bit: 3-bit keys as 2+1-bit slices), trellis codes (the Viterbi store, the
+# windowed decode), decode and prefill tiles, sink logits on both, every dtype
 PAGED_QUICK = (("raw", torch.bfloat16, 1, 1, False), ("int8", torch.float16, 4, 1, False),
-               ("4bit", torch.float32, 8, 1, True), ("3bit", torch.bfloat16, 4, 16, True))
+               ("4bit", torch.float32, 8, 1, True), ("3bit", torch.bfloat16, 4, 16, True),
+               ("3bit-tcq", torch.float16, 4, 1, False))
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")  # (the trellis encoder's launches turn fusion off)
 # Shared memory one block may use (opt-in maximum, bytes): a kernel that needs more compiles but fails to launch
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

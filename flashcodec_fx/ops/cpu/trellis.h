@@ -42,14 +42,16 @@ inline uint8_t* tcq_work(size_t bytes) {
 inline int tcq_subset(int s, int branch) { return ((s >> 1) & 1) | (((branch ^ s ^ (s >> 2)) & 1) << 1); }
 
 #if defined(__AVX2__)
-// The forward pass of tcq_viterbi for 1..3 bits (an alphabet of at most 16 values) with the 8 states in the 8 lanes
-// of a register: the same operations in the same order per state (x - v, its square, strict < for the nearest level
-// of each subset in increasing level order, cost + error, the odd predecessor where strictly cheaper), so the same
-// costs and back pointers. cost: the 8 end costs.
+// The forward pass of tcq_viterbi with the 8 states in the 8 lanes of a register, the alphabet (at most 8 * R values:
+// R = 2 up to 3 bits, 4 at 4 bits) in R registers: the same operations in the same order per state (x - v, its
+// square, strict < for the nearest level of each subset in increasing level order, cost + error, the odd predecessor
+// where strictly cheaper), so the same costs and back pointers. cost: the 8 end costs.
+template <int R>
 inline void tcq_forward_avx2(const float* x, int D, int per, const float* values, float* cost, uint8_t* back) {
-  alignas(32) float v[16];
-  for (int a = 0; a < 16; ++a) v[a] = a < 4 * per ? values[a] : 0.0f;
-  const __m256 v0 = _mm256_load_ps(v), v1 = _mm256_load_ps(v + 8);
+  alignas(32) float v[8 * R];
+  for (int a = 0; a < 8 * R; ++a) v[a] = a < 4 * per ? values[a] : 0.0f;
+  __m256 vr[R];
+  for (int r = 0; r < R; ++r) vr[r] = _mm256_load_ps(v + 8 * r);
   // per new state n: its predecessors 2(n&3), 2(n&3)+1 and the subsets their branch n >> 2 leaves them on
   alignas(32) int32_t pe[8], po[8], se[8], so[8];
   for (int n = 0; n < kTcqStates; ++n) {
@@ -66,15 +68,19 @@ inline void tcq_forward_avx2(const float* x, int D, int per, const float* values
   alignas(32) int32_t lane[8];
   for (int t = 0; t < D; ++t) {
     const __m256 xt = _mm256_set1_ps(x[t]);
-    const __m256 d0 = _mm256_sub_ps(xt, v0), d1 = _mm256_sub_ps(xt, v1);
-    const __m256 e0 = _mm256_mul_ps(d0, d0), e1 = _mm256_mul_ps(d1, d1);
     // level i of subset j is alphabet[j + 4i]: lanes j of the 4-lane quarter i
-    __m128 best = _mm256_castps256_ps128(e0);
+    __m128 quarter[2 * R];
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_sub_ps(xt, vr[r]);
+      const __m256 e = _mm256_mul_ps(d, d);
+      quarter[2 * r] = _mm256_castps256_ps128(e);
+      quarter[2 * r + 1] = _mm256_extractf128_ps(e, 1);
+    }
+    __m128 best = quarter[0];
     __m128i idx = _mm_setzero_si128();
-    const __m128 cand[3] = {_mm256_extractf128_ps(e0, 1), _mm256_castps256_ps128(e1), _mm256_extractf128_ps(e1, 1)};
     for (int i = 1; i < per; ++i) {
-      const __m128 closer = _mm_cmplt_ps(cand[i - 1], best);
-      best = _mm_blendv_ps(best, cand[i - 1], closer);
+      const __m128 closer = _mm_cmplt_ps(quarter[i], best);
+      best = _mm_blendv_ps(best, quarter[i], closer);
       idx = _mm_blendv_epi8(idx, _mm_set1_epi32(i), _mm_castps_si128(closer));
     }
     const __m256 best8 = _mm256_set_m128(best, best);
@@ -104,12 +110,12 @@ inline float tcq_viterbi(const float* x, int D, int bits, const float* alphabet,
   const float inf = std::numeric_limits<float>::infinity();
   float cost[kTcqStates], next[kTcqStates];
   for (int s = 0; s < kTcqStates; ++s) cost[s] = s == 0 ? 0.0f : inf;
-  int t0 = 0;  // the first step of the portable forward pass (D: done by the SIMD one)
 #if defined(__AVX2__)
-  if (bits <= 3) {
-    tcq_forward_avx2(x, D, per, values, cost, back);
-    t0 = D;
-  }
+  if (bits <= 3) tcq_forward_avx2<2>(x, D, per, values, cost, back);
+  else tcq_forward_avx2<4>(x, D, per, values, cost, back);
+  const int t0 = D;  // the first step of the portable forward pass (D: done by the SIMD one)
+#else
+  const int t0 = 0;
 #endif
   for (int t = t0; t < D; ++t) {
     float best[4];
