@@ -12,7 +12,7 @@ from flashcodec_fx.ops.plan import stored_form_plan
 from flashcodec_fx.ops.reference.append import append_reference, completable_groups
 from flashcodec_fx.ops.reference.read import read_reference
 from flashcodec_fx.ops.triton import append as module
-from flashcodec_fx.ops.triton.append import E_D, E_DP, E_RP, EncodeTiles, trellis_encode, triton_append
+from flashcodec_fx.ops.triton.append import E_D, E_DP, E_RP, E_SEARCH, EncodeTiles, trellis_encode, triton_append
 from flashcodec_fx.ops.triton.common import StreamForm, stream_tables
 
 triton = pytest.importorskip("triton")  # (present: _triton_cases skips the module otherwise)
@@ -281,7 +281,7 @@ def _trellis_rows_kernel(x_ptr, codes_ptr, scale_ptr, rows_t, levels, N, F: tl.c
     ok = row_ok[:, None] & (dd < D)
     x = tl.load(x_ptr + r[:, None] * D + dd, mask=ok, other=0.0)
     j = tl.zeros(r.shape, tl.int32)
-    codes, scale = trellis_encode(x, row_ok, tl.load(rows_t + j), j, levels, dd, F, E)
+    codes, scale = trellis_encode(x, row_ok, tl.load(rows_t + j), j, levels, dd, F, D, E[E_SEARCH])
     tl.store(codes_ptr + r[:, None] * D + dd, codes, mask=ok)
     tl.store(scale_ptr + r, scale, mask=row_ok)
 
