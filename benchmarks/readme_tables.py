@@ -270,14 +270,29 @@ def trellis_table() -> str:
 
 # Issue 42's other protocols: (JSON, model) of bench_ppl runs with every scalar preset beside its trellis twin.
 TRELLIS_CHECKS = (("ppl_trellis_presets", "SmolLM2-135M-Instruct"), ("ppl_trellis_gemma3", "gemma-3-270m"),
-                  ("ppl_trellis_decode", "SmolLM2-135M-Instruct"))
+                  ("ppl_trellis_decode", "SmolLM2-135M-Instruct"), ("ppl_trellis_texts", "SmolLM2-135M-Instruct"),
+                  ("ppl_trellis_4k", "SmolLM2-135M-Instruct"), ("ppl_trellis_outliers", "SmolLM2-135M-Instruct"))
 
 
 def _protocol(result: dict[str, Any]) -> str:
     p = result["protocol"]
     if p["chunk"] == 1:
-        return f"token by token, {p['windows']} x ({p['prefill']} + {p['scored_tokens_per_window']})"
-    return f"streaming, {p['windows']} x {p['window_tokens']}"
+        text = f"token by token, {p['windows']} x ({p['prefill']} + {p['scored_tokens_per_window']})"
+    else:
+        text = f"streaming, {p['windows']} x {p['window_tokens']}"
+    if p.get("outliers"):
+        text += f", x{p['outliers']:g} outlier channels"
+    return text
+
+
+def _kl_parts(result: dict[str, Any], model: str, row: dict[str, Any]) -> list[tuple[str, float]]:
+    """``(label, KL)`` of a bench_ppl row: per text where the run's texts are not the default prose (each text's
+    kind: dialogue, code), else its mean."""
+    texts = result["protocol"].get("texts", ["prose"])
+    if texts == ["prose"]:
+        return [("", row["kl"])]
+    kinds = result["models"][model]["text_kinds"]
+    return [(f", {kinds[name]}", kl) for name, kl in row["kl_per_text"].items()]
 
 
 def trellis_checks_table() -> str:
@@ -298,9 +313,12 @@ def trellis_checks_table() -> str:
                 continue
             assert (scalar["bits_end"], scalar["bits_worst"]) == (twin["bits_end"], twin["bits_worst"]), tier
             preset = tier[len(prefix):]
-            lines.append(f"| {_short(model)}, {_protocol(result)} | `{preset}` / `{preset}-tcq` | "
-                         f"{scalar['bits_end']:.2f} ({scalar['bits_worst']:.2f}) | {kl_cell(scalar)} | "
-                         f"{kl_cell(twin)} | {twin['kl'] / scalar['kl']:.2f} |")
+            for (label, kl_scalar), (_, kl_twin) in zip(_kl_parts(result, model, scalar),
+                                                        _kl_parts(result, model, twin), strict=True):
+                lines.append(f"| {_short(model)}, {_protocol(result)}{label} | `{preset}` / `{preset}-tcq` | "
+                             f"{scalar['bits_end']:.2f} ({scalar['bits_worst']:.2f}) | "
+                             f"{kl_cell({**scalar, 'kl': kl_scalar})} | {kl_cell({**twin, 'kl': kl_twin})} | "
+                             f"{kl_twin / kl_scalar:.2f} |")
     return "\n".join(lines) + "\n\n" + provenance(*(name for name, _ in runs))
 
 
