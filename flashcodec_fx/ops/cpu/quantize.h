@@ -318,6 +318,26 @@ inline void rounded_row(const float* table, int lo, int hi, const float* x, int 
   }
 }
 
+// The largest |x[i]| of n values (0 when n is 0). A max is exact in any order, so 16 lanes each keep their own
+// (an elementwise max the compiler vectorizes; a reduction pragma left it one serial chain), then across the lanes
+// by halves; a NaN is skipped as std::max skips it.
+inline float abs_max(const float* x, int n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) lane[l] = std::max(lane[l], std::fabs(x[i + l]));
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2) {  // across the lanes by halves: log2(16) steps, not 16
+#pragma omp simd
+    for (int l = 0; l < width; ++l) lane[l] = std::max(lane[l], lane[l + width]);
+  }
+  float amax = lane[0];
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
 // The base (no-clipping) scale and zero of a slice of class k (levels.base_scale and the shared-step rule).
 inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, int blocks, float* sq, float& base,
                        float& zero) {
@@ -344,9 +364,7 @@ inline void base_scale(const Codec& c, int k, const Slice& s, bool shared_step, 
     for (int i = 0; i < s.n; ++i) sq[i] = s.x[i] * s.x[i];
     base = std::sqrt(s.sum(c, sq) / static_cast<float>(s.n));
   } else {
-    float amax = 0.0f;
-    for (int i = 0; i < s.n; ++i) amax = std::max(amax, std::fabs(s.x[i]));
-    base = amax / (kind == kInt ? static_cast<float>(qmax_of(bits)) : static_cast<float>(1 << (bits - 1)));
+    base = abs_max(s.x, s.n) / (kind == kInt ? static_cast<float>(qmax_of(bits)) : static_cast<float>(1 << (bits - 1)));
   }
 }
 
@@ -381,9 +399,7 @@ inline void fit_slice(const Codec& c, int k, const Slice& s, bool shared_step, i
   float base, zero0;
   base_scale(c, k, s, shared_step, blocks, sq, base, zero0);
   const float* line = c.factors + c.n_shrink + c.n_lloyd + 2 * k;
-  float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-  for (int i = 0; i < s.n; ++i) amax = std::max(amax, std::fabs(s.x[i]));
+  const float amax = abs_max(s.x, s.n);
   const float ratio = amax / (base > 0.0f ? base : 1.0f);
   const float f = std::min(std::max(ratio * line[0] + line[1], kFitLo), kFitHi);
   candidate(kind, bits, base, zero0, f, scale, zero);

@@ -10,26 +10,29 @@ namespace fc {
 
 namespace {
 
-// Coded tokens' rows of one stream, (n, H, 1, D) fp32, minus their page mean when `centers` (mean blocks' raw key
-// rows), rotated as the reference's encode (its 1x1 DCT: the identity).
-at::Tensor prepared_rows(const TokenRows& x, const std::vector<int64_t>& tokens, int64_t H, int64_t D,
-                         const Codec& c, const std::vector<at::Tensor>& plan, const PageLayout& p, uint8_t* base,
-                         const int64_t* centers) {
+// Coded tokens' rows of one stream, (n * H, D) fp32 at `out`, minus their page mean when `centers` (mean blocks' raw
+// key rows), rotated as the reference's encode (its 1x1 DCT: the identity): the (n * H, D) rows times R^T in one BLAS
+// product, the one the reference's matmul folds its (n, H, 1, D) rows into. `out` and `scratch` (the rows before the
+// rotation) are thread-local workspaces kept between calls: fresh buffers of a prefill's size page-fault every call.
+void prepared_rows(const TokenRows& x, const std::vector<int64_t>& tokens, int64_t H, int64_t D, const Codec& c,
+                   const std::vector<at::Tensor>& plan, const PageLayout& p, uint8_t* base, const int64_t* centers,
+                   float* out, float* scratch) {
   const int64_t n = static_cast<int64_t>(tokens.size());
-  at::Tensor rows = at::empty({n, H, 1, D}, at::TensorOptions().dtype(at::kFloat));
-  float* pr = rows.data_ptr<float>();
+  float* pr = c.rotate ? scratch : out;
   at::parallel_for(0, n * H, 64, [&](int64_t i0, int64_t i1) {
     std::vector<float> mean(D), row(D);
     for (int64_t i = i0; i < i1; ++i) {
-      float* out = pr + i * D;
-      to_float(x.at(tokens[i / H], i % H), x.dtype, out, static_cast<int>(D));
+      float* dst = pr + i * D;
+      to_float(x.at(tokens[i / H], i % H), x.dtype, dst, static_cast<int>(D));
       if (centers == nullptr) continue;
       p.key_mean(p.page(base, centers[tokens[i / H]], i % H), mean.data(), row.data());
-      for (int64_t d = 0; d < D; ++d) out[d] -= mean[d];
+      for (int64_t d = 0; d < D; ++d) dst[d] -= mean[d];
     }
   });
-  if (c.rotate) rows = at::matmul(rows, plan[4].t());
-  return rows.contiguous();  // the 1x1 DCT (analysis @ blocks) is [[1.0]] @ row: the row itself
+  if (!c.rotate) return;
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor rotated = at::from_blob(out, {n * H, D}, fp32);
+  at::mm_out(rotated, at::from_blob(scratch, {n * H, D}, fp32), plan[4].t());
 }
 
 }  // namespace
@@ -64,10 +67,12 @@ void paged_store(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   if (coded.empty()) return;
   const Codec ck = Codec::parse(kplan), cv = Codec::parse(vplan);
   TORCH_CHECK(ck.r == 1 && ck.dense == 1 && cv.r == 1 && cv.dense == 1, "page slots hold one-token blocks");
-  const at::Tensor xk = prepared_rows(k, coded, H, D, ck, kplan, p, base, p.center ? centers : nullptr);
-  const at::Tensor xv = prepared_rows(v, coded, H, D, cv, vplan, p, base, nullptr);
-  const float *pk = xk.data_ptr<float>(), *pv = xv.data_ptr<float>();
   const int64_t n_coded = static_cast<int64_t>(coded.size()), used = p.v_code + cv.row_bytes;
+  float* pk = workspace(kWorkTransform, n_coded * H * D);
+  float* pv = workspace(kWorkRows, n_coded * H * D);
+  float* scratch = workspace(kWorkInputs, n_coded * H * D);
+  prepared_rows(k, coded, H, D, ck, kplan, p, base, p.center ? centers : nullptr, pk, scratch);
+  prepared_rows(v, coded, H, D, cv, vplan, p, base, nullptr, pv, scratch);
   at::parallel_for(0, n_coded * H, 16, [&](int64_t i0, int64_t i1) {
     std::vector<float> xbuf, sq;
     std::vector<int> rbuf;
