@@ -322,7 +322,7 @@ def trellis_checks_table() -> str:
     return "\n".join(lines) + "\n\n" + provenance(*(name for name, _ in runs))
 
 
-TRELLIS_PASSKEY = ("passkey_trellis", "passkey_trellis_3keys")  # issue 42: one key per depth, then three
+TRELLIS_PASSKEY = ("passkey_trellis", "passkey_trellis_3keys", "passkey_trellis_9keys")  # issue 42: 1, 3, 9 keys per depth
 
 
 def trellis_passkey_table() -> str:
