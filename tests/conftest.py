@@ -11,6 +11,7 @@ unshared copy instead.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -51,6 +52,15 @@ VOCAB = 256
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=None,
                tie_word_embeddings=False)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``) each worker's torch takes its share of the cores (at least one): N workers of
+    the machine's default thread count each would oversubscribe it, and PyTorch's OpenMP threads collapse beside
+    another busy process (DESIGN.md)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(workers)))
 
 
 @pytest.fixture(autouse=True)
