@@ -1,0 +1,121 @@
+"""Per-layer bit allocation within a bits budget: calibrate on one kind of text, judge on bench_ppl's protocol.
+
+    python benchmarks/bench_allocate.py --out benchmarks/results/allocate_smollm2.json   # ~20 minutes, one thread
+
+Calibration (``flashcodec_fx.evaluate.allocate.layer_gains``): ``--calibration-windows`` windows of
+``--calibration-texts`` (default: 2 x 1024 tokens of dialogue, text the judged windows do not hold) streamed through
+the raw cache, the base recipe (3-bit trellis keys, 2-bit trellis values, 4 raw sinks each, no raw window) and, for
+every layer, the base with that layer's values at 3 bits; the layers whose upgrade lowered the KL most are upgraded,
+as many as fit ``--budget`` bits/value as stored (bench_ppl's count: the most over lengths 897..1024, one prefill then
+single tokens, a bf16 cache). Judged on bench_ppl's streaming protocol (6 x 1024 tokens of prose, prefill 128,
+chunks of 16) beside the ``3bit`` preset, its trellis twin, the best uniform recipe found within 3.0 bits (keys'
+newest 23 raw, docs/quantization.md), the base, and the same number of upgraded layers taken from the front (a rule
+that needs no calibration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+from bench_ppl import MODELS, Candidate, _kv_shape, stored_bits, stream_all
+from common import write_result
+from corpus import KINDS, leading_tokens, load_tokens, windows
+
+from flashcodec_fx.evaluate import Tier
+from flashcodec_fx.evaluate.allocate import layer_gains, upgraded
+
+FAMILY = "flashcodec per-layer allocation (issue 42)"
+PREFILL, CHUNK = 128, 16
+
+
+def _trellis(bits: int, window: int, center: bool) -> dict[str, Any]:
+    return {"mode": "jpeg", "block_size": 1, "quant_bits": bits, "levels": "tcq", "rotate": True, "center": center,
+            "normalize": True, "scale_search": "fit", "sinks": 4, "window": window}
+
+
+BASE = {"key_options": _trellis(3, 0, True), "value_options": _trellis(2, 0, False)}
+UPGRADE = {"value_options": {"quant_bits": 3}}
+BEST_UNIFORM = {"key_options": _trellis(3, 23, True), "value_options": _trellis(2, 0, False)}
+
+
+def fitting(model: Any, ranked: list[int], budget: float, count: int, length: int) -> tuple[int, dict]:
+    """The most layers of ``ranked`` (in order) whose upgrade keeps the recipe within ``budget`` bits (worst case),
+    with its bits."""
+    best = (0, stored_bits(model, Tier("base", BASE), count, length, PREFILL, CHUNK))
+    lo, hi = 1, len(ranked)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        bits = stored_bits(model, Tier("try", upgraded(BASE, UPGRADE, ranked[:mid])), count, length, PREFILL, CHUNK)
+        if bits["bits_worst"] <= budget:
+            best, lo = (mid, bits), mid + 1
+        else:
+            hi = mid - 1
+    if best[1]["bits_worst"] > budget:
+        raise SystemExit(f"the base recipe alone stores {best[1]['bits_worst']:.3f} bits/value, over --budget {budget}")
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--budget", type=float, default=3.0, help="bits/value as stored, worst case (default 3.0)")
+    parser.add_argument("--calibration-texts", choices=sorted(KINDS), default="dialogue")
+    parser.add_argument("--calibration-windows", type=int, default=2)
+    parser.add_argument("--judge-texts", choices=sorted(KINDS), default="prose")
+    parser.add_argument("--windows", type=int, default=6, help="judged windows (default 6, bench_ppl's)")
+    parser.add_argument("--window-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="JSON path (default results/allocate.json)")
+    args = parser.parse_args(argv)
+    if args.calibration_texts == args.judge_texts:
+        parser.error("--calibration-texts must differ from --judge-texts (a layer ranking judged on its own text "
+                     "is in-sample)")
+    torch.set_num_threads(args.threads)
+    from flashcodec_fx.pretrained import load_pretrained
+
+    start = time.perf_counter()
+    model, tokenizer = load_pretrained(MODELS[args.model], dtype=torch.float32)
+    lead = leading_tokens(tokenizer)
+    calibration = windows(load_tokens(tokenizer, KINDS[args.calibration_texts]), args.calibration_windows,
+                          args.window_tokens, lead)
+    gains = layer_gains(model, calibration, BASE, UPGRADE, prefill=PREFILL, chunk=CHUNK)
+    ranked = gains.ranked()
+    print(f"calibrated on {args.calibration_windows} x {args.window_tokens} tokens of {args.calibration_texts}: base "
+          f"KL {gains.base_kl:.4e}; layers by gain {[(i, round(gains.gains[i], 5)) for i in ranked]}", flush=True)
+    upgraded_count, bits = fitting(model, ranked, args.budget, args.windows, args.window_tokens)
+    chosen = ranked[:upgraded_count]
+    print(f"{upgraded_count} layers fit {args.budget} bits ({bits['bits_worst']:.3f} worst): {chosen}", flush=True)
+    layers = _kv_shape(model.config)[0]
+    tiers = [
+        Candidate("flashcodec", Tier("flashcodec 3bit", {"preset": "3bit"})),
+        Candidate("flashcodec", Tier("flashcodec 3bit-tcq", {"preset": "3bit-tcq"})),
+        Candidate(FAMILY, Tier("tcq K3 W23 + V2 W0 (best uniform)", BEST_UNIFORM)),
+        Candidate(FAMILY, Tier("base: tcq K3 W0 + V2 W0", BASE)),
+        Candidate(FAMILY, Tier(f"base + V3 in {upgraded_count} calibrated layers", upgraded(BASE, UPGRADE, chosen))),
+        Candidate(FAMILY, Tier(f"base + V3 in the first {upgraded_count} layers",
+                               upgraded(BASE, UPGRADE, list(range(upgraded_count))))),
+    ]
+    judged = windows(load_tokens(tokenizer, KINDS[args.judge_texts]), args.windows, args.window_tokens, lead)
+    rows = stream_all(model, judged, tiers, PREFILL, CHUNK)
+    for row, cand in zip(rows, [None] + tiers, strict=True):
+        if cand is not None:
+            row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, PREFILL, CHUNK))
+        print(f"  {row['tier']}: KL {row['kl']:.4e}, bits {row.get('bits_worst', 16):.3f} (worst)", flush=True)
+    payload = {
+        "model": MODELS[args.model], "layers": layers, "budget": args.budget,
+        "calibration": {"texts": args.calibration_texts, "windows": args.calibration_windows,
+                        "window_tokens": args.window_tokens, "base": BASE, "upgrade": UPGRADE,
+                        "base_kl": gains.base_kl, "layer_kl": dict(gains.layer_kl), "ranked": ranked,
+                        "upgraded": chosen},
+        "protocol": {"texts": args.judge_texts, "windows": args.windows, "window_tokens": args.window_tokens,
+                     "prefill": PREFILL, "chunk": CHUNK, "threads": args.threads},
+        "rows": rows, "total_seconds": time.perf_counter() - start,
+    }
+    print(f"wrote {write_result('allocate', payload, out=args.out)}")
+
+
+if __name__ == "__main__":
+    main()
