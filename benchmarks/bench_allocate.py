@@ -8,15 +8,21 @@ the raw cache, the base recipe (3-bit trellis keys, 2-bit trellis values, 4 raw 
 every layer, the base with that layer's values at 3 bits; the layers whose upgrade lowered the KL most are upgraded,
 as many as fit ``--budget`` bits/value as stored (bench_ppl's count: the most over lengths 897..1024, one prefill then
 single tokens, a bf16 cache). Judged on bench_ppl's streaming protocol (6 x 1024 tokens of prose, prefill 128,
-chunks of 16) beside the ``3bit`` preset, its trellis twin, the best uniform recipe found within 3.0 bits (keys'
-newest 23 raw, docs/quantization.md), the base, and the same number of upgraded layers taken from the front (a rule
-that needs no calibration).
+chunks of 16; ``--prefill 896 --chunk 1``: token by token, as ``generate()`` reads the cache) beside the ``3bit``
+preset, its trellis twin, the best uniform recipe found within 3.0 bits (keys' newest 23 raw, docs/quantization.md),
+the base, and the same number of upgraded layers taken from the front (a rule that needs no calibration).
+``--calibration FILE`` judges the upgrade of an earlier run's JSON instead of calibrating again (the same model):
+
+    python benchmarks/bench_allocate.py --calibration benchmarks/results/allocate_smollm2.json --prefill 896 \
+        --chunk 1 --out benchmarks/results/allocate_smollm2_decode.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +34,7 @@ from flashcodec_fx.evaluate import Tier
 from flashcodec_fx.evaluate.allocate import layer_gains, upgraded
 
 FAMILY = "flashcodec per-layer allocation (issue 42)"
-PREFILL, CHUNK = 128, 16
+PREFILL, CHUNK = 128, 16  # the calibration's streaming protocol, and the bits' count (bench_ppl's)
 
 
 def _trellis(bits: int, window: int, center: bool) -> dict[str, Any]:
@@ -67,27 +73,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--judge-texts", choices=sorted(KINDS), default="prose")
     parser.add_argument("--windows", type=int, default=6, help="judged windows (default 6, bench_ppl's)")
     parser.add_argument("--window-tokens", type=int, default=1024)
+    parser.add_argument("--prefill", type=int, default=PREFILL, help=f"judged protocol's prefill (default {PREFILL})")
+    parser.add_argument("--chunk", type=int, default=CHUNK, help=f"judged protocol's chunk (default {CHUNK}; 1: token "
+                        "by token)")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="JSON",
+                        help="judge the upgraded layers of this earlier run (its model) instead of calibrating")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="JSON path (default results/allocate.json)")
     args = parser.parse_args(argv)
-    if args.calibration_texts == args.judge_texts:
-        parser.error("--calibration-texts must differ from --judge-texts (a layer ranking judged on its own text "
-                     "is in-sample)")
+    earlier = json.loads(args.calibration.read_text()) if args.calibration is not None else None
+    if earlier is not None and (earlier["model"] != MODELS[args.model] or earlier["calibration"]["base"] != BASE):
+        parser.error(f"--calibration {args.calibration} calibrated {earlier['model']} on another base recipe; this "
+                     f"run judges {MODELS[args.model]} on {BASE}")
+    calibration_texts = args.calibration_texts if earlier is None else earlier["calibration"]["texts"]
+    if calibration_texts == args.judge_texts:
+        parser.error(f"the calibration text ({calibration_texts}) must differ from --judge-texts (a layer ranking "
+                     "judged on its own text is in-sample)")
     torch.set_num_threads(args.threads)
     from flashcodec_fx.pretrained import load_pretrained
 
     start = time.perf_counter()
     model, tokenizer = load_pretrained(MODELS[args.model], dtype=torch.float32)
     lead = leading_tokens(tokenizer)
-    calibration = windows(load_tokens(tokenizer, KINDS[args.calibration_texts]), args.calibration_windows,
-                          args.window_tokens, lead)
-    gains = layer_gains(model, calibration, BASE, UPGRADE, prefill=PREFILL, chunk=CHUNK)
-    ranked = gains.ranked()
-    print(f"calibrated on {args.calibration_windows} x {args.window_tokens} tokens of {args.calibration_texts}: base "
-          f"KL {gains.base_kl:.4e}; layers by gain {[(i, round(gains.gains[i], 5)) for i in ranked]}", flush=True)
-    upgraded_count, bits = fitting(model, ranked, args.budget, args.windows, args.window_tokens)
-    chosen = ranked[:upgraded_count]
-    print(f"{upgraded_count} layers fit {args.budget} bits ({bits['bits_worst']:.3f} worst): {chosen}", flush=True)
+    if earlier is None:
+        calibration = windows(load_tokens(tokenizer, KINDS[args.calibration_texts]), args.calibration_windows,
+                              args.window_tokens, lead)
+        gains = layer_gains(model, calibration, BASE, UPGRADE, prefill=PREFILL, chunk=CHUNK)
+        ranked = gains.ranked()
+        print(f"calibrated on {args.calibration_windows} x {args.window_tokens} tokens of {args.calibration_texts}: "
+              f"base KL {gains.base_kl:.4e}; layers by gain {[(i, round(gains.gains[i], 5)) for i in ranked]}",
+              flush=True)
+        upgraded_count, bits = fitting(model, ranked, args.budget, args.windows, args.window_tokens)
+        chosen = ranked[:upgraded_count]
+        print(f"{upgraded_count} layers fit {args.budget} bits ({bits['bits_worst']:.3f} worst)", flush=True)
+        calibrated = {"texts": args.calibration_texts, "windows": args.calibration_windows,
+                      "window_tokens": args.window_tokens, "base": BASE, "upgrade": UPGRADE,
+                      "base_kl": gains.base_kl, "layer_kl": dict(gains.layer_kl), "ranked": ranked, "upgraded": chosen}
+    else:
+        calibrated = dict(earlier["calibration"], source=str(args.calibration))
+        chosen = calibrated["upgraded"]
+        upgraded_count = len(chosen)
+    print(f"{upgraded_count} layers upgraded: {chosen}", flush=True)
     layers = _kv_shape(model.config)[0]
     tiers = [
         Candidate("flashcodec", Tier("flashcodec 3bit", {"preset": "3bit"})),
@@ -99,19 +125,16 @@ def main(argv: list[str] | None = None) -> None:
                                upgraded(BASE, UPGRADE, list(range(upgraded_count))))),
     ]
     judged = windows(load_tokens(tokenizer, KINDS[args.judge_texts]), args.windows, args.window_tokens, lead)
-    rows = stream_all(model, judged, tiers, PREFILL, CHUNK)
+    rows = stream_all(model, judged, tiers, args.prefill, args.chunk)
     for row, cand in zip(rows, [None] + tiers, strict=True):
         if cand is not None:
             row.update(stored_bits(model, cand.tier, args.windows, args.window_tokens, PREFILL, CHUNK))
         print(f"  {row['tier']}: KL {row['kl']:.4e}, bits {row.get('bits_worst', 16):.3f} (worst)", flush=True)
     payload = {
         "model": MODELS[args.model], "layers": layers, "budget": args.budget,
-        "calibration": {"texts": args.calibration_texts, "windows": args.calibration_windows,
-                        "window_tokens": args.window_tokens, "base": BASE, "upgrade": UPGRADE,
-                        "base_kl": gains.base_kl, "layer_kl": dict(gains.layer_kl), "ranked": ranked,
-                        "upgraded": chosen},
+        "calibration": calibrated,
         "protocol": {"texts": args.judge_texts, "windows": args.windows, "window_tokens": args.window_tokens,
-                     "prefill": PREFILL, "chunk": CHUNK, "threads": args.threads},
+                     "prefill": args.prefill, "chunk": args.chunk, "threads": args.threads},
         "rows": rows, "total_seconds": time.perf_counter() - start,
     }
     print(f"wrote {write_result('allocate', payload, out=args.out)}")

@@ -271,7 +271,9 @@ def trellis_table() -> str:
 # Issue 42's other protocols: (JSON, model) of bench_ppl runs with every scalar preset beside its trellis twin.
 TRELLIS_CHECKS = (("ppl_trellis_presets", "SmolLM2-135M-Instruct"), ("ppl_trellis_gemma3", "gemma-3-270m"),
                   ("ppl_trellis_decode", "SmolLM2-135M-Instruct"), ("ppl_trellis_texts", "SmolLM2-135M-Instruct"),
-                  ("ppl_trellis_4k", "SmolLM2-135M-Instruct"), ("ppl_trellis_outliers", "SmolLM2-135M-Instruct"))
+                  ("ppl_trellis_4k", "SmolLM2-135M-Instruct"), ("ppl_trellis_outliers", "SmolLM2-135M-Instruct"),
+                  ("ppl_trellis_outliers_6w", "SmolLM2-135M-Instruct"),
+                  ("ppl_trellis_dialogue_8w", "SmolLM2-135M-Instruct"))
 
 
 def _protocol(result: dict[str, Any]) -> str:
@@ -285,25 +287,29 @@ def _protocol(result: dict[str, Any]) -> str:
     return text
 
 
-def _kl_parts(result: dict[str, Any], model: str, row: dict[str, Any]) -> list[tuple[str, float]]:
-    """``(label, KL)`` of a bench_ppl row: per text where the run's texts are not the default prose (each text's
-    kind: dialogue, code), else its mean."""
+def _kl_parts(result: dict[str, Any], model: str, row: dict[str, Any]) -> list[tuple[str, float, list[float]]]:
+    """``(label, KL, KL per window)`` of a bench_ppl row: per text where the run's texts are not the default prose
+    (each text's kind: dialogue, code; the windows of that text), else its mean and every window."""
     texts = result["protocol"].get("texts", ["prose"])
     if texts == ["prose"]:
-        return [("", row["kl"])]
-    kinds = result["models"][model]["text_kinds"]
-    return [(f", {kinds[name]}", kl) for name, kl in row["kl_per_text"].items()]
+        return [("", row["kl"], row["kl_per_window"])]
+    info = result["models"][model]
+    kinds = info["text_kinds"]
+    return [(f", {kinds[name]}", kl, [w for w, t in zip(row["kl_per_window"], info["window_texts"], strict=True)
+                                      if t == name])
+            for name, kl in row["kl_per_text"].items()]
 
 
 def trellis_checks_table() -> str:
     """Each scalar preset beside its trellis twin in every run of ``TRELLIS_CHECKS`` whose JSON is committed: model
-    and protocol, bits as stored (equal), KL of each and the twin's over the scalar preset's."""
+    and protocol, bits as stored (equal), KL of each, the twin's over the scalar preset's, and the least and most of
+    that ratio window by window (the same windows: how far one window's ratio strays from the mean's)."""
     import bench_ppl
 
     prefix = f"{bench_ppl.FLASHCODEC} "
     runs = [(name, model) for name, model in TRELLIS_CHECKS if (RESULTS / f"{name}.json").exists()]
-    lines = ["| model, protocol | preset | bits (worst) | KL vs raw, scalar codes | KL vs raw, `-tcq` twin | ratio |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| model, protocol | preset | bits (worst) | KL vs raw, scalar codes | KL vs raw, `-tcq` twin | ratio | "
+             "per window |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, model in runs:
         result = load(name)
         by_tier = {r["tier"]: r for r in result["models"][model]["rows"]}
@@ -313,12 +319,13 @@ def trellis_checks_table() -> str:
                 continue
             assert (scalar["bits_end"], scalar["bits_worst"]) == (twin["bits_end"], twin["bits_worst"]), tier
             preset = tier[len(prefix):]
-            for (label, kl_scalar), (_, kl_twin) in zip(_kl_parts(result, model, scalar),
-                                                        _kl_parts(result, model, twin), strict=True):
+            for (label, kl_scalar, scalar_windows), (_, kl_twin, twin_windows) in zip(
+                    _kl_parts(result, model, scalar), _kl_parts(result, model, twin), strict=True):
+                ratios = [t / s for s, t in zip(scalar_windows, twin_windows, strict=True)]
                 lines.append(f"| {_short(model)}, {_protocol(result)}{label} | `{preset}` / `{preset}-tcq` | "
                              f"{scalar['bits_end']:.2f} ({scalar['bits_worst']:.2f}) | "
                              f"{kl_cell({**scalar, 'kl': kl_scalar})} | {kl_cell({**twin, 'kl': kl_twin})} | "
-                             f"{kl_twin / kl_scalar:.2f} |")
+                             f"{kl_twin / kl_scalar:.2f} | {min(ratios):.2f}-{max(ratios):.2f} |")
     return "\n".join(lines) + "\n\n" + provenance(*(name for name, _ in runs))
 
 
