@@ -3,6 +3,7 @@
     python benchmarks/bench_trellis.py                      # Gaussian MSE, then KL on SmolLM2 (3 x 1024 tokens)
     python benchmarks/bench_trellis.py --mse-only --rows 2000
     python benchmarks/bench_trellis.py --speed --threads 1    # attention on the stored form: presets vs their tcq codes
+    python benchmarks/bench_trellis.py --streams --windows 2  # each stream's error: presets vs twins, with outliers
 
 Trellises (``trellis_probe_lib.py``, plain torch): an 8-state Ungerboeck TCQ (alphabet ``0.9 x`` the ``(b+1)``-bit
 Lloyd-Max levels in four subsets, state = the last three branch bits), the same trellis with its ``8 x 2**b`` table
@@ -21,6 +22,14 @@ Speed (``--speed``): ``bench_attention.bench`` (single-token decode attention of
 rounds, the C++ kernel through ``torch.ops.flashcodec.codec_attention``) for each preset and the same preset with
 ``levels="tcq"`` (the package's trellis codes, ``codecs/trellis.py``), at 4k and 16k tokens, 1 and 30 layers cycled.
 Output: results/trellis_speed.json.
+
+Streams (``--streams``): where a twin's gain goes, stream by stream. SmolLM2's keys and values of ``--windows``
+windows of prose (the raw cache's, after rotary), as given and with x16 outlier channels
+(``evaluate.outliers.add_outlier_channels``, as bench_ppl's ``--outliers``), pass through a ``FlashCodecCache`` of each
+scalar preset and of its twin by bench_ppl's streaming protocol (prefill 128, chunks of 16); per stream, the squared
+error of the decoded view over the squared values, on the positions the stream archives (past its sinks, before its
+raw window), summed over layers, heads and windows, and the twin's over the scalar preset's. Output:
+results/trellis_streams.json.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import warnings
 
 import bench_fakequant
 import torch
@@ -148,6 +158,65 @@ def speed(args: argparse.Namespace) -> None:
     print(f"wrote {write_result('trellis_speed', payload, out=args.out or RESULTS_DIR / 'trellis_speed.json')}")
 
 
+OUTLIER_FACTOR = 16.0  # --streams: the outlier model's channel factor (bench_ppl --outliers 16)
+STREAM_PREFILL, STREAM_CHUNK = 128, 16
+
+
+def stream_errors(model, ids: torch.Tensor, preset: str) -> dict[str, float]:
+    """Relative squared error of preset ``preset``'s decoded keys and values (archived positions) on ``ids (W, L)``."""
+    from transformers import DynamicCache
+
+    from flashcodec_fx.evaluate import cache_kwarg, stream_steps
+    from flashcodec_fx.hf import FlashCodecCache, MaterializationFreeFallback
+    from flashcodec_fx.presets import preset_codecs
+
+    raw = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): raw})
+    cache = FlashCodecCache.from_config(model.config, preset=preset)
+    codecs = preset_codecs(preset)
+    length = ids.shape[1]
+    sums = {"keys": [0.0, 0.0], "values": [0.0, 0.0]}
+    for i, layer in enumerate(raw.layers):
+        k, v = layer.keys, layer.values
+        with warnings.catch_warnings():  # the decoded view is what this measures (no attention on the stored form)
+            warnings.simplefilter("ignore", MaterializationFreeFallback)
+            for step, _ in stream_steps(length, STREAM_PREFILL, STREAM_CHUNK):
+                cache.update(k[:, :, step], v[:, :, step], i)
+            decoded = cache.layers[i].read_view()
+        for (name, x), xh, codec in zip((("keys", k), ("values", v)), decoded, codecs, strict=True):
+            archived = slice(codec.sinks, length - codec.window)
+            sums[name][0] += float(((x - xh)[:, :, archived].double() ** 2).sum())
+            sums[name][1] += float((x[:, :, archived].double() ** 2).sum())
+    return {name: err / energy for name, (err, energy) in sums.items()}
+
+
+def streams(args: argparse.Namespace) -> None:
+    from flashcodec_fx.evaluate.outliers import add_outlier_channels
+    from flashcodec_fx.pretrained import load_pretrained
+
+    rows = []
+    for outliers in (None, OUTLIER_FACTOR):
+        model, tokenizer = load_pretrained("SmolLM2-135M-Instruct", dtype=torch.float32)
+        if outliers is not None:
+            add_outlier_channels(model, outliers)
+        ids = windows(load_tokens(tokenizer, kind_texts(["prose"])), args.windows, args.window_tokens,
+                      leading_tokens(tokenizer))
+        for preset in args.presets:
+            scalar, twin = stream_errors(model, ids, preset), stream_errors(model, ids, f"{preset}-tcq")
+            for name in ("keys", "values"):
+                rows.append({"outliers": outliers, "channels": "as given" if outliers is None else f"x{outliers:g} outliers",
+                             "preset": preset, "stream": name, "scalar_error": scalar[name],
+                             "twin_error": twin[name], "twin_vs_scalar": twin[name] / scalar[name]})
+                print(rows[-1], flush=True)
+    print(markdown_table(rows, [("channels", "channels", "s"), ("preset", "preset", "s"), ("stream", "stream", "s"),
+                                ("scalar error", "scalar_error", ".3e"), ("twin error", "twin_error", ".3e"),
+                                ("twin / scalar", "twin_vs_scalar", ".3f")]))
+    payload = {"model": "SmolLM2-135M-Instruct", "protocol": {"windows": args.windows, "window_tokens":
+               args.window_tokens, "prefill": STREAM_PREFILL, "chunk": STREAM_CHUNK, "texts": ["prose"]}, "rows": rows}
+    print(f"wrote {write_result('trellis_streams', payload, out=args.out or RESULTS_DIR / 'trellis_streams.json')}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4000, help="Gaussian rows for the MSE (default 4000)")
@@ -160,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
     parser.add_argument("--speed", action="store_true", help="time attention on the stored form instead")
+    parser.add_argument("--streams", action="store_true", help="each stream's error, presets vs twins, instead")
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 30])
     parser.add_argument("--repeats", type=int, default=41)
@@ -167,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if args.speed:
         speed(args)
+        return
+    if args.streams:
+        streams(args)
         return
     mse, tables = mse_rows(args.rows, args.train_rows, (1, 2, 3, 4))
     print(markdown_table(mse, [("bits", "bits", "d"), ("codes", "codes", "s"), ("MSE", "mse", ".4f")]))
