@@ -272,8 +272,7 @@ def trellis_table() -> str:
 TRELLIS_CHECKS = (("ppl_trellis_presets", "SmolLM2-135M-Instruct"), ("ppl_trellis_gemma3", "gemma-3-270m"),
                   ("ppl_trellis_decode", "SmolLM2-135M-Instruct"), ("ppl_trellis_texts", "SmolLM2-135M-Instruct"),
                   ("ppl_trellis_4k", "SmolLM2-135M-Instruct"), ("ppl_trellis_outliers", "SmolLM2-135M-Instruct"),
-                  ("ppl_trellis_outliers_6w", "SmolLM2-135M-Instruct"),
-                  ("ppl_trellis_dialogue_8w", "SmolLM2-135M-Instruct"))
+                  ("ppl_trellis_outliers_6w", "SmolLM2-135M-Instruct"))
 
 
 def _protocol(result: dict[str, Any]) -> str:
