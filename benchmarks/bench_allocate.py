@@ -6,12 +6,14 @@ Calibration (``flashcodec_fx.evaluate.allocate.layer_gains``): ``--calibration-w
 ``--calibration-texts`` (default: 2 x 1024 tokens of dialogue, text the judged windows do not hold) streamed through
 the raw cache, the base recipe (3-bit trellis keys, 2-bit trellis values, 4 raw sinks each, no raw window) and, for
 every layer, the base with that layer's values at 3 bits; the layers whose upgrade lowered the KL most are upgraded,
-as many as fit ``--budget`` bits/value as stored (bench_ppl's count: the most over lengths 897..1024, one prefill then
-single tokens, a bf16 cache). Judged on bench_ppl's streaming protocol (6 x 1024 tokens of prose, prefill 128,
-chunks of 16; ``--prefill 896 --chunk 1``: token by token, as ``generate()`` reads the cache) beside the ``3bit``
-preset, its trellis twin, the best uniform recipe found within 3.0 bits (keys' newest 23 raw, docs/quantization.md),
-the base, and the same number of upgraded layers taken from the front (a rule that needs no calibration).
-``--calibration FILE`` judges the upgrade of an earlier run's JSON instead of calibrating again (the same model):
+as many as fit ``--budget`` bits/value as stored (bench_ppl's counts, a bf16 cache: the more of the streaming run's
+at its end and the most over lengths 897..1024 with one prefill then single tokens). Judged on bench_ppl's streaming
+protocol (6 x 1024 tokens of prose, prefill 128, chunks of 16; ``--prefill 896 --chunk 1``: token by token, as
+``generate()`` reads the cache) beside the ``3bit`` preset, its trellis twin, the best uniform recipe found within 3.0
+bits on SmolLM2 (keys' newest 23 raw, docs/quantization.md), the base, and the same number of upgraded layers taken
+from the front (a rule that needs no calibration).
+``--calibration FILE`` takes the layer ranking of an earlier run's JSON instead of calibrating again (the same model
+and base), then fits the budget as above:
 
     python benchmarks/bench_allocate.py --calibration benchmarks/results/allocate_smollm2.json --prefill 896 \
         --chunk 1 --out benchmarks/results/allocate_smollm2_decode.json
@@ -47,20 +49,26 @@ UPGRADE = {"value_options": {"quant_bits": 3}}
 BEST_UNIFORM = {"key_options": _trellis(3, 23, True), "value_options": _trellis(2, 0, False)}
 
 
+def stored(bits: dict[str, float | int]) -> float:
+    """The most of a recipe's bits/value as stored, streaming (at the end) or decoding (worst over the last lengths):
+    on sliding-window layers the streaming count can be the larger."""
+    return max(bits["bits_end"], bits["bits_worst"])
+
+
 def fitting(model: Any, ranked: list[int], budget: float, count: int, length: int) -> tuple[int, dict]:
-    """The most layers of ``ranked`` (in order) whose upgrade keeps the recipe within ``budget`` bits (worst case),
+    """The most layers of ``ranked`` (in order) whose upgrade keeps the recipe within ``budget`` bits (:func:`stored`),
     with its bits."""
     best = (0, stored_bits(model, Tier("base", BASE), count, length, PREFILL, CHUNK))
     lo, hi = 1, len(ranked)
     while lo <= hi:
         mid = (lo + hi) // 2
         bits = stored_bits(model, Tier("try", upgraded(BASE, UPGRADE, ranked[:mid])), count, length, PREFILL, CHUNK)
-        if bits["bits_worst"] <= budget:
+        if stored(bits) <= budget:
             best, lo = (mid, bits), mid + 1
         else:
             hi = mid - 1
-    if best[1]["bits_worst"] > budget:
-        raise SystemExit(f"the base recipe alone stores {best[1]['bits_worst']:.3f} bits/value, over --budget {budget}")
+    if stored(best[1]) > budget:
+        raise SystemExit(f"the base recipe alone stores {stored(best[1]):.3f} bits/value, over --budget {budget}")
     return best
 
 
@@ -103,17 +111,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"calibrated on {args.calibration_windows} x {args.window_tokens} tokens of {args.calibration_texts}: "
               f"base KL {gains.base_kl:.4e}; layers by gain {[(i, round(gains.gains[i], 5)) for i in ranked]}",
               flush=True)
-        upgraded_count, bits = fitting(model, ranked, args.budget, args.windows, args.window_tokens)
-        chosen = ranked[:upgraded_count]
-        print(f"{upgraded_count} layers fit {args.budget} bits ({bits['bits_worst']:.3f} worst)", flush=True)
         calibrated = {"texts": args.calibration_texts, "windows": args.calibration_windows,
                       "window_tokens": args.window_tokens, "base": BASE, "upgrade": UPGRADE,
-                      "base_kl": gains.base_kl, "layer_kl": dict(gains.layer_kl), "ranked": ranked, "upgraded": chosen}
+                      "base_kl": gains.base_kl, "layer_kl": dict(gains.layer_kl), "ranked": ranked}
     else:
         calibrated = dict(earlier["calibration"], source=str(args.calibration))
-        chosen = calibrated["upgraded"]
-        upgraded_count = len(chosen)
-    print(f"{upgraded_count} layers upgraded: {chosen}", flush=True)
+        ranked = calibrated["ranked"]
+    upgraded_count, bits = fitting(model, ranked, args.budget, args.windows, args.window_tokens)
+    chosen = ranked[:upgraded_count]
+    calibrated["upgraded"] = chosen
+    print(f"{upgraded_count} layers fit {args.budget} bits ({stored(bits):.3f} at most): {chosen}", flush=True)
     layers = _kv_shape(model.config)[0]
     tiers = [
         Candidate("flashcodec", Tier("flashcodec 3bit", {"preset": "3bit"})),
