@@ -85,14 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=CHUNK, help=f"judged protocol's chunk (default {CHUNK}; 1: token "
                         "by token)")
     parser.add_argument("--calibration", type=Path, default=None, metavar="JSON",
-                        help="judge the upgraded layers of this earlier run (its model) instead of calibrating")
+                        help="take the layer ranking of this earlier run (same model and base) instead of "
+                        "calibrating, then fit --budget")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="JSON path (default results/allocate.json)")
     args = parser.parse_args(argv)
     earlier = json.loads(args.calibration.read_text()) if args.calibration is not None else None
-    if earlier is not None and (earlier["model"] != MODELS[args.model] or earlier["calibration"]["base"] != BASE):
-        parser.error(f"--calibration {args.calibration} calibrated {earlier['model']} on another base recipe; this "
-                     f"run judges {MODELS[args.model]} on {BASE}")
+    if earlier is not None and earlier["model"] != MODELS[args.model]:
+        parser.error(f"--calibration {args.calibration} calibrated {earlier['model']}, this run judges "
+                     f"{MODELS[args.model]} (--model)")
+    if earlier is not None and earlier["calibration"]["base"] != BASE:
+        parser.error(f"--calibration {args.calibration} ranked upgrades over another base recipe than this run's {BASE}")
     calibration_texts = args.calibration_texts if earlier is None else earlier["calibration"]["texts"]
     if calibration_texts == args.judge_texts:
         parser.error(f"the calibration text ({calibration_texts}) must differ from --judge-texts (a layer ranking "

@@ -308,7 +308,7 @@ def trellis_checks_table() -> str:
     prefix = f"{bench_ppl.FLASHCODEC} "
     runs = [(name, model) for name, model in TRELLIS_CHECKS if (RESULTS / f"{name}.json").exists()]
     lines = ["| model, protocol | preset | bits (worst) | KL vs raw, scalar codes | KL vs raw, `-tcq` twin | ratio | "
-             "per window |", "|---|---|---:|---:|---:|---:|---:|"]
+             "ratio per window (least-most) |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, model in runs:
         result = load(name)
         by_tier = {r["tier"]: r for r in result["models"][model]["rows"]}
