@@ -162,23 +162,30 @@ OUTLIER_FACTOR = 16.0  # --streams: the outlier model's channel factor (bench_pp
 STREAM_PREFILL, STREAM_CHUNK = 128, 16
 
 
-def stream_errors(model, ids: torch.Tensor, preset: str) -> dict[str, float]:
-    """Relative squared error of preset ``preset``'s decoded keys and values (archived positions) on ``ids (W, L)``."""
+def raw_states(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values ``(W, H, L, D)`` of ``ids (W, L)`` in the raw cache (after rotary)."""
     from transformers import DynamicCache
 
-    from flashcodec_fx.evaluate import cache_kwarg, stream_steps
-    from flashcodec_fx.hf import FlashCodecCache, MaterializationFreeFallback
-    from flashcodec_fx.presets import preset_codecs
+    from flashcodec_fx.evaluate import cache_kwarg
 
     raw = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, **{cache_kwarg(model): raw})
+    return [(layer.keys, layer.values) for layer in raw.layers]
+
+
+def stream_errors(model, states: list[tuple[torch.Tensor, torch.Tensor]], preset: str) -> dict[str, float]:
+    """Relative squared error of preset ``preset``'s decoded keys and values (archived positions) on ``states``
+    (:func:`raw_states`), fed to the cache by the streaming protocol."""
+    from flashcodec_fx.evaluate import stream_steps
+    from flashcodec_fx.hf import FlashCodecCache, MaterializationFreeFallback
+    from flashcodec_fx.presets import preset_codecs
+
     cache = FlashCodecCache.from_config(model.config, preset=preset)
     codecs = preset_codecs(preset)
-    length = ids.shape[1]
+    length = states[0][0].shape[2]
     sums = {"keys": [0.0, 0.0], "values": [0.0, 0.0]}
-    for i, layer in enumerate(raw.layers):
-        k, v = layer.keys, layer.values
+    for i, (k, v) in enumerate(states):
         with warnings.catch_warnings():  # the decoded view is what this measures (no attention on the stored form)
             warnings.simplefilter("ignore", MaterializationFreeFallback)
             for step, _ in stream_steps(length, STREAM_PREFILL, STREAM_CHUNK):
@@ -202,8 +209,9 @@ def streams(args: argparse.Namespace) -> None:
             add_outlier_channels(model, outliers)
         ids = windows(load_tokens(tokenizer, kind_texts(["prose"])), args.windows, args.window_tokens,
                       leading_tokens(tokenizer))
+        states = raw_states(model, ids)
         for preset in args.presets:
-            scalar, twin = stream_errors(model, ids, preset), stream_errors(model, ids, f"{preset}-tcq")
+            scalar, twin = stream_errors(model, states, preset), stream_errors(model, states, f"{preset}-tcq")
             for name in ("keys", "values"):
                 rows.append({"outliers": outliers, "channels": "as given" if outliers is None else f"x{outliers:g} outliers",
                              "preset": preset, "stream": name, "scalar_error": scalar[name],

@@ -73,15 +73,18 @@ def upgraded(base: Mapping[str, Any], upgrade: Mapping[str, Any], layers: Sequen
 def layer_gains(model: Any, ids: torch.Tensor, base: Mapping[str, Any], upgrade: Mapping[str, Any],
                 layers: Sequence[int] | None = None, prefill: int = 128, chunk: int = 16) -> LayerGains:
     """Stream ``ids (B, L)`` (calibration windows) through the raw cache, ``base`` (``FlashCodecCache`` options) and
-    ``base`` with each of ``layers`` (default: every layer) given ``upgrade`` as its ``per_layer`` options, in
-    lockstep (``prefill`` exact tokens, then chunks of ``chunk``); the KL of each against the raw cache."""
-    if not isinstance(upgrade, Mapping) or not upgrade:
-        raise TypeError(f"upgrade must be a non-empty dict of per-layer options, got {upgrade!r}")
-    if layers is None:
-        layers = range(model.config.get_text_config(decoder=True).num_hidden_layers)
-    layers = list(layers)
-    tiers = [RAW, Tier("base", dict(base))] + [Tier(f"layer {i}", upgraded(base, upgrade, [i])) for i in layers]
-    caches = [make_cache(model, tier) for tier in tiers]  # builds every recipe first: bad options raise here
+    ``base`` with each of ``layers`` (default: every layer that carries a codec, so not a hybrid model's linear
+    attention layers) given ``upgrade`` as its ``per_layer`` options, in lockstep (``prefill`` exact tokens, then chunks
+    of ``chunk``); the KL of each against the raw cache."""
+    if not isinstance(upgrade, Mapping):
+        raise TypeError(f"upgrade must be a dict of per-layer options, got {type(upgrade).__name__}")
+    if not upgrade:
+        raise ValueError("upgrade must name at least one per-layer option, got an empty dict")
+    tiers = [RAW, Tier("base", dict(base))]
+    caches = [make_cache(model, tier) for tier in tiers]
+    layers = list(caches[1].codec_layers if layers is None else layers)
+    tiers += [Tier(f"layer {i}", upgraded(base, upgrade, [i])) for i in layers]
+    caches += [make_cache(model, tier) for tier in tiers[2:]]  # builds every recipe first: bad options raise here
     streams = [streaming(model, ids, cache, prefill, chunk) for cache in caches]
     kl = torch.zeros(len(tiers), dtype=torch.float64)
     scored = 0

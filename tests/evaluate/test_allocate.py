@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import fresh_tiny_model, tiny_prompt  # noqa: E402
+from conftest import fresh_tiny_model, tiny_model, tiny_prompt  # noqa: E402
 
 from flashcodec_fx.config import cache_config  # noqa: E402
 from flashcodec_fx.evaluate import Tier, make_cache, prepared, streamed_logprobs, token_kl  # noqa: E402
@@ -65,8 +65,21 @@ def test_bad_upgrade_or_recipe_raises_before_streaming():
     model = fresh_tiny_model("llama")
     ids = tiny_prompt(1, 8)
     with pytest.raises(TypeError, match="upgrade"):
+        layer_gains(model, ids, BASE, [("value_options", {"quant_bits": 4})])
+    with pytest.raises(ValueError, match="upgrade"):
         layer_gains(model, ids, BASE, {})
     with pytest.raises(ValueError, match="bogus"):
         layer_gains(model, ids, BASE, {"value_options": {"bogus": 1}})
     with pytest.raises(ValueError, match="out of range"):
         layer_gains(model, ids, BASE, UPGRADE, layers=[5])
+
+
+@pytest.mark.parametrize("family, codec_layers", [("hybrid", [1, 3]), ("gemma3", [0, 1, 2, 3])])
+def test_default_layers_are_the_codec_layers(family, codec_layers):
+    """A hybrid model's linear-attention layers carry no codec, so they are not candidates; sliding-window layers
+    are. Each measured upgrade's KL is its recipe's streamed alone."""
+    model, ids = tiny_model(family), tiny_prompt(1, 16)
+    gains = layer_gains(model, ids, BASE, UPGRADE, prefill=4, chunk=3)
+    assert [layer for layer, _ in gains.layer_kl] == codec_layers
+    layer, kl = gains.layer_kl[-1]
+    assert kl == pytest.approx(_kl(model, ids, upgraded(BASE, UPGRADE, [layer])), rel=1e-9)
