@@ -4,6 +4,7 @@
     python benchmarks/bench_trellis.py --mse-only --rows 2000
     python benchmarks/bench_trellis.py --speed --threads 1    # attention on the stored form: presets vs their tcq codes
     python benchmarks/bench_trellis.py --streams --windows 2  # each stream's error: presets vs twins, with outliers
+    python benchmarks/bench_trellis.py --scales --rows 3000   # the encoder's candidate scales per bit width
 
 Trellises (``trellis_probe_lib.py``, plain torch): an 8-state Ungerboeck TCQ (alphabet ``0.9 x`` the ``(b+1)``-bit
 Lloyd-Max levels in four subsets, state = the last three branch bits), the same trellis with its ``8 x 2**b`` table
@@ -30,6 +31,13 @@ scalar preset and of its twin by bench_ppl's streaming protocol (prefill 128, ch
 error of the decoded view over the squared values, on the positions the stream archives (past its sinks, before its
 raw window), summed over layers, heads and windows, and the twin's over the scalar preset's. Output:
 results/trellis_streams.json.
+
+Scales (``--scales``): the package encoder's candidate scales (``trellis.FACTORS``). Unit-Gaussian rows of 64 coded
+at each factor of a grid (0.7 .. 1.3 x the RMS, the package's Viterbi and least-squares refit); per bit width,
+factors added one at a time to the pair (0.9, 1.05), each the one that lowers the error most on one set of rows
+(``--rows``, seed 0), and each list's error (the least over its candidates per row) measured on another set (seed
+1), up to ``--most-factors``; then the whole grid's, and the package's ``trellis.encode`` on the second set (fp16
+scales). Output: results/trellis_scales.json.
 """
 
 from __future__ import annotations
@@ -225,6 +233,71 @@ def streams(args: argparse.Namespace) -> None:
     print(f"wrote {write_result('trellis_streams', payload, out=args.out or RESULTS_DIR / 'trellis_streams.json')}")
 
 
+SCALE_GRID = tuple(round(0.7 + 0.025 * i, 3) for i in range(25))  # --scales: candidate factors of the RMS, 0.7..1.3
+SCALE_PAIR = (0.9, 1.05)  # the candidates every bit width starts from (trellis.FACTORS[1])
+
+
+def candidate_errors(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(len(SCALE_GRID), N)``: each row of ``x (N, D)`` coded at each grid factor times its RMS (the package's
+    Viterbi, ``codecs/trellis.py``), its squared error after the encoder's least-squares refit (where it errs less)."""
+    from flashcodec_fx.codecs import trellis
+
+    rms = x.square().mean(1).sqrt()
+    out = []
+    for f in SCALE_GRID:
+        codes, cost = trellis.viterbi(x, rms * f, bits)
+        lv = trellis.levels(codes, bits)
+        fit = (lv * x).sum(1) / (lv * lv).sum(1).clamp_min(1e-30)
+        out.append(torch.minimum(cost, (lv * fit[:, None] - x).square().sum(1)))
+    return torch.stack(out)
+
+
+def kept_error(errors: torch.Tensor, chosen: list[int]) -> float:
+    """Mean squared error per value when each row keeps the least of the ``chosen`` grid candidates."""
+    return float(errors[chosen].min(0).values.mean())
+
+
+def scale_rows(rows: int, most: int) -> list[dict]:
+    """Per bit width: grid candidates added greedily to :data:`SCALE_PAIR` on one set of Gaussian rows (the one that
+    lowers their error most, each time), the error of each prefix measured on another set; and the package's
+    ``trellis.encode`` on that other set (its ``FACTORS``)."""
+    from flashcodec_fx.codecs import trellis
+
+    fit_rows = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
+    test_rows = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
+    out = []
+    for bits in range(1, trellis.MAX_BITS + 1):
+        fit_err, test_err = candidate_errors(fit_rows, bits), candidate_errors(test_rows, bits)
+        chosen = [SCALE_GRID.index(f) for f in SCALE_PAIR]
+        pair = kept_error(test_err, chosen) / 64
+        while True:
+            mse = kept_error(test_err, chosen) / 64
+            out.append({"bits": bits, "factors": [SCALE_GRID[i] for i in chosen], "candidates": len(chosen),
+                        "mse": mse, "vs_pair": mse / pair})
+            print(out[-1], flush=True)
+            if len(chosen) == most:
+                break
+            chosen.append(min((i for i in range(len(SCALE_GRID)) if i not in chosen),
+                              key=lambda i: kept_error(fit_err, chosen + [i])))
+        grid = kept_error(test_err, list(range(len(SCALE_GRID)))) / 64
+        out.append({"bits": bits, "factors": "grid", "candidates": len(SCALE_GRID), "mse": grid, "vs_pair": grid / pair})
+        codes, scale = trellis.encode(test_rows, bits, True)
+        mse = float((trellis.levels(codes, bits) * scale[:, None] - test_rows).square().mean())
+        out.append({"bits": bits, "factors": f"package {list(trellis.FACTORS[bits])} (fp16 scales)",
+                    "candidates": len(trellis.FACTORS[bits]), "mse": mse, "vs_pair": mse / pair})
+        print(out[-2:], flush=True)
+    return out
+
+
+def scales(args: argparse.Namespace) -> None:
+    rows = scale_rows(args.rows, args.most_factors)
+    table = [{**r, "factors": str(r["factors"])} for r in rows]
+    print(markdown_table(table, [("bits", "bits", "d"), ("factors", "factors", "s"), ("MSE", "mse", ".5f"),
+                                ("vs the pair", "vs_pair", ".4f")]))
+    payload = {"grid": SCALE_GRID, "pair": SCALE_PAIR, "rows_per_set": args.rows, "head_dim": 64, "rows": rows}
+    print(f"wrote {write_result('trellis_scales', payload, out=args.out or RESULTS_DIR / 'trellis_scales.json')}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4000, help="Gaussian rows for the MSE (default 4000)")
@@ -238,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--speed", action="store_true", help="time attention on the stored form instead")
     parser.add_argument("--streams", action="store_true", help="each stream's error, presets vs twins, instead")
+    parser.add_argument("--scales", action="store_true", help="the trellis encoder's candidate scales instead")
+    parser.add_argument("--most-factors", type=int, default=8, help="--scales: the most candidates tried (default 8)")
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 30])
     parser.add_argument("--repeats", type=int, default=41)
@@ -248,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.streams:
         streams(args)
+        return
+    if args.scales:
+        scales(args)
         return
     mse, tables = mse_rows(args.rows, args.train_rows, (1, 2, 3, 4))
     print(markdown_table(mse, [("bits", "bits", "d"), ("codes", "codes", "s"), ("MSE", "mse", ".4f")]))

@@ -15,7 +15,7 @@ Encode (:func:`encode`): a Viterbi search of the least squared error path for ea
 (``t = 0 .. D-1``, one rounding per addition, no fused multiply-add), so a kernel reproduces the codes bitwise:
 
 - ``rms = sqrt(sum x[t]**2 / D)`` (the root correctly rounded), candidates ``fp16_up(rms * f)`` for ``f`` in
-  :data:`FACTORS` (``search``) or ``(1.0,)``;
+  ``FACTORS[b]`` (``search``: two to six per bit width) or ``(1.0,)``;
 - per candidate scale ``s``: the path cost is the sum of ``(x[t] - alphabet[a] * s)**2`` along the path; per step
   and per (state, branch) the nearest level of the subset (ties: the lower level), per next state the cheaper of its
   two predecessors (ties: the even one, ``2 * (n & 3)``), at the end the cheapest state (ties: the lowest); the
@@ -36,7 +36,12 @@ import torch
 
 STATES = 8
 MAX_BITS = 4
-FACTORS = (0.9, 1.05)  # scale candidates around the RMS (``search``)
+# Scale candidates (multiples of the RMS) of ``search``, per bit width: a Viterbi pass each. The first two for every
+# width; 3 and 4 bits take more, where the least error over more scales pays (MSE on unit-Gaussian rows 0.97x / 0.90x
+# the first two's; 1 and 2 bits: 0.99x or less gain for a third pass): benchmarks/bench_trellis.py --scales, which
+# chose them greedily from a grid on one set of rows and measured them on another (results/trellis_scales.json).
+FACTORS = {1: (0.9, 1.05), 2: (0.9, 1.05), 3: (0.9, 1.05, 1.2, 0.8), 4: (0.9, 1.05, 0.825, 0.75, 0.95, 1.175)}
+FACTOR_SLOTS = 8  # the kernels' table holds up to this many candidates per row
 
 # The 2**(b+1) alphabet of b-bit codes: Lloyd iterations through the Viterbi encoder on 20,000 unit-Gaussian rows of
 # 64 (scale = the RMS), symmetrized (benchmarks/trellis_probe_lib.py train_alphabet).
@@ -56,6 +61,13 @@ def check_bits(name: str, bits: int) -> None:
     if not 1 <= bits <= MAX_BITS:
         raise ValueError(f"{name}='tcq' is for 1..{MAX_BITS} bits (its alphabet has 2**(bits+1) levels), got {bits}: "
                          "use 'lloyd', 'int' or 'uniform'")
+
+
+def scale_factors(bits: int, search: bool) -> tuple[float, ...]:
+    """The candidate scales (multiples of the RMS) :func:`encode` tries for ``bits``-bit rows: :data:`FACTORS` with
+    ``search``, else the RMS itself."""
+    check_bits("levels", bits)
+    return FACTORS[bits] if search else (1.0,)
 
 
 def alphabet(bits: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -150,7 +162,7 @@ def encode(x: torch.Tensor, bits: int, search: bool) -> tuple[torch.Tensor, torc
     rows = x.reshape(-1, d).float()
     rms = rms_sqrt(_sequential_sum(rows * rows) / d)
     best_codes, best_cost, best_scale = None, None, None
-    for f in FACTORS if search else (1.0,):
+    for f in scale_factors(bits, search):
         scale = fp16_toward(rms * torch.tensor(f, dtype=torch.float32, device=rows.device), up=True)
         codes, cost = viterbi(rows, scale, bits)
         if best_codes is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codecs import JPEGCodec, codec_from_spec
+from ..codecs import JPEGCodec, codec_from_spec, trellis
 from ..codecs.jpeg import SEARCH_CODES
 from ..codecs.levels import LEVEL_SETS
 from ..codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
@@ -46,7 +46,8 @@ class StoredFormPlan:
 
     Host tables (fp32, contiguous): ``synthesis`` ``A (r, dense)``; ``analysis`` ``M (K, r)`` of jpeg, else None;
     ``levels`` ``(K, level_width)`` each row's level table (``Quantizer.level_rows``), else None; ``rotation``
-    ``(D, D)`` or None; ``shrink_factors`` / ``lloyd_factors`` the scale search's clipping factors.
+    ``(D, D)`` or None; ``shrink_factors`` / ``lloyd_factors`` the scale search's clipping factors; per class
+    ``tcq_factors`` the trellis encoder's candidate scales (``trellis.scale_factors``; empty: not trellis codes).
     """
 
     spec: str
@@ -84,6 +85,7 @@ class StoredFormPlan:
     center: bool
     shrink_factors: tuple[float, ...]
     lloyd_factors: tuple[float, ...]
+    tcq_factors: tuple[tuple[float, ...], ...]
     synthesis: torch.Tensor = field(compare=False, repr=False)
     analysis: torch.Tensor | None = field(compare=False, repr=False)
     levels: torch.Tensor | None = field(compare=False, repr=False)
@@ -112,7 +114,8 @@ def stored_form_plan(spec: str, head_dim: int) -> StoredFormPlan:
         return StoredFormPlan(form=PRUNED_ROWS if codec.index_rows else FLOAT_ROWS, classes=0, zero_classes=0,
                               row_bytes=0, bits=(), bit_offset=(), byte_offset=(), row_class=(), zero_slot=(),
                               level_kind=(), class_levels=(), class_zero=(), class_first=(), class_last=(), class_fit=(),
-                              slices=0, lloyd=False, search=SEARCH_NONE, level_width=1, levels=None, **common)
+                              slices=0, lloyd=False, search=SEARCH_NONE, level_width=1, levels=None, tcq_factors=(),
+                              **common)
     slices = 0
     for b in q.bits:
         slices |= b
@@ -125,6 +128,14 @@ def stored_form_plan(spec: str, head_dim: int) -> StoredFormPlan:
         zero_slot=tuple(q.zero_slot[c] for c in q.row_class), level_kind=tuple(kinds[c] for c in q.row_class),
         class_levels=kinds, class_zero=q.zero_slot, class_first=tuple(rows[0] for rows in q.classes),
         class_last=tuple(rows[-1] for rows in q.classes),
-        class_fit=tuple(q.fit_line(c, head_dim) for c in range(len(q.classes))), slices=slices,
+        class_fit=tuple(q.fit_line(c, head_dim) for c in range(len(q.classes))),
+        tcq_factors=tuple(trellis.scale_factors(q.bits[rows[0]], bool(q.search)) if lv == "tcq" else ()
+                          for rows, lv in zip(q.classes, q.levels, strict=True)), slices=slices,
         lloyd="lloyd" in q.levels, search=SEARCH_CODES[q.search],
         level_width=levels.shape[1], levels=levels, **common)
+
+
+def tcq_slots(factors: tuple[float, ...]) -> tuple[float, ...]:
+    """One class's trellis candidates (``StoredFormPlan.tcq_factors``) padded with zeros to
+    ``trellis.FACTOR_SLOTS``: a row of the kernels' candidate table."""
+    return factors + (0.0,) * (trellis.FACTOR_SLOTS - len(factors))

@@ -8,7 +8,7 @@ from _cpu_cases import CODECS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcodec_fx.codecs import LEVELS, Codec, JPEGCodec, make_codec
+from flashcodec_fx.codecs import LEVELS, Codec, JPEGCodec, make_codec, trellis
 from flashcodec_fx.codecs.jpeg import SEARCH_CODES
 from flashcodec_fx.codecs.levels import LEVEL_SETS
 from flashcodec_fx.codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS, fit_start
@@ -52,6 +52,9 @@ def _check_against_codec(plan: StoredFormPlan, codec: Codec, d: int) -> None:
     assert (plan.group, plan.group_blocks, plan.jpeg) == (codec.group, codec.blocks, isinstance(codec, JPEGCodec))
     assert (plan.rotate, plan.center) == (codec.rotate is not None, codec.center)
     assert (plan.shrink_factors, plan.lloyd_factors) == (SHRINK_FACTORS, LLOYD_FACTORS)
+    assert plan.tcq_factors == (() if q is None else tuple(
+        trellis.scale_factors(q.bits[rows[0]], bool(q.search)) if lv == "tcq" else ()
+        for rows, lv in zip(q.classes, q.levels, strict=True)))
     assert torch.equal(plan.synthesis, codec.synthesis())
     assert (plan.analysis is None) == (not plan.jpeg)
     if plan.jpeg:
@@ -114,8 +117,9 @@ def _check_meta(plan: StoredFormPlan) -> None:
     assert cpu.levels.shape == (len(plan.bits), LEVEL_WIDTH)
     if plan.levels is not None:
         assert torch.equal(cpu.levels[:, : plan.level_width], plan.levels) and not cpu.levels[:, plan.level_width:].any()
-    assert cpu.factors.tolist() == pytest.approx(list(plan.shrink_factors + plan.lloyd_factors + sum(plan.class_fit,
-                                                                                                       ())))
+    tcq = [f for c in plan.tcq_factors for f in c + (0.0,) * (trellis.FACTOR_SLOTS - len(c))]
+    assert cpu.factors.tolist() == pytest.approx(list(plan.shrink_factors + plan.lloyd_factors
+                                                      + sum(plan.class_fit, ())) + tcq)
 
 
 def _check_triton(plan: StoredFormPlan, codec: Codec) -> None:
@@ -151,11 +155,15 @@ def _check_triton(plan: StoredFormPlan, codec: Codec) -> None:
     if plan.analysis is not None:
         assert torch.equal(tables.analysis, plan.analysis)
     slots, k = common.FACTOR_SLOTS.value, len(plan.bits)
-    assert tables.factors.shape == (2 * slots + 2 * k,)
+    assert tables.factors.shape == (2 * slots + 2 * k + k * common.TCQ_SLOTS.value,)
     assert tables.factors[: len(plan.shrink_factors)].tolist() == pytest.approx(list(plan.shrink_factors))
     assert tables.factors[slots: slots + len(plan.lloyd_factors)].tolist() == pytest.approx(list(plan.lloyd_factors))
     lines = [plan.class_fit[c] for c in plan.row_class]  # "fit"'s start line of each row's class
-    assert tables.factors[2 * slots:].tolist() == [a for a, _ in lines] + [c for _, c in lines]
+    assert tables.factors[2 * slots: 2 * slots + 2 * k].tolist() == [a for a, _ in lines] + [c for _, c in lines]
+    tcq = tables.factors[2 * slots + 2 * k:].reshape(k, common.TCQ_SLOTS.value)  # each row's class's candidates
+    for j, c in enumerate(plan.row_class):
+        listed = plan.tcq_factors[c]
+        assert tcq[j, : len(listed)].tolist() == pytest.approx(list(listed)) and not tcq[j, len(listed):].any()
 
 
 def test_cases_cover_every_stored_form():

@@ -272,7 +272,7 @@ def test_grid_rows_bound_batch_heads_not_groups():
 
 
 @triton.jit
-def _trellis_rows_kernel(x_ptr, codes_ptr, scale_ptr, rows_t, levels, N, F: tl.constexpr, E: tl.constexpr):
+def _trellis_rows_kernel(x_ptr, codes_ptr, scale_ptr, rows_t, levels, factors, N, F: tl.constexpr, E: tl.constexpr):
     """``trellis_encode`` of the ``N`` rows of ``x (N, D)`` (row 0 of a per-token trellis codec): codes and scales."""
     D: tl.constexpr = E[E_D]
     r = tl.arange(0, E[E_RP])
@@ -281,7 +281,7 @@ def _trellis_rows_kernel(x_ptr, codes_ptr, scale_ptr, rows_t, levels, N, F: tl.c
     ok = row_ok[:, None] & (dd < D)
     x = tl.load(x_ptr + r[:, None] * D + dd, mask=ok, other=0.0)
     j = tl.zeros(r.shape, tl.int32)
-    codes, scale = trellis_encode(x, row_ok, tl.load(rows_t + j), j, levels, dd, F, D, E[E_SEARCH])
+    codes, scale = trellis_encode(x, row_ok, tl.load(rows_t + j), j, levels, factors, dd, F, D, E[E_SEARCH])
     tl.store(codes_ptr + r[:, None] * D + dd, codes, mask=ok)
     tl.store(scale_ptr + r, scale, mask=row_ok)
 
@@ -304,7 +304,7 @@ def test_trellis_encoder_is_the_reference_bit_for_bit(device, bits, search, d):
     codes = torch.empty(12, d, dtype=torch.int32, device=device)
     scale = torch.empty(12, dtype=torch.float32, device=device)
     tab = stream_tables(codec, d, device)
-    _trellis_rows_kernel[(1,)](x.to(device), codes, scale, tab.rows, tab.levels, 12,
+    _trellis_rows_kernel[(1,)](x.to(device), codes, scale, tab.rows, tab.levels, tab.factors, 12,
                                F=StreamForm.of(plan).constexpr(), E=EncodeTiles.of(plan, False).constexpr(),
                                enable_fp_fusion=False)
     want_codes, want_scale = trellis.encode(x, bits, search)

@@ -41,7 +41,8 @@ struct Codec : CodecMeta {
   const float* levels;    // (rows, kLevelWidth)
   const float* rot;       // (D, D) or nullptr
   const float* rot_t = nullptr;  // rot transposed ((D, D): rot_t[k * D + d] = rot[d][k]), where registered (PlanEntry)
-  const float* factors;   // shrink factors, then lloyd factors, then (a, c) of "fit"'s start per class
+  const float* factors;   // shrink factors, lloyd factors, (a, c) of "fit"'s start per class, trellis candidates
+                          // per class (kTcqSlots each: cpu/plan.py)
 
   static Codec parse(const std::vector<at::Tensor>& plan) {
     TORCH_CHECK(plan.size() == kPlanFields, "codec plan: expected the tensors of plan.Plan");

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ...codecs import jpeg, png
-from ..plan import CHANNEL_CODES, TOKEN_CODES, StoredFormPlan, stored_form_plan
+from ..plan import CHANNEL_CODES, TOKEN_CODES, StoredFormPlan, stored_form_plan, tcq_slots
 
 LEVEL_WIDTH = 256  # columns of the per-row level table (8-bit codes at most)
 MAX_ROWS = max(jpeg.MAX_BLOCK, png.MAX_BLOCK)  # stored rows of a block, at most (the C++ arrays' size)
@@ -60,7 +60,8 @@ class Plan(NamedTuple):
     analysis: torch.Tensor  # (rows, r) fp32 jpeg DCT rows kept, (0, r) for png
     levels: torch.Tensor  # (rows, LEVEL_WIDTH) fp32 level value of each code (quantized), else (0, LEVEL_WIDTH)
     rot: torch.Tensor  # (D, D) fp32 rotation, or (0, 0)
-    factors: torch.Tensor  # fp32: the trials' clipping factors (shrink, then lloyd), then (a, c) of "fit" per class
+    factors: torch.Tensor  # fp32: the trials' clipping factors (shrink, then lloyd), then (a, c) of "fit" per class,
+    # then per class the trellis candidates (trellis.FACTOR_SLOTS each, zeros after the last)
 
 
 def meta(plan: StoredFormPlan, sum_width: int) -> list[int]:
@@ -83,4 +84,5 @@ def codec_plan(spec: str, head_dim: int, sum_width: int = 8) -> Plan:
     return Plan(torch.tensor(meta(plan, sum_width), dtype=torch.int64), plan.synthesis,
                 torch.zeros(0, plan.block_size) if plan.analysis is None else plan.analysis, levels,
                 torch.zeros(0, 0) if plan.rotation is None else plan.rotation,
-                torch.tensor(plan.shrink_factors + plan.lloyd_factors + sum(plan.class_fit, ()), dtype=torch.float32))
+                torch.tensor(plan.shrink_factors + plan.lloyd_factors + sum(plan.class_fit, ())
+                             + sum((tcq_slots(f) for f in plan.tcq_factors), ()), dtype=torch.float32))

@@ -543,7 +543,8 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
       for (int blk = 0; blk < g; ++blk) {
         if (c.class_levels[k] == kTcq) {  // trellis codes: the row's Viterbi search and scale (trellis.h)
           slot.scale[blk * c.classes + k] = at::Half(tcq_encode_row(
-              coefs + (blk * K + first) * D, D, c.bits[first], c.levels + first * kLevelWidth, c.search,
+              coefs + (blk * K + first) * D, D, c.bits[first], c.levels + first * kLevelWidth,
+              c.factors + c.n_shrink + c.n_lloyd + 2 * c.classes + k * kTcqSlots, c.search != kSearchNone,
               codes.data() + (blk * K + first) * D, tcq_work(static_cast<size_t>(D) * (kTcqStates + 4))));
           continue;
         }

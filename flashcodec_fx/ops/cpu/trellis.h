@@ -11,6 +11,7 @@ namespace fc {
 
 constexpr int kTcqStates = 8;
 constexpr int kTcqMaxBits = 4;
+constexpr int kTcqSlots = 8;  // trellis.FACTOR_SLOTS: candidate scales per class in the plan's factor table
 
 inline float fp16_toward(float x, bool up);
 
@@ -152,22 +153,19 @@ inline float tcq_viterbi(const float* x, int D, int bits, const float* alphabet,
   return final_cost;
 }
 
-// One row of D values -> trellis codes and the fp16 scale (trellis.encode): candidates fp16_up(rms * f), the cheapest
-// path kept (ties: the first), then (search) the least-squares scale of its codes where it errs less.
+// One row of D values -> trellis codes and the fp16 scale (trellis.encode): candidates fp16_up(rms * f) for the
+// factors f of `factors` (kTcqSlots, zeros after the last: trellis.scale_factors), the cheapest path kept (ties: the
+// first), then (search) the least-squares scale of its codes where it errs less.
 // work: at least D * (kTcqStates + 4) bytes.
-inline float tcq_encode_row(const float* x, int D, int bits, const float* alphabet, bool search, int32_t* codes,
-                            uint8_t* work) {
-  static const float kFactors[2] = {0.9f, 1.05f};  // trellis.FACTORS
-  static const float kOne[1] = {1.0f};
+inline float tcq_encode_row(const float* x, int D, int bits, const float* alphabet, const float* factors, bool search,
+                            int32_t* codes, uint8_t* work) {
   float ss = 0.0f;
   for (int t = 0; t < D; ++t) ss = ss + x[t] * x[t];
   const float rms = std::sqrt(ss / static_cast<float>(D));
-  const float* factors = search ? kFactors : kOne;
-  const int nf = search ? 2 : 1;
   uint8_t* back = work;
   int32_t* cand = reinterpret_cast<int32_t*>(work + static_cast<size_t>(D) * kTcqStates);
   float best_cost = 0.0f, best_scale = 0.0f;
-  for (int f = 0; f < nf; ++f) {
+  for (int f = 0; f < kTcqSlots && factors[f] > 0.0f; ++f) {
     const float scale = fp16_toward(rms * factors[f], true);
     const float cost = tcq_viterbi(x, D, bits, alphabet, scale, f == 0 ? codes : cand, back);
     if (f == 0) {

@@ -61,6 +61,7 @@ from .common import (
     ROW_CLASS,
     ROW_KIND,
     ROW_ZERO_SLOT,
+    TCQ_SLOTS,
     StreamForm,
     TupleFields,
     check_group_tokens,
@@ -83,12 +84,9 @@ _FIT_ROUNDS: tl.constexpr = tl.constexpr(FIT_ROUNDS)
 _FIT_LO: tl.constexpr = tl.constexpr(FIT_RANGE[0])
 _FIT_HI: tl.constexpr = tl.constexpr(FIT_RANGE[1])
 _CHUNK = 16  # token rows per step of the intake and tail loops
-# The trellis encoder (``codecs/trellis.py``): its states, the most levels per subset (2**(MAX_BITS - 1)), the
-# search's two candidate factors of the RMS
+# The trellis encoder (``codecs/trellis.py``): its states, the most levels per subset (2**(MAX_BITS - 1))
 TCQ_STATES: tl.constexpr = tl.constexpr(trellis.STATES)
 TCQ_MAX_PER_SUBSET: tl.constexpr = tl.constexpr(1 << (trellis.MAX_BITS - 1))
-TCQ_FACTOR_LOW: tl.constexpr = tl.constexpr(trellis.FACTORS[0])
-TCQ_FACTOR_HIGH: tl.constexpr = tl.constexpr(trellis.FACTORS[1])
 # The fields of the append kernels' shape tuple (:class:`EncodeTiles`), in tuple order (kernels: ``E[E_D]``):
 _ENCODE = TupleFields("EncodeTiles")
 E_D = _ENCODE("head_dim")
@@ -385,27 +383,34 @@ def _viterbi(x, row_ok, s, bits, j, levels, dd, F: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, D: tl.constexpr, SEARCH: tl.constexpr):
+def trellis_encode(x, row_ok, bits, j, levels, factors, dd, F: tl.constexpr, D: tl.constexpr, SEARCH: tl.constexpr):
     """``trellis.encode`` of the rows ``x (M, DC)`` (the whole head_dim ``D``; rows not ``row_ok`` ignored): ``(codes
-    (M, DC) int32, scale (M,))``, the scale an fp16 value. The RMS, each candidate scale's Viterbi path (``SEARCH``
-    nonzero: :data:`~flashcodec_fx.codecs.trellis.FACTORS`, else 1), the least-squares refit; every sum sequential
-    along the row as the reference's (the launch turns off FMA contraction)."""
+    (M, DC) int32, scale (M,))``, the scale an fp16 value. The RMS, a Viterbi path at each of row ``j``'s candidate
+    scales (``factors``' trellis slots: ``trellis.scale_factors``; the cheapest kept, ties: the first), then
+    (``SEARCH`` nonzero) the least-squares refit; every sum sequential along the row as the reference's (the launch
+    turns off FMA contraction)."""
     M: tl.constexpr = x.shape[0]
+    K: tl.constexpr = F[F_ROWS]
     acc = tl.zeros((M,), tl.float32)
     for t in range(D):
         xt = _column(x, dd, t)
         acc = acc + xt * xt
     rms = tl.sqrt_rn(tl.math.div_rn(acc, D * 1.0))
-    if SEARCH != 0:
-        s = _fp16_toward(rms * TCQ_FACTOR_LOW, True)
-        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, D)
-        s2 = _fp16_toward(rms * TCQ_FACTOR_HIGH, True)
+    slots = factors + 2 * FACTOR_SLOTS + 2 * K + j * TCQ_SLOTS  # (M,): each row's first candidate
+    listed = tl.load(slots[:, None] + tl.arange(0, TCQ_SLOTS)[None, :], mask=row_ok[:, None], other=0.0)
+    candidates = tl.max(tl.sum((listed > 0).to(tl.int32), 1), 0)
+    s = _fp16_toward(rms * tl.load(slots, mask=row_ok, other=1.0), True)
+    codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, D)
+    for f in range(1, candidates):
+        factor = tl.load(slots + f, mask=row_ok, other=0.0)
+        s2 = _fp16_toward(rms * factor, True)
         codes2, cost2, values2 = _viterbi(x, row_ok, s2, bits, j, levels, dd, F, D)
-        take = cost2 < cost  # ties: the first
+        take = (factor > 0) & (cost2 < cost)  # ties: the first
         codes = tl.where(take[:, None], codes2, codes)
         values = tl.where(take[:, None], values2, values)
         cost = tl.where(take, cost2, cost)
         s = tl.where(take, s2, s)
+    if SEARCH != 0:
         num = tl.zeros((M,), tl.float32)
         den = tl.zeros((M,), tl.float32)
         for t in range(D):
@@ -420,9 +425,6 @@ def trellis_encode(x, row_ok, bits, j, levels, dd, F: tl.constexpr, D: tl.conste
             diff = _column(values, dd, t) * fit - _column(x, dd, t)
             err = err + diff * diff
         s = tl.where(fit_ok & (err < cost), fit, s)
-    else:
-        s = _fp16_toward(rms, True)
-        codes, cost, values = _viterbi(x, row_ok, s, bits, j, levels, dd, F, D)
     return codes, s
 
 
@@ -514,7 +516,8 @@ def _quantize(coef, data, scale, zero, rows_t, levels, factors, grp, c0, F: tl.c
                                         1, F, SEARCH)
         if TCQ:  # trellis rows: the Viterbi encoder's codes and scale
             tcq_rows = kind == KIND_TCQ
-            tcq_code, tcq_s = trellis_encode(x, row_ok & tcq_rows, bits, j, levels, dd[None, :], F, D, SEARCH)
+            tcq_code, tcq_s = trellis_encode(x, row_ok & tcq_rows, bits, j, levels, factors, dd[None, :], F, D,
+                                             SEARCH)
             s = tl.where(tcq_rows, tcq_s, s)
         tl.store(scale + grp * C + j, s.to(tl.float16), mask=row_ok)
         if Z > 0:

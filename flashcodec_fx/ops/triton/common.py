@@ -21,9 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ...codecs import Codec
+from ...codecs import Codec, trellis
 from ...codecs.quant import LLOYD_FACTORS, SHRINK_FACTORS
-from ..plan import CHANNEL_CODES, FLOAT_ROWS, LEVEL_KINDS, PRUNED_ROWS, TOKEN_CODES, StoredFormPlan, stored_form_plan
+from ..plan import (
+    CHANNEL_CODES,
+    FLOAT_ROWS,
+    LEVEL_KINDS,
+    PRUNED_ROWS,
+    TOKEN_CODES,
+    StoredFormPlan,
+    stored_form_plan,
+    tcq_slots,
+)
 
 
 class TupleFields:
@@ -57,6 +66,9 @@ MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second and third axes: (batch 
 FACTOR_SLOTS: tl.constexpr = tl.constexpr(8)
 N_SHRINK: tl.constexpr = tl.constexpr(len(SHRINK_FACTORS))
 N_LLOYD: tl.constexpr = tl.constexpr(len(LLOYD_FACTORS))
+# The trellis encoder's candidate scales: slots per row after the fit lines (``trellis.FACTOR_SLOTS``, zeros after
+# the last of a row's candidates)
+TCQ_SLOTS: tl.constexpr = tl.constexpr(trellis.FACTOR_SLOTS)
 
 # Stored forms (``StreamForm.form``: ``ops.plan.FLOAT_ROWS .. CHANNEL_CODES``):
 _FLOAT_ROWS: tl.constexpr = tl.constexpr(FLOAT_ROWS)
@@ -164,10 +176,11 @@ class StreamTables:
     ``synthesis`` ``A (r, R_dense)``; ``rotation`` ``(D, D)`` (a 1-element placeholder without rotation); ``rows``
     int32 ``(5, K)``: per quantized row its bits, bit offset (units of ``D / 8`` bytes), scale class, zero-point slot
     (-1: none) and level kind (``LEVEL_KINDS``); ``levels`` ``(K, 2**max_bits)``: each row's level table
-    (``Quantizer.level_rows``); ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(16 + 2 K,)``:
+    (``Quantizer.level_rows``); ``analysis`` ``M (K, r)`` of jpeg (coefficients ``M @ X``); ``factors`` ``(16 + 10 K,)``:
     the trials' clipping factors (``quant.SHRINK_FACTORS`` then ``quant.LLOYD_FACTORS``, 8 slots each, zero-padded),
-    then "fit"'s start line of each row's class: ``K`` slopes ``a``, then ``K`` intercepts ``c``. Placeholders (one
-    element) where a codec has no such table."""
+    then "fit"'s start line of each row's class: ``K`` slopes ``a``, then ``K`` intercepts ``c``, then each row's
+    trellis candidates (``TCQ_SLOTS`` per row, zero-padded; all zero: not trellis codes). Placeholders (one element)
+    where a codec has no such table."""
 
     synthesis: torch.Tensor
     rotation: torch.Tensor
@@ -192,13 +205,14 @@ def _tables(spec: str, head_dim: int, device: torch.device) -> StreamTables:
     if plan.bits:
         rows = torch.tensor([getattr(plan, name) for name in _ROWS.names], dtype=torch.int32)
     slots, k = FACTOR_SLOTS.value, len(plan.bits)
-    factors = torch.zeros(2 * slots + 2 * k, dtype=torch.float32)
+    factors = torch.zeros(2 * slots + 2 * k + k * TCQ_SLOTS.value, dtype=torch.float32)
     factors[: len(plan.shrink_factors)] = torch.tensor(plan.shrink_factors)
     factors[slots: slots + len(plan.lloyd_factors)] = torch.tensor(plan.lloyd_factors)
     if k:  # "fit"'s start line (a, c) of each row's class
         lines = torch.tensor([plan.class_fit[c] for c in plan.row_class], dtype=torch.float32)
         factors[2 * slots: 2 * slots + k] = lines[:, 0]
-        factors[2 * slots + k:] = lines[:, 1]
+        factors[2 * slots + k: 2 * slots + 2 * k] = lines[:, 1]
+        factors[2 * slots + 2 * k:] = torch.tensor([tcq_slots(plan.tcq_factors[c]) for c in plan.row_class]).flatten()
     return StreamTables(*((placeholder if t is None else t).to(device) for t in (
         plan.synthesis, plan.rotation, rows, plan.levels, plan.analysis, factors)))
 

@@ -60,7 +60,7 @@ def _encode_slots(x, row_ok, slot, rot, levels, factors, F: tl.constexpr, S: tl.
     kind = tl.full((BT,), S[S_KIND], tl.int32)
     j = tl.zeros((BT,), tl.int32)
     if S[S_KIND] == KIND_TCQ:  # trellis codes: the Viterbi search and its scale
-        code, s = trellis_encode(x, row_ok, bits, j, levels, d[None, :], F, D, S[S_SEARCH])
+        code, s = trellis_encode(x, row_ok, bits, j, levels, factors, d[None, :], F, D, S[S_SEARCH])
         code = tl.where(ok, code, 0)
     else:
         code, s = _scalar_codes(x, ok, bits, kind, j, levels, factors, F, S, D)
