@@ -5,6 +5,7 @@
     python benchmarks/bench_trellis.py --speed --threads 1    # attention on the stored form: presets vs their tcq codes
     python benchmarks/bench_trellis.py --streams --windows 2  # each stream's error: presets vs twins, with outliers
     python benchmarks/bench_trellis.py --scales --rows 3000   # the encoder's candidate scales per bit width
+    python benchmarks/bench_trellis.py --encode --threads 1 --repeats 21   # encode of a prefill: presets vs twins
 
 Trellises (``trellis_probe_lib.py``, plain torch): an 8-state Ungerboeck TCQ (alphabet ``0.9 x`` the ``(b+1)``-bit
 Lloyd-Max levels in four subsets, state = the last three branch bits), the same trellis with its ``8 x 2**b`` table
@@ -31,6 +32,12 @@ scalar preset and of its twin by bench_ppl's streaming protocol (prefill 128, ch
 error of the decoded view over the squared values, on the positions the stream archives (past its sinks, before its
 raw window), summed over layers, heads and windows, and the twin's over the scalar preset's. Output:
 results/trellis_streams.json.
+
+Encode (``--encode``): one SmolLM2 layer's prefill (``--encode-tokens`` tokens, 3 KV heads, head_dim 64, fp32; keys a
+random walk, values Gaussian, as ``bench_attention.Layers``) stored by each preset and by its twin, K and V, each
+through one ``flashcodec::append`` call on an empty state (the C++ kernel: the rotation, the codes' search, packing),
+interleaved rounds in shuffled order; median and minimum wall ms and the twin's over its scalar preset's. Output:
+results/trellis_encode.json.
 
 Scales (``--scales``): the package encoder's candidate scales (``trellis.FACTORS``). Unit-Gaussian rows of 64 coded
 at each factor of a grid (0.7 .. 1.3 x the RMS, the package's Viterbi and least-squares refit); per bit width,
@@ -164,6 +171,32 @@ def speed(args: argparse.Namespace) -> None:
                                  ("max diff", "max_abs_diff_vs_reference", ".1e")]))
     payload = {"threads": args.threads, "shape": "smollm2", "dtype": "float32", "rows": rows}
     print(f"wrote {write_result('trellis_speed', payload, out=args.out or RESULTS_DIR / 'trellis_speed.json')}")
+
+
+def encode_speed(args: argparse.Namespace) -> None:
+    import bench_attention
+
+    from flashcodec_fx.presets import preset_config
+
+    b, hkv, _, d = bench_attention.SHAPES["smollm2"]
+    layers = bench_attention.Layers(1, args.encode_tokens, bench_attention.SHAPES["smollm2"], torch.float32, "cpu",
+                                    seed=args.encode_tokens)
+    k, v = layers.k[0], layers.v[0]
+    paths = {}
+    for name in [p for preset in args.presets for p in (preset, f"{preset}-tcq")]:
+        ck, cv = (c.resolved(torch.float32) for c in preset_config(name).layers.build(0))
+        paths[name] = lambda ck=ck, cv=cv: (bench_attention.stored(ck, k), bench_attention.stored(cv, v))
+    times = bench_attention.interleaved(paths, args.repeats, shuffle=True)
+    rows = [{"tier": name, "tokens": args.encode_tokens, "ms": t["wall_s"] * 1e3, "min_ms": t["min_s"] * 1e3,
+             "cpu_ms": t["cpu_s"] * 1e3} for name, t in times.items()]
+    for r in rows:
+        base = next(x for x in rows if x["tier"] == r["tier"].removesuffix("-tcq"))
+        r["vs_scalar"], r["vs_scalar_min"] = r["ms"] / base["ms"], r["min_ms"] / base["min_ms"]
+    print(markdown_table(rows, [("tier", "tier", "s"), ("ms", "ms", ".2f"), ("min ms", "min_ms", ".2f"),
+                                ("vs scalar", "vs_scalar", ".2f"), ("vs scalar (min)", "vs_scalar_min", ".2f")]))
+    payload = {"threads": args.threads, "shape": {"batch": b, "kv_heads": hkv, "head_dim": d}, "dtype": "float32",
+               "repeats": args.repeats, "rows": rows}
+    print(f"wrote {write_result('trellis_encode', payload, out=args.out or RESULTS_DIR / 'trellis_encode.json')}")
 
 
 OUTLIER_FACTOR = 16.0  # --streams: the outlier model's channel factor (bench_ppl --outliers 16)
@@ -312,6 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speed", action="store_true", help="time attention on the stored form instead")
     parser.add_argument("--streams", action="store_true", help="each stream's error, presets vs twins, instead")
     parser.add_argument("--scales", action="store_true", help="the trellis encoder's candidate scales instead")
+    parser.add_argument("--encode", action="store_true", help="time the encode of a prefill instead")
+    parser.add_argument("--encode-tokens", type=int, default=1024, help="--encode: tokens per layer (default 1024)")
     parser.add_argument("--most-factors", type=int, default=8, help="--scales: the most candidates tried (default 8)")
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 30])
@@ -326,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.scales:
         scales(args)
+        return
+    if args.encode:
+        encode_speed(args)
         return
     mse, tables = mse_rows(args.rows, args.train_rows, (1, 2, 3, 4))
     print(markdown_table(mse, [("bits", "bits", "d"), ("codes", "codes", "s"), ("MSE", "mse", ".4f")]))
