@@ -27,7 +27,7 @@ streams 8-bit mid-rise after the rotation, no raw tokens (8.25 bits/value at hea
 kept as given (per-token jpeg groups, no transform, no quantization: what a raw cache stores, 16 bits/value in
 bf16); attention reads it through the model's own implementation, so its tokens equal an uncompressed run's, and
 every crop is exact. ``4bit-tcq``, ``3bit-tcq``, ``2.5bit-tcq``, ``2bit-tcq`` (``TRELLIS_PRESETS``, issue 42): the four
-lossy recipes with trellis codes (``levels="tcq"``) in both streams, the same bits as stored and 0.68-0.74x the KL on
+lossy recipes with trellis codes (``levels="tcq"``) in both streams, the same bits as stored and 0.67-0.74x the KL on
 the streaming protocol (docs/quantization.md "Trellis presets").
 """
 

@@ -545,7 +545,7 @@ void quantize_group(const Codec& c, const float* coefs, const Slot& slot, std::v
           slot.scale[blk * c.classes + k] = at::Half(tcq_encode_row(
               coefs + (blk * K + first) * D, D, c.bits[first], c.levels + first * kLevelWidth,
               c.factors + c.n_shrink + c.n_lloyd + 2 * c.classes + k * kTcqSlots, c.search != kSearchNone,
-              codes.data() + (blk * K + first) * D, tcq_work(static_cast<size_t>(D) * (kTcqStates + 4))));
+              codes.data() + (blk * K + first) * D, tcq_work(static_cast<size_t>(D) * kTcqWorkPerValue)));
           continue;
         }
         Slice s{coefs + (blk * K + first) * D, rbuf.data(), D, -1};
