@@ -26,10 +26,25 @@ struct Matrices {
 };
 
 // Outputs d0 .. d0 + W - 1 of `x @ R.T` for R rows at once: each output one chain of FMAs over the input channels in
-// order (from +0, variant 0, or from the first product, variant 1); R rows' chains interleaved so that the FMAs'
-// latency is hidden (a row alone waits on its own chains).
+// order (from +0, variant 0, or from the first product, variant 1), or four chains over the channels k mod 4 summed
+// (c0 + c2) + (c1 + c3) (from +0, variant 2: the order some BLAS builds take for two or three rows); R rows' chains
+// interleaved so that the FMAs' latency is hidden (a row alone waits on its own chains).
 template <int R, int W>
 inline void rotate_block(const float* x, int D, const float* rot_t, int variant, int d0, float* y) {
+  if (variant == 2) {
+    float c[4][R][W] = {};
+    for (int k = 0; k < D; ++k) {
+      const float* rk = rot_t + static_cast<int64_t>(k) * D + d0;
+      for (int r = 0; r < R; ++r) {
+        const float s = x[r * D + k];
+#pragma omp simd
+        for (int l = 0; l < W; ++l) c[k & 3][r][l] = std::fma(s, rk[l], c[k & 3][r][l]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < W; ++l) y[r * D + d0 + l] = (c[0][r][l] + c[2][r][l]) + (c[1][r][l] + c[3][r][l]);
+    return;
+  }
   float t[R][W];
   int k = 0;
   if (variant == 1) {
@@ -69,6 +84,8 @@ inline void rotate_rows(const float* x, int64_t M, const float* rot_t, int D, in
   for (; i < M; ++i) rotate_rows_of<1>(x + i * D, rot_t, D, variant, y + i * D);
 }
 
+constexpr int kRotationVariants = 3;  // rotate_block's summation orders
+
 // Which rotate_rows variant reproduces, bit for bit, the BLAS product `x @ R.T` of M rows the reference computes (on
 // one BLAS thread), or -1 when neither does: probed once per plan and row count on rows of every kind (values of
 // mixed signs and magnitudes, exact zeros of both signs), remembered in the plan's entry.
@@ -89,7 +106,7 @@ inline int rotation_loop(PlanEntry& entry, const at::Tensor& rot, int64_t M) {
   }
   int found = -1;
   std::vector<float> y(static_cast<size_t>(M) * D);
-  for (int variant = 0; variant < 2 && found < 0; ++variant) {
+  for (int variant = 0; variant < kRotationVariants && found < 0; ++variant) {
     bool same = true;
     for (int probe = 0; probe < 3 && same; ++probe) {
       if (probe == 1) std::fill(px, px + D, 0.0f);                   // a row of +0
