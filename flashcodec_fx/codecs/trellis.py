@@ -39,8 +39,8 @@ STATES = 8
 MAX_BITS = 4
 # Scale candidates (multiples of the RMS) of ``search``, per bit width: a Viterbi pass each. The first two for every
 # width; 3 and 4 bits take more, where the least error over more scales pays (MSE on unit-Gaussian rows 0.97x / 0.90x
-# the first two's; 1 and 2 bits: 0.99x or less gain for a third pass): benchmarks/bench_trellis.py --scales, which
-# chose them greedily from a grid on one set of rows and measured them on another (results/trellis_scales.json).
+# the first two's; at 1 and 2 bits a third pass gains 1% or less): benchmarks/bench_trellis.py --scales, which chose
+# them greedily from a grid on one set of rows and measured them on another (results/trellis_scales.json).
 FACTORS = {1: (0.9, 1.05), 2: (0.9, 1.05), 3: (0.9, 1.05, 1.2, 0.8), 4: (0.9, 1.05, 0.825, 0.75, 0.95, 1.175)}
 FACTOR_SLOTS = 8  # the kernels' table holds up to this many candidates per row
 
