@@ -19,6 +19,8 @@ import torch
 
 CHECKOUT = Path(__file__).resolve().parent.parent  # the source checkout when installed editable / run from source
 VERSIONED = ("torch", "transformers", "triton")
+# Instruction-set flags that pick the CPU kernels' loops (``-march=native``): kernels on other flags round differently
+SIMD_FLAGS = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi", "avx512_bf16", "amx_tile")
 
 
 def version(dist: str) -> str | None:
@@ -48,12 +50,23 @@ def git_state() -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 
+def cpu_simd() -> list[str] | None:
+    """The :data:`SIMD_FLAGS` this CPU has (Linux ``/proc/cpuinfo``), None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else [flag for flag in SIMD_FLAGS if flag in flags]
+
+
 def metadata() -> dict[str, Any]:
-    """Date (UTC, ISO 8601), machine (platform, processor, cpu count, torch threads, GPU, load average), versions
+    """Date (UTC, ISO 8601), machine (platform, processor, SIMD flags, cpu count, torch threads, GPU, load average), versions
     (python, torch, transformers, triton: None when absent; flashcodec_fx, the git commit and dirty flag)."""
     machine = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_simd": cpu_simd(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
