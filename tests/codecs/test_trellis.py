@@ -16,6 +16,14 @@ from flashcodec_fx.codecs import Quantizer, make_codec, trellis
 from flashcodec_fx.codecs.quant import fp16_toward
 
 
+@pytest.mark.parametrize("bits", sorted(trellis.ALPHABETS))
+def test_alphabets_are_increasing_and_exactly_symmetric(bits):
+    """The CPU's AVX2 decode reads the lower half of a 3- or 4-bit alphabet and flips the sign (token_simd.h)."""
+    a = trellis.alphabet(bits)
+    assert a.numel() == 2 ** (bits + 1) and bool((a[1:] > a[:-1]).all())
+    assert torch.equal(a.flip(0), -a)
+
+
 def walk(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Alphabet indices by walking the trellis from state 0 (the serial definition)."""
     out = torch.empty_like(codes, dtype=torch.int64)
