@@ -18,7 +18,7 @@ from flashcodec_fx.codecs.quant import fp16_toward
 
 @pytest.mark.parametrize("bits", sorted(trellis.ALPHABETS))
 def test_alphabets_are_increasing_and_exactly_symmetric(bits):
-    """The CPU's AVX2 decode reads the lower half of a 3- or 4-bit alphabet and flips the sign (token_simd.h)."""
+    """The CPU's AVX2 decode reads the lower half of the 4-bit alphabet and flips the sign (token_simd.h)."""
     a = trellis.alphabet(bits)
     assert a.numel() == 2 ** (bits + 1) and bool((a[1:] > a[:-1]).all())
     assert torch.equal(a.flip(0), -a)

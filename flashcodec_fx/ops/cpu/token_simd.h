@@ -124,11 +124,12 @@ struct Codes {
 
 // Unscaled values of BITS-bit trellis codes (levels="tcq", 1..4 bits: trellis.h): the alphabet index of channel t is
 // ((c[t] >> 1) << 2) | l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1 (l: the codes' low bits, 0 before the row), read from
-// the 2**(BITS+1) alphabet with cross-lane permutes, as Codes<4> reads its table. The alphabets are symmetric
-// (codecs/trellis.py: entry n - 1 - a is -entry a, exactly; the constructor checks it), so 3 and 4 bits read the lower
-// half only (8 / 16 values: one / two registers) at the index's low bits flipped where its top bit is set, and that
-// bit flips the sign: one permute for 3 bits, two and a blend for 4, where the whole alphabet took two and a blend,
-// four and three (4 bits at 16k tokens: 1.40-1.43x -> 1.36-1.38x the scalar codes' time, results/trellis_speed_avx2.json).
+// the 2**(BITS+1) alphabet with cross-lane permutes, as Codes<4> reads its table (at most 16 values: two registers).
+// The 4-bit alphabet (32 values) is symmetric (codecs/trellis.py: entry 31 - a is -entry a, exactly; the constructor
+// checks it), so it is read from its lower half at the index's low bits flipped where bit 4 is set, and bit 4 flips the
+// sign: two permutes, a blend and an xor where the whole alphabet took four permutes and three blends (4bit-tcq at 16k
+// tokens 1.40-1.43x -> 1.36-1.38x the scalar codes' time, results/trellis_speed_avx2_ab/; the same read for 3 bits,
+// one permute and a sign flip instead of two permutes and a blend, measured no faster and was dropped).
 // The low bits of the 8 channels before the chunk come from that chunk's codes (no state carried between calls).
 // The subsets of 8 channels t = 8j .. 8j + 7 from the low bits of channels 8j - 3 .. 8j + 7 (11 bits, bit k: channel
 // 8j - 3 + k): l[t-2] | (l[t] ^ l[t-1] ^ l[t-3]) << 1, one byte per channel (2048 x 8 bytes, built once).
@@ -149,7 +150,7 @@ struct TcqSubsets {
 
 template <int BITS>
 struct TcqCodes {
-  __m256 t[2];  // alphabet entries 0..7 and 8..15 (zero past the alphabet; 3 and 4 bits: the lower half)
+  __m256 t[2];  // alphabet entries 0..7 and 8..15 (zero past the alphabet; 4 bits: its lower half)
   int64_t high_slice;
   const uint8_t (*subsets)[8];
 
@@ -157,7 +158,7 @@ struct TcqCodes {
     constexpr int n = 2 << BITS;
     alignas(32) float a[32] = {};
     for (int e = 0; e < n; ++e) a[e] = alphabet[e];
-    if constexpr (BITS >= 3)
+    if constexpr (BITS == 4)
       for (int e = 0; e < n / 2; ++e)
         TORCH_CHECK(a[n - 1 - e] == -a[e], "trellis codes: the ", BITS, "-bit alphabet is not symmetric (entry ",
                     n - 1 - e, " must be -entry ", e, "): the SIMD decode reads its lower half");
@@ -208,12 +209,14 @@ struct TcqCodes {
     const __m256i sub = _mm256_cvtepu8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[window(row, j) >> 5])));
     const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2), sub);
-    if constexpr (BITS <= 2) return _mm256_permutevar8x32_ps(t[0], a);
-    // the index's top bit (bit BITS) as all ones; the lower half's index: a's low bits flipped there
-    const __m256i top = _mm256_srai_epi32(_mm256_slli_epi32(a, 31 - BITS), 31);
+    const __m256 p0 = _mm256_permutevar8x32_ps(t[0], a);
+    if constexpr (BITS <= 2) return p0;
+    if constexpr (BITS == 3)  // 16 values: bit 3 of the index (shifted to the sign bit) picks the register
+      return _mm256_blendv_ps(p0, _mm256_permutevar8x32_ps(t[1], a), _mm256_castsi256_ps(_mm256_slli_epi32(a, 28)));
+    // 4 bits: bit 4 of the index as all ones; the lower half's index is a's low bits flipped there, and the sign flips
+    const __m256i top = _mm256_srai_epi32(_mm256_slli_epi32(a, 27), 31);
     const __m256i m = _mm256_xor_si256(a, top);
     const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(top, 31));
-    if constexpr (BITS == 3) return _mm256_xor_ps(_mm256_permutevar8x32_ps(t[0], m), sign);
     const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(m, 28));  // sign bit = bit 3 of the index
     return _mm256_xor_ps(_mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], m), _mm256_permutevar8x32_ps(t[1], m), bit3),
                          sign);
