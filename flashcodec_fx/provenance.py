@@ -61,8 +61,8 @@ def cpu_simd() -> list[str] | None:
 
 
 def metadata() -> dict[str, Any]:
-    """Date (UTC, ISO 8601), machine (platform, processor, SIMD flags, cpu count, torch threads, GPU, load average), versions
-    (python, torch, transformers, triton: None when absent; flashcodec_fx, the git commit and dirty flag)."""
+    """Date (UTC, ISO 8601), machine (platform, processor, SIMD flags, cpu count, torch threads, GPU, load average),
+    versions (python, torch, transformers, triton: None when absent; flashcodec_fx, the git commit and dirty flag)."""
     machine = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

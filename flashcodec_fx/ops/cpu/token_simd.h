@@ -209,10 +209,10 @@ struct TcqCodes {
     const __m256i sub = _mm256_cvtepu8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subsets[window(row, j) >> 5])));
     const __m256i a = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c, 1), 2), sub);
-    const __m256 p0 = _mm256_permutevar8x32_ps(t[0], a);
-    if constexpr (BITS <= 2) return p0;
+    if constexpr (BITS <= 2) return _mm256_permutevar8x32_ps(t[0], a);
     if constexpr (BITS == 3)  // 16 values: bit 3 of the index (shifted to the sign bit) picks the register
-      return _mm256_blendv_ps(p0, _mm256_permutevar8x32_ps(t[1], a), _mm256_castsi256_ps(_mm256_slli_epi32(a, 28)));
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], a), _mm256_permutevar8x32_ps(t[1], a),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(a, 28)));
     // 4 bits: bit 4 of the index as all ones; the lower half's index is a's low bits flipped there, and the sign flips
     const __m256i top = _mm256_srai_epi32(_mm256_slli_epi32(a, 27), 31);
     const __m256i m = _mm256_xor_si256(a, top);
